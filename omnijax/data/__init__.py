@@ -1,0 +1,1 @@
+"""omnijax.data"""

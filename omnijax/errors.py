@@ -1,0 +1,9 @@
+"""Errors a user can cause. The CLI prints them as one line and exits non-zero."""
+
+
+class UserError(Exception):
+    """Bad config, missing file, bad record: something the user fixes, not a bug."""
+
+
+class ConfigError(UserError, ValueError):
+    """An invalid configuration value; the message names the field and what is allowed."""

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m recipes bench NAME [key=value ...]` (see recipes/__main__.py)."""
