@@ -72,8 +72,11 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in {"-h", "--help", "help"}:
         print(__doc__)
         return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
     try:
+        from omnijax.train.launch import pop_launch_flags
+
+        argv = pop_launch_flags(argv)
+        name, rest = argv[0], argv[1:]
         if name == "list":
             return cmd_list()
         if name == "bench":

@@ -1,0 +1,225 @@
+"""The training loop: step, progress bar, metrics, evaluation, checkpoints, preemption, guards."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from omnijax.config import Config, to_dict
+from omnijax.errors import UserError
+from omnijax.train import metrics as metrics_lib
+from omnijax.train.checkpoint import Checkpointer
+from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
+from omnijax.train.placement import DataParallel
+from omnijax.train.state import TrainState, init_state
+from omnijax.train.step import LossFn, make_train_step
+from omnijax.utils import runs_root
+
+
+class Loader(Protocol):
+    """What the trainer needs from a data loader: host batches plus a small resumable state."""
+
+    def __next__(self) -> dict: ...
+    def get_state(self) -> dict: ...
+    def set_state(self, state: dict) -> None: ...
+
+
+class NonFiniteError(UserError):
+    pass
+
+
+@dataclass
+class FitResult:
+    state: TrainState
+    history: list[dict] = field(default_factory=list)
+    status: str = "finished"     # finished | preempted
+    eval: dict | None = None
+
+
+class _Preemption:
+    """Turns SIGTERM/SIGINT into a flag the loop checks between steps (then it saves and stops)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no signal handling
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class Trainer:
+    """Runs `loss_fn` on `model` over batches from `loader` as the config says.
+
+    Hooks are `hook(trainer, step, metrics)` called after each logged step (Levanter-style).
+    """
+
+    def __init__(self, cfg: Config, model: nnx.Module, loss_fn: LossFn, loader: Loader, *,
+                 placement: Any | None = None, eval_fn: Callable[[Any], dict] | None = None,
+                 flops_per_token: float | None = None, aux_weights: dict[str, float] | None = None,
+                 hooks: tuple[Callable, ...] = (), run_dir: Path | None = None):
+        self.cfg = cfg
+        self.loader = loader
+        self.eval_fn = eval_fn
+        self.hooks = hooks
+        self.placement = placement or DataParallel()
+        self.run_dir = run_dir or runs_root() / cfg.trainer.run_name
+        self.flops_per_token = flops_per_token
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.optimizer = make_optimizer(cfg.optimizer, cfg.trainer.steps)
+        self.lr_schedule = learning_rate_schedule(cfg.optimizer, cfg.trainer.steps)
+        state = init_state(params, self.optimizer)
+        self.state = self.placement.put_state(state)
+        step = make_train_step(self.graphdef, self.rest, loss_fn, self.optimizer,
+                               grad_accum=cfg.trainer.grad_accum, aux_weights=aux_weights,
+                               compute_dtype=jnp.dtype(cfg.trainer.compute_dtype))
+        self._step = jax.jit(step, donate_argnums=0)
+        self.checkpointer = (Checkpointer(self.run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
+                             if cfg.trainer.checkpoint_every else None)
+
+    # ------------------------------------------------------------------------------ utilities
+    @property
+    def model(self) -> nnx.Module:
+        """The current model (fp32 master weights)."""
+        return nnx.merge(self.graphdef, self.state.params, self.rest)
+
+    def compiled_programs(self) -> int:
+        size = getattr(self._step, "_cache_size", None)
+        return int(size()) if callable(size) else -1
+
+    def _restore(self) -> int:
+        if not self.checkpointer or self.checkpointer.latest_step() is None:
+            return 0
+        self.state, loader_state, step = self.checkpointer.restore(self.state)
+        if loader_state:
+            self.loader.set_state(loader_state)
+        self._truncate_metrics(step)
+        print(f"resumed from {self.checkpointer.directory} at step {step}", file=sys.stderr)
+        return step
+
+    def _truncate_metrics(self, step: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
+            path.write_text("".join(r + "\n" for r in rows))
+
+    def _save(self, step: int, force: bool = False) -> None:
+        if self.checkpointer:
+            self.checkpointer.save(step, self.state, self.loader.get_state(), force=force)
+
+    # ----------------------------------------------------------------------------------- loop
+    def fit(self) -> FitResult:
+        tcfg = self.cfg.trainer
+        start = self._restore()
+        is_main = jax.process_index() == 0
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if is_main:
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+        writer = metrics_lib.MetricsWriter(self.run_dir, enabled=is_main, append=start > 0)
+        peak, device_kind = metrics_lib.device_peak_flops()
+        n_dev = jax.device_count()
+        history: list[dict] = []
+        result = FitResult(self.state)
+        bar = _progress(tcfg.steps, start, enabled=tcfg.progress and is_main)
+        window_tokens = window_samples = 0
+        window_start = time.perf_counter()
+        pending: tuple[int, dict] | None = None
+        try:
+            with _Preemption() as preempt:
+                for step in range(start + 1, tcfg.steps + 1):
+                    host_batch = next(self.loader)
+                    window_samples += int(np.asarray(host_batch["segment_ids"]).max(axis=-1).sum())
+                    batch = self.placement.put_batch(host_batch)
+                    self.state, step_metrics = self._step(self.state, batch)
+                    if pending is not None:  # read the previous step's scalars: keeps one step in flight
+                        self._check_finite(*pending)
+                    pending = (step - 1, {"nonfinite_in_row": self.state.nonfinite_in_row})
+                    window_tokens += int(np.asarray(host_batch["loss_mask"]).sum())
+                    last = step == tcfg.steps
+                    if step % tcfg.log_every == 0 or last:
+                        m = jax.device_get(step_metrics)
+                        elapsed = time.perf_counter() - window_start
+                        steps_in_window = step - (history[-1]["step"] if history else start)
+                        tok_s = window_tokens / max(elapsed, 1e-9) * jax.process_count()
+                        row = {
+                            "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                            "lr": float(self.lr_schedule(step - 1)),
+                            "tokens_per_s": tok_s,
+                            "samples_per_s": window_samples / max(elapsed, 1e-9) * jax.process_count(),
+                            "step_time_s": elapsed / max(steps_in_window, 1),
+                            "mfu": metrics_lib.mfu(tok_s, self.flops_per_token or 0.0, n_dev, peak),
+                            "device": device_kind,
+                            "skipped_updates": int(self.state.skipped_updates),
+                            "compiled_programs": self.compiled_programs(),
+                            "bubble_fraction": float(getattr(self.placement, "bubble_fraction", 0.0)),
+                        }
+                        row.update({k: float(v) for k, v in m.items()
+                                    if k not in {"loss", "grad_norm", "tokens", "update_skipped"}})
+                        if hasattr(self.loader, "metrics"):
+                            row.update(self.loader.metrics())
+                        if self.eval_fn and tcfg.eval_every and step % tcfg.eval_every == 0 and not last:
+                            row.update(self.eval_fn(self.state.params))
+                        writer.write(step, row)
+                        history.append({"step": step, **row})
+                        for hook in self.hooks:
+                            hook(self, step, row)
+                        bar.update(step - bar.n)
+                        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+                        window_tokens = window_samples = 0
+                        window_start = time.perf_counter()
+                    if self.checkpointer and (step % tcfg.checkpoint_every == 0 or last):
+                        self._save(step, force=last)
+                    if preempt.requested and not last:
+                        self._save(step, force=True)
+                        result.status = "preempted"
+                        print(f"\npreempted: saved step {step} to {self.checkpointer.directory if self.checkpointer else '(checkpointing off)'}; "
+                              "run the same command again to resume", file=sys.stderr)
+                        break
+            if pending is not None:
+                self._check_finite(*pending)
+        finally:
+            bar.close()
+            writer.close()
+            if self.checkpointer:
+                self.checkpointer.wait()
+        result.state, result.history = self.state, history
+        if self.eval_fn and result.status == "finished":
+            result.eval = self.eval_fn(self.state.params)
+        return result
+
+    def _check_finite(self, step: int, scalars: dict) -> None:
+        in_row = int(scalars["nonfinite_in_row"])
+        if in_row >= self.cfg.trainer.max_nonfinite_in_row:
+            raise NonFiniteError(
+                f"{in_row} non-finite losses/gradients in a row up to step {step + 1}: updates were skipped; "
+                "lower optimizer.lr, enable optimizer.grad_clip, or check the data "
+                f"(trainer.max_nonfinite_in_row={self.cfg.trainer.max_nonfinite_in_row})")
+
+
+def _progress(total: int, start: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True,
+                mininterval=1.0, file=sys.stderr)

@@ -1,0 +1,104 @@
+"""Throughput and utilisation figures, and where they are written (JSONL + TensorBoard)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from omnijax.config import LLMConfig
+
+# Dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity).
+PEAK_FLOPS = {
+    "h200": 989e12, "h100": 989e12, "a100": 312e12, "a10g": 125e12, "l4": 121e12,
+    "v100": 125e12, "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5p": 459e12, "tpu v6": 918e12,
+}
+
+
+def device_peak_flops(device: Any | None = None) -> tuple[float | None, str]:
+    """(peak FLOP/s, device name); peak is None where omnijax knows none (CPU)."""
+    device = device or jax.devices()[0]
+    kind = str(getattr(device, "device_kind", device.platform)).lower()
+    for key, peak in PEAK_FLOPS.items():
+        if key in kind:
+            return peak, kind
+    return None, kind
+
+
+def llm_param_counts(cfg: LLMConfig) -> tuple[int, int]:
+    """(total, active-per-token) parameters excluding the input embedding table."""
+    d, h, kv, dh = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    attn = d * h * dh + 2 * d * kv * dh + h * dh * d + (h + 2 * kv) * dh * int(cfg.qkv_bias)
+    dense_mlp = 3 * d * cfg.mlp_dim
+    moe = cfg.moe
+    total = active = 0
+    for layer in range(cfg.num_layers):
+        is_moe = moe.every > 0 and layer >= moe.first and (layer - moe.first) % moe.every == 0
+        norms = 2 * d
+        if is_moe:
+            expert = 3 * d * moe.mlp_dim
+            total += attn + norms + d * moe.num_experts + moe.num_experts * expert
+            active += attn + norms + d * moe.num_experts + moe.top_k * expert
+        else:
+            total += attn + norms + dense_mlp
+            active += attn + norms + dense_mlp
+    head = d * cfg.vocab_size + d  # logits projection (tied or not, it is computed) + final norm
+    return total + head, active + head
+
+
+def llm_flops_per_token(cfg: LLMConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N_active + 12·L·H·Dh·T (forward+backward; the attention term
+    counts the full T×T score and value products, as the common MFU convention does)."""
+    _, active = llm_param_counts(cfg)
+    return 6.0 * active + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak: float | None) -> float | None:
+    if not peak or not math.isfinite(tokens_per_s):
+        return None
+    return tokens_per_s * flops_per_token / (peak * num_devices)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (np.generic, np.ndarray)) or hasattr(value, "dtype"):
+        value = np.asarray(value)
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
+
+
+class MetricsWriter:
+    """One JSON object per logged step in metrics.jsonl, the same scalars as TensorBoard events."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True, append: bool = False):
+        self.enabled = enabled
+        self._jsonl = self._tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a" if append else "w")
+        try:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tb"))
+        except ImportError:  # TensorBoard events are a convenience; JSONL is the contract
+            self._tb = None
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,39 @@
+"""Where state and batches live. The default is plain data parallelism over every device.
+
+`omnijax.parallel` builds richer placements (5D LLM layouts); the trainer only needs this interface.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+class DataParallel:
+    """Parameters replicated, batch rows split over all devices (axis name `dp`)."""
+
+    bubble_fraction = 0.0
+
+    def __init__(self, devices: list | None = None):
+        devices = devices or jax.devices()
+        self.mesh = Mesh(np.array(devices), ("dp",))
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.shape["dp"]
+
+    def state_shardings(self, state: Any) -> Any:
+        return jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
+
+    def batch_sharding(self, batch: dict) -> dict:
+        return {k: NamedSharding(self.mesh, P("dp")) for k in batch}
+
+    def put_state(self, state: Any) -> Any:
+        return jax.device_put(state, self.state_shardings(state))
+
+    def put_batch(self, batch: dict) -> dict:
+        """Host arrays -> global arrays; each process passes only its local rows."""
+        shardings = self.batch_sharding(batch)
+        return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v)) for k, v in batch.items()}

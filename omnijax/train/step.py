@@ -1,0 +1,117 @@
+"""The jitted training step: a pure function of (state, batch).
+
+Loss is the token-weighted mean over the *global* batch: each microbatch contributes
+sum(ce)/total_tokens, so gradient accumulation and any sharding of the batch give the same
+update as one big batch (up to float reassociation).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from omnijax.train.state import TrainState
+
+# loss_fn(model, microbatch) -> (loss_sum, token_count, aux) with aux a dict of scalars.
+LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array, dict]]
+
+
+def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+    """Mixed precision: compute in `dtype` while gradients flow back to the fp32 masters."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def split_microbatches(batch: dict, count: int) -> dict:
+    """[B, ...] -> [count, B/count, ...], interleaved (row j*count + a goes to microbatch a) so a
+    batch sharded over its leading axis stays local to each device."""
+    def split(x):
+        if x.shape[0] % count:
+            raise ValueError(f"batch leading dim {x.shape[0]} is not divisible by grad_accum={count}")
+        return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+    return jax.tree.map(split, batch)
+
+
+def loss_and_grads(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, params: Any, batch: dict, *,
+                   grad_accum: int = 1, compute_dtype: jnp.dtype = jnp.float32,
+                   aux_weights: dict[str, float] | None = None) -> tuple[jax.Array, Any, dict]:
+    """Global-mean loss, its gradient w.r.t. `params`, and summed aux metrics."""
+    aux_weights = aux_weights or {}
+    total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+
+    def objective(p, mb):
+        model = nnx.merge(graphdef, cast_floating(p, compute_dtype), rest)
+        loss_sum, _, aux = loss_fn(model, mb)
+        obj = loss_sum / total
+        for name, weight in aux_weights.items():
+            if name in aux and weight:
+                obj = obj + weight * aux[name].astype(jnp.float32) / grad_accum
+        return obj, (loss_sum / total, aux)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    if grad_accum == 1:
+        (_, (loss, aux)), grads = grad_fn(params, batch)
+        return loss, grads, aux
+
+    micro = split_microbatches(batch, grad_accum)
+
+    def body(carry, mb):
+        loss_acc, grad_acc, aux_acc = carry
+        (_, (loss, aux)), grads = grad_fn(params, mb)
+        return (loss_acc + loss, jax.tree.map(jnp.add, grad_acc, grads),
+                jax.tree.map(jnp.add, aux_acc, aux)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    aux_shape = jax.eval_shape(lambda: grad_fn(params, first)[0][1][1])
+    zeros_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), zeros_aux)
+    (loss, grads, aux), _ = jax.lax.scan(body, init, micro)
+    return loss, grads, aux
+
+
+def apply_update(state: TrainState, grads: Any, optimizer: optax.GradientTransformation,
+                 finite: jax.Array) -> TrainState:
+    """Apply the optimizer where `finite`; otherwise keep everything and count the skip."""
+    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    skipped = 1 - finite.astype(jnp.int32)
+    return state.replace(
+        step=state.step + finite.astype(jnp.int32),
+        params=keep(new_params, state.params),
+        opt_state=keep(new_opt, state.opt_state),
+        nonfinite_in_row=jnp.where(finite, 0, state.nonfinite_in_row + 1),
+        skipped_updates=state.skipped_updates + skipped,
+    )
+
+
+def make_train_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimizer: optax.GradientTransformation,
+                    *, grad_accum: int = 1, compute_dtype: jnp.dtype = jnp.float32,
+                    aux_weights: dict[str, float] | None = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """Build `step(state, batch) -> (state, metrics)`; jit it with the shardings of your layout."""
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        loss, grads, aux = loss_and_grads(graphdef, rest, loss_fn, state.params, batch, grad_accum=grad_accum,
+                                          compute_dtype=compute_dtype, aux_weights=aux_weights)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_state = apply_update(state, grads, optimizer, finite)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": jnp.sum(batch["loss_mask"]),
+                   "update_skipped": 1 - finite.astype(jnp.int32), **aux}
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn,
+                   compute_dtype: jnp.dtype = jnp.float32) -> Callable[[Any, dict], tuple[jax.Array, jax.Array]]:
+    """`eval_step(params, batch) -> (loss_sum, token_count)`."""
+
+    def eval_step(params, batch):
+        model = nnx.merge(graphdef, cast_floating(params, compute_dtype), rest)
+        loss_sum, count, _ = loss_fn(model, batch)
+        return loss_sum, count
+
+    return eval_step

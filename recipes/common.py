@@ -1,0 +1,54 @@
+"""Pieces shared by recipes: config loading, device setup, loader adapters."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omnijax.config import Config, build
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def setup_devices(overrides: list[str]) -> None:
+    """Honour `parallel.cpu_devices=N` before jax starts: fakes N CPU devices when no accelerator."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "parallel.cpu_devices" and value.strip() not in ("", "0"):
+            flags = os.environ.get("XLA_FLAGS", "")
+            flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={int(value)}".strip()
+
+
+def load_config(name: str, overrides: list[str], cls: type = Config) -> Config:
+    """recipes/configs/<name>.yaml <- command-line overrides (run_name defaults to the recipe name)."""
+    return build(cls, CONFIGS / f"{name}.yaml", overrides, defaults={"trainer": {"run_name": name}}
+                 if not any(o.startswith("trainer.run_name=") for o in overrides) else None)
+
+
+class IndexedLoader:
+    """Adapts a random-access batch source `batch(step, batch_size, rank, num_ranks)` to the
+    trainer's Loader protocol. Its whole state is the next step number, so resume is exact and
+    independent of the number of hosts."""
+
+    def __init__(self, source, batch_size: int, rank: int = 0, num_ranks: int = 1, seed: int = 0):
+        self.source, self.batch_size, self.rank, self.num_ranks, self.seed = source, batch_size, rank, num_ranks, seed
+        self.step = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = self.source.batch(self.step, self.batch_size, self.rank, self.num_ranks)
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"step": self.step, "seed": self.seed}
+
+    def set_state(self, state: dict) -> None:
+        if int(state.get("seed", self.seed)) != self.seed:
+            from omnijax.errors import UserError
+
+            raise UserError(f"checkpoint was written with trainer.seed={state['seed']}, this run has {self.seed}; "
+                            "use the same seed or a new trainer.run_name")
+        self.step = int(state["step"])
