@@ -1,0 +1,203 @@
+"""Encoder preprocessing on the host (numpy only): image/video patches, log-mel frames, token counts.
+
+Resolution rule for images and video frames (`vision_grid`), applied identically by `image_patches`
+and by the metadata-only `encoder_tokens`, so the packer and the cost model agree with the payload:
+1. if the longer side exceeds `max_side`, downscale by the smallest integer factor k that fits
+   (area average over k x k blocks; sides become floor(side / k));
+2. each side is then centre-cropped DOWN to a multiple of unit = patch * merge; a side shorter than
+   one unit is nearest-upscaled to one unit if that needs at most 2x, else the sample is rejected
+   (`BadSample`): up-scaling beyond 2x would invent detail.
+Frames of a video are grouped by `temporal_patch` (the last frame is repeated to fill the last
+group); an image is one frame repeated `temporal_patch` times.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from omnijax.data.sample import BadSample
+from omnijax.models.mm_config import AudioConfig, MMConfig, VisionConfig, encoder_configs
+
+
+# ------------------------------------------------------------------------------------ vision
+def _side(side: int, unit: int, k: int) -> int:
+    side = side // k
+    if side >= unit:
+        return side // unit * unit
+    if 2 * side >= unit:
+        return unit
+    raise BadSample(f"image side of {side} px is too small: needs >= {(unit + 1) // 2} px "
+                    f"(patch*merge={unit}, at most 2x up-scaling)")
+
+
+def _downscale_factor(h: int, w: int, max_side: int) -> int:
+    return max(1, math.ceil(max(h, w) / max_side))
+
+
+def vision_grid(shape: tuple[int, ...], patch: int, temporal_patch: int = 1, merge: int = 2,
+                max_side: int | None = None) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of an image [H, W, 3] or a video [T, H, W, 3], from its shape only."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) == 3:
+        frames, (h, w) = 1, shape[:2]
+    elif len(shape) == 4:
+        frames, h, w = shape[:3]
+    else:
+        raise BadSample(f"vision input of shape {shape}: expected [H, W, 3] or [T, H, W, 3]")
+    if shape[-1] != 3:
+        raise BadSample(f"vision input of shape {shape}: expected 3 colour channels")
+    if frames <= 0:
+        raise BadSample(f"video with zero frames (shape {shape})")
+    if h <= 0 or w <= 0:
+        raise BadSample(f"empty image (shape {shape})")
+    unit = patch * merge
+    k = _downscale_factor(h, w, max_side) if max_side else 1
+    return (math.ceil(frames / temporal_patch), _side(h, unit, k) // patch, _side(w, unit, k) // patch)
+
+
+def _resize_side(x: np.ndarray, axis: int, target: int) -> np.ndarray:
+    n = x.shape[axis]
+    if n >= target:  # centre crop
+        start = (n - target) // 2
+        return np.take(x, np.arange(start, start + target), axis=axis)
+    idx = (np.arange(target) * n) // target  # nearest up-scale (<= 2x by construction)
+    return np.take(x, idx, axis=axis)
+
+
+def image_patches(pixels: np.ndarray, patch: int, temporal_patch: int = 1, merge: int = 2,
+                  max_side: int | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Patches [n, temporal_patch*patch*patch*3] and grid (t, h, w) of an image or a video.
+
+    Rows are ordered (t, h-block, w-block, i, j) so that each merge x merge window is `merge*merge`
+    consecutive rows; a row is the flattened (frame, y, x, channel) block. Values are not rescaled.
+    """
+    pixels = np.asarray(pixels, dtype=np.float32)
+    t, gh, gw = vision_grid(pixels.shape, patch, temporal_patch, merge, max_side)
+    frames = pixels[None] if pixels.ndim == 3 else pixels
+    if pixels.ndim == 3:
+        frames = np.repeat(frames, temporal_patch, axis=0)
+    elif frames.shape[0] % temporal_patch:
+        fill = temporal_patch - frames.shape[0] % temporal_patch
+        frames = np.concatenate([frames, np.repeat(frames[-1:], fill, axis=0)], axis=0)
+    h, w = frames.shape[1:3]
+    k = _downscale_factor(h, w, max_side) if max_side else 1
+    if k > 1:
+        hk, wk = h // k, w // k
+        frames = frames[:, : hk * k, : wk * k].reshape(frames.shape[0], hk, k, wk, k, 3).mean(axis=(2, 4))
+    frames = _resize_side(_resize_side(frames, 1, gh * patch), 2, gw * patch)
+    m, p, tp = merge, patch, temporal_patch
+    x = frames.reshape(t, tp, gh // m, m, p, gw // m, m, p, 3)
+    x = x.transpose(0, 2, 5, 3, 6, 1, 4, 7, 8)
+    return np.ascontiguousarray(x.reshape(t * gh * gw, tp * p * p * 3)), (t, gh, gw)
+
+
+def patch_positions(grid: tuple[int, int, int], merge: int = 2) -> np.ndarray:
+    """(t, h, w) coordinates [n, 3] of the rows `image_patches` returns for this grid."""
+    t, gh, gw = grid
+    tt, bh, bw, i, j = np.meshgrid(np.arange(t), np.arange(gh // merge), np.arange(gw // merge),
+                                   np.arange(merge), np.arange(merge), indexing="ij")
+    pos = np.stack([tt, bh * merge + i, bw * merge + j], axis=-1)
+    return pos.reshape(-1, 3).astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------- audio
+def _hz_to_mel(f: np.ndarray) -> np.ndarray:
+    return 2595.0 * np.log10(1.0 + np.asarray(f) / 700.0)
+
+
+def _mel_to_hz(m: np.ndarray) -> np.ndarray:
+    return 700.0 * (10.0 ** (np.asarray(m) / 2595.0) - 1.0)
+
+
+def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> np.ndarray:
+    """Triangular filters [n_fft//2 + 1, n_mels] on the mel scale (HTK formula), 0 Hz..Nyquist."""
+    freqs = np.linspace(0.0, sample_rate / 2, n_fft // 2 + 1)
+    edges = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(sample_rate / 2), n_mels + 2))
+    lo, mid, hi = edges[:-2, None], edges[1:-1, None], edges[2:, None]
+    up = (freqs[None] - lo) / np.maximum(mid - lo, 1e-9)
+    down = (hi - freqs[None]) / np.maximum(hi - mid, 1e-9)
+    return np.maximum(0.0, np.minimum(up, down)).T.astype(np.float32)
+
+
+def audio_frames(n_samples: int, hop: int = 160) -> int:
+    """Number of log-mel frames of a clip: one per started hop."""
+    if n_samples <= 0:
+        raise BadSample(f"zero-length audio ({n_samples} samples)")
+    return math.ceil(n_samples / hop)
+
+
+def log_mel(wave: np.ndarray, sample_rate: int = 16000, n_mels: int = 32, n_fft: int = 400,
+            hop: int = 160, pad_to_multiple: int = 1) -> np.ndarray:
+    """Log-mel features [frames, n_mels] of a mono waveform (Hann window, power spectrum).
+
+    Values are log10 power clamped to 8 decades below the clip's peak and mapped to roughly [-1, 1];
+    frames are padded with the clip's floor value to a multiple of `pad_to_multiple`.
+    """
+    wave = np.asarray(wave, dtype=np.float32).reshape(-1)
+    frames = audio_frames(wave.size, hop)
+    total = (frames - 1) * hop + n_fft
+    wave = np.pad(wave, (0, total - wave.size))
+    idx = np.arange(n_fft)[None] + hop * np.arange(frames)[:, None]
+    window = np.hanning(n_fft + 1)[:-1].astype(np.float32)
+    power = np.abs(np.fft.rfft(wave[idx] * window, axis=-1)) ** 2
+    mel = power @ mel_filterbank(sample_rate, n_fft, n_mels)
+    logm = np.log10(np.maximum(mel, 1e-10))
+    logm = np.maximum(logm, logm.max() - 8.0)
+    feats = ((logm + 4.0) / 4.0).astype(np.float32)
+    extra = -frames % pad_to_multiple
+    if extra:
+        feats = np.concatenate([feats, np.full((extra, n_mels), feats.min(), np.float32)], axis=0)
+    return feats
+
+
+# ------------------------------------------------------------------------------------ counts
+def _encoder_cfg(modality: str, cfg: Any) -> Any:
+    if isinstance(cfg, MMConfig):
+        encs = encoder_configs(cfg)
+        if modality not in cfg.modalities:
+            raise BadSample(f"no encoder handles modality {modality!r}")
+        return encs[cfg.modalities[modality]]
+    return cfg
+
+
+def encoder_tokens(modality: str, shape: tuple[int, ...], cfg: Any) -> tuple[int, int]:
+    """(encoder input rows, LLM tokens) of one segment from its shape only (no payload decoding).
+
+    `cfg` is the MMConfig or the encoder config of that modality. Text: (0, len).
+    """
+    if modality == "text":
+        return 0, int(shape[0])
+    enc = _encoder_cfg(modality, cfg)
+    if modality in ("image", "video"):
+        if not isinstance(enc, VisionConfig):
+            raise BadSample(f"modality {modality!r} needs a vision encoder config, got {type(enc).__name__}")
+        if modality == "image" and len(shape) != 3 or modality == "video" and len(shape) != 4:
+            raise BadSample(f"{modality} of shape {tuple(shape)}: wrong rank")
+        t, gh, gw = vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side)
+        n = t * gh * gw
+        return n, n // (enc.merge * enc.merge)
+    if modality == "audio":
+        if not isinstance(enc, AudioConfig):
+            raise BadSample(f"modality 'audio' needs an audio encoder config, got {type(enc).__name__}")
+        frames = audio_frames(int(shape[0]) if len(shape) else 0, enc.hop)
+        n = math.ceil(frames / enc.reduction) * enc.reduction
+        return n, n // enc.reduction
+    raise BadSample(f"unknown modality {modality!r}")
+
+
+def segment_inputs(modality: str, data: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Encoder input rows [n, D] and positions [n, 3] of one non-text segment (the packer's payload)."""
+    enc = _encoder_cfg(modality, cfg)
+    if modality in ("image", "video"):
+        if modality == "image" and data.ndim != 3 or modality == "video" and data.ndim != 4:
+            raise BadSample(f"{modality} of shape {data.shape}: wrong rank")
+        patches, grid = image_patches(data, enc.patch, enc.temporal_patch, enc.merge, enc.max_side)
+        return patches, patch_positions(grid, enc.merge)
+    if modality == "audio":
+        feats = log_mel(data, enc.sample_rate, enc.n_mels, enc.n_fft, enc.hop, pad_to_multiple=enc.reduction)
+        pos = np.zeros((feats.shape[0], 3), np.int32)
+        pos[:, 0] = np.arange(feats.shape[0])
+        return feats, pos
+    raise BadSample(f"unknown modality {modality!r}")

@@ -1,0 +1,50 @@
+"""Audio encoder: log-mel frames -> grouped downsampling -> transformer over the packed clips.
+
+The loader computes log-mel features with numpy (omnijax/data/features.py) and pads every clip to a
+multiple of `reduction` frames, and the packer places clips at offsets that are multiples of it, so
+grouping `reduction` consecutive rows is a strided convolution (kernel = stride = reduction) that
+never mixes two clips. The transformer then attends inside each clip (segment ids) with rotary
+positions over the downsampled frame index.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from omnijax.data import features
+from omnijax.models.encoder_layers import EncoderBlock, layer_norm, linear, rope_inv_freq, transformer_flops
+from omnijax.models.mm_config import AudioConfig
+
+
+class AudioEncoder(nnx.Module):
+    """(frames [N, n_mels], segment_ids [N], positions [N, 3]) -> [N / reduction, D]."""
+
+    def __init__(self, cfg: AudioConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, r = cfg.embed_dim, cfg.reduction
+        self.input_dim = cfg.n_mels
+        self.reduction = r
+        self.out_dim = d
+        self.downsample = linear(r * cfg.n_mels, d, (None, "embed"), rngs)
+        self.inv_freq = rope_inv_freq(d // cfg.num_heads, 1, cfg.rope_theta)
+        self.blocks = nnx.List([EncoderBlock(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.post_norm = layer_norm(d, cfg.norm_eps, rngs)
+
+    def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        r = self.reduction
+        n = inputs.shape[0]
+        x = jax.nn.gelu(self.downsample(inputs.astype(jnp.float32).reshape(n // r, r * self.input_dim)), approximate=True)
+        seg = segment_ids[::r][None]
+        pos = (positions[::r, :1] // r)[None]
+        x = x[None]
+        for block in self.blocks:
+            x = block(x, seg, pos, self.inv_freq)
+        return self.post_norm(x[0])
+
+    def cost(self, segment_shape: tuple[int, ...]) -> float:
+        """Forward FLOPs of one waveform segment [n_samples]."""
+        c = self.cfg
+        n_in, n = features.encoder_tokens("audio", segment_shape, c)
+        return 2.0 * n_in * c.n_mels * c.embed_dim + transformer_flops(n, c.embed_dim, c.mlp_dim, c.num_layers)

@@ -1,0 +1,118 @@
+"""Typed configs of the multimodal model: encoders, projectors and their assembly with the LLM.
+
+Plain dataclasses (no jax import) so that the data plane (features, cost model, packer) can read
+them too. Build them with `omnijax.config.from_dict`; encoders are listed by name in
+`MMConfig.encoders` as raw mappings whose `kind` picks the registered config class and module
+(see `omnijax.models.mllm.register_encoder`), so a new encoder is one module plus one config entry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from omnijax.config import LLMConfig
+from omnijax.errors import ConfigError
+
+
+@dataclass
+class VisionConfig:
+    """ViT over packed patch buffers at native resolution; video = temporal patches of the same ViT."""
+    kind: str = "vit"
+    patch: int = 4               # pixels per patch side
+    temporal_patch: int = 1      # frames per patch (images are repeated to fill it)
+    merge: int = 2               # merge x merge neighbouring patches become one LLM token (1 = no merger)
+    max_side: int = 256          # images/frames larger than this are downscaled (area average) first
+    embed_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_dim: int = 128
+    position: Literal["rope", "learned"] = "rope"  # rope: (t, h, w) rotary, any grid; learned: table
+    learned_grid: int = 16       # learned table is learned_grid x learned_grid (grids must fit in it)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    post_norm: bool = True       # layernorm after the last block (SigLIP's post_layernorm)
+    head: bool = False           # attention-pooling head per image (SigLIP's head); not fed to the LLM
+    patch_bias: bool = True
+
+
+@dataclass
+class AudioConfig:
+    """Log-mel frames -> group `reduction` frames (never across clips) -> transformer."""
+    kind: str = "audio"
+    sample_rate: int = 16000
+    n_mels: int = 32
+    n_fft: int = 400             # 25 ms window at 16 kHz
+    hop: int = 160               # 10 ms hop
+    reduction: int = 4           # frames per encoder token (the strided "conv" of the encoder)
+    embed_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_dim: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+
+@dataclass
+class ProjectorConfig:
+    hidden_dim: int = 0          # 0 = LLM width
+    norm: bool = True            # layernorm on the encoder output first
+
+
+@dataclass
+class MMConfig:
+    llm: LLMConfig = field(default_factory=lambda: LLMConfig(vocab_size=512))
+    # encoder name -> mapping with `kind` (registry key) and that kind's config fields
+    encoders: dict[str, Any] = field(default_factory=lambda: {"vision": {"kind": "vit"}, "audio": {"kind": "audio"}})
+    # which encoder handles which modality
+    modalities: dict[str, Any] = field(default_factory=lambda: {"image": "vision", "video": "vision", "audio": "audio"})
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+
+
+ENCODER_CONFIGS: dict[str, type] = {"vit": VisionConfig, "audio": AudioConfig}
+
+
+def register_encoder_config(kind: str, cls: type) -> None:
+    ENCODER_CONFIGS[kind] = cls
+
+
+def encoder_config(name: str, entry: Any) -> Any:
+    """The typed config of encoder `name` from its raw mapping (or an already typed config)."""
+    from omnijax.config import from_dict  # local: config imports nothing from here
+    if not isinstance(entry, dict):
+        return entry
+    kind = entry.get("kind")
+    if kind not in ENCODER_CONFIGS:
+        raise ConfigError(f"model.encoders.{name}.kind={kind!r}: must be one of {', '.join(sorted(ENCODER_CONFIGS))}")
+    cfg = from_dict(ENCODER_CONFIGS[kind], entry, prefix=f"model.encoders.{name}.")
+    return validate_encoder(name, cfg)
+
+
+def validate_encoder(name: str, cfg: Any) -> Any:
+    where = f"model.encoders.{name}"
+    for f in ("embed_dim", "num_layers", "num_heads", "mlp_dim"):
+        if getattr(cfg, f) <= 0:
+            raise ConfigError(f"{where}.{f}={getattr(cfg, f)}: must be > 0")
+    if cfg.embed_dim % cfg.num_heads:
+        raise ConfigError(f"{where}.embed_dim={cfg.embed_dim} must be a multiple of num_heads={cfg.num_heads}")
+    if isinstance(cfg, VisionConfig):
+        for f in ("patch", "temporal_patch", "merge", "max_side", "learned_grid"):
+            if getattr(cfg, f) <= 0:
+                raise ConfigError(f"{where}.{f}={getattr(cfg, f)}: must be > 0")
+        if cfg.max_side < cfg.patch * cfg.merge:
+            raise ConfigError(f"{where}.max_side={cfg.max_side} must be >= patch*merge={cfg.patch * cfg.merge}")
+    if isinstance(cfg, AudioConfig):
+        for f in ("n_mels", "n_fft", "hop", "reduction", "sample_rate"):
+            if getattr(cfg, f) <= 0:
+                raise ConfigError(f"{where}.{f}={getattr(cfg, f)}: must be > 0")
+    return cfg
+
+
+def encoder_configs(cfg: MMConfig) -> dict[str, Any]:
+    """name -> typed encoder config, checked against `modalities`."""
+    out = {name: encoder_config(name, entry) for name, entry in cfg.encoders.items()}
+    for modality, name in cfg.modalities.items():
+        if modality not in ("image", "video", "audio"):
+            raise ConfigError(f"model.modalities: unknown modality {modality!r}; expected image, video or audio")
+        if name not in out:
+            raise ConfigError(f"model.modalities.{modality}={name!r}: no such encoder; known: {', '.join(out)}")
+    return out

@@ -1,0 +1,102 @@
+"""Vision encoder: a ViT at native resolution over one packed patch buffer (images and video).
+
+An H x W image is (H/p)(W/p) patches (see omnijax/data/features.py for the resolution rule); many
+images, of any sizes, share one buffer [N, temporal_patch*p*p*3] with per-image segment ids, and
+attention stays inside an image. Video is the same encoder over temporal patches (temporal_patch
+frames per patch), so its cost grows with frames x patches. Positions are (t, h, w) grid
+coordinates: rotary over the three axes (any grid) or, for imported checkpoints such as SigLIP, a
+learned table indexed by (h, w). The optional merger groups merge x merge neighbouring patches
+(consecutive rows by construction of the buffer) into one output token of width merge^2 * D.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from omnijax.data import features
+from omnijax.models.encoder_layers import (EncoderBlock, GeluMLP, layer_norm, linear, rope_inv_freq,
+                                           transformer_flops)
+from omnijax.models.mm_config import VisionConfig
+from omnijax.layers.attention import dot_product_attention
+
+
+class PoolingHead(nnx.Module):
+    """Attention pooling with a learned probe query, one vector per segment (SigLIP's head)."""
+
+    def __init__(self, dim: int, heads: int, mlp_dim: int, eps: float, *, rngs: nnx.Rngs):
+        self.heads = heads
+        self.probe = nnx.Param(jax.random.normal(rngs.params(), (dim,), jnp.float32), out_sharding=("embed",))
+        self.q = linear(dim, dim, ("embed", "heads"), rngs)
+        self.k = linear(dim, dim, ("embed", "heads"), rngs)
+        self.v = linear(dim, dim, ("embed", "heads"), rngs)
+        self.o = linear(dim, dim, ("heads", "embed"), rngs)
+        self.norm = layer_norm(dim, eps, rngs)
+        self.mlp = GeluMLP(dim, mlp_dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
+        """x [N, D], segment_ids [N] (1-based) -> [num_segments, D] (segment s at row s-1)."""
+        n, d = x.shape
+        dh = d // self.heads
+        q = jnp.broadcast_to(self.q(self.probe[...]).reshape(1, 1, self.heads, dh), (num_segments, 1, self.heads, dh))
+        k = jnp.broadcast_to(self.k(x).reshape(1, n, self.heads, dh), (num_segments, n, self.heads, dh))
+        v = jnp.broadcast_to(self.v(x).reshape(1, n, self.heads, dh), (num_segments, n, self.heads, dh))
+        q_seg = jnp.arange(1, num_segments + 1, dtype=jnp.int32)[:, None]
+        kv_seg = jnp.broadcast_to(segment_ids[None].astype(jnp.int32), (num_segments, n))
+        zero_q, zero_kv = jnp.zeros_like(q_seg), jnp.zeros_like(kv_seg)
+        out = dot_product_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                                    q_positions=zero_q, kv_positions=zero_kv, causal=False)
+        h = self.o(out.reshape(num_segments, d))
+        return h + self.mlp(self.norm(h))
+
+
+class VisionEncoder(nnx.Module):
+    """Packed ViT: (patches [N, Din], segment_ids [N], positions [N, 3]) -> [N / merge^2, merge^2 * D]."""
+
+    def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d = cfg.embed_dim
+        self.input_dim = cfg.temporal_patch * cfg.patch * cfg.patch * 3
+        self.reduction = cfg.merge * cfg.merge
+        self.out_dim = d * self.reduction
+        self.patch_embed = linear(self.input_dim, d, (None, "embed"), rngs, bias=cfg.patch_bias)
+        if cfg.position == "learned":
+            g = cfg.learned_grid
+            self.pos_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (g * g, d), jnp.float32),
+                                       out_sharding=(None, "embed"))
+            self.inv_freq = None
+        else:
+            self.pos_embed = None
+            self.inv_freq = rope_inv_freq(d // cfg.num_heads, 3, cfg.rope_theta)
+        self.blocks = nnx.List([EncoderBlock(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.post_norm = layer_norm(d, cfg.norm_eps, rngs) if cfg.post_norm else None
+        self.head = PoolingHead(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs) if cfg.head else None
+
+    def hidden(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """Per-patch features [N, D] after the blocks (and post-norm)."""
+        x = self.patch_embed(inputs.astype(jnp.float32))
+        if self.pos_embed is not None:
+            g = self.cfg.learned_grid
+            x = x + self.pos_embed[...][positions[:, 1] * g + positions[:, 2]]
+        x, seg, pos = x[None], segment_ids[None], positions[None]
+        for block in self.blocks:
+            x = block(x, seg, pos, self.inv_freq)
+        x = x[0]
+        return self.post_norm(x) if self.post_norm is not None else x
+
+    def pool(self, hidden: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
+        if self.head is None:
+            raise ValueError("this vision encoder has no pooling head (set head: true)")
+        return self.head(hidden, segment_ids, num_segments)
+
+    def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        h = self.hidden(inputs, segment_ids, positions)
+        return h.reshape(h.shape[0] // self.reduction, self.out_dim)
+
+    def cost(self, segment_shape: tuple[int, ...]) -> float:
+        """Forward FLOPs of one image [H, W, 3] or video [T, H, W, 3] segment."""
+        c = self.cfg
+        modality = "video" if len(segment_shape) == 4 else "image"
+        n, _ = features.encoder_tokens(modality, segment_shape, c)
+        return 2.0 * n * self.input_dim * c.embed_dim + transformer_flops(n, c.embed_dim, c.mlp_dim, c.num_layers)
