@@ -155,7 +155,7 @@ class Trainer:
                     self.state, step_metrics = self._step(self.state, batch)
                     if pending is not None:  # read the previous step's scalars: keeps one step in flight
                         self._check_finite(*pending)
-                    pending = (step - 1, {"nonfinite_in_row": self.state.nonfinite_in_row})
+                    pending = (step, step_metrics)
                     window_tokens += int(np.asarray(host_batch["loss_mask"]).sum())
                     last = step == tcfg.steps
                     if step % tcfg.log_every == 0 or last:
@@ -176,7 +176,7 @@ class Trainer:
                             "bubble_fraction": float(getattr(self.placement, "bubble_fraction", 0.0)),
                         }
                         row.update({k: float(v) for k, v in m.items()
-                                    if k not in {"loss", "grad_norm", "tokens", "update_skipped"}})
+                                    if k not in {"loss", "grad_norm", "tokens", "update_skipped", "nonfinite_in_row"}})
                         if hasattr(self.loader, "metrics"):
                             row.update(self.loader.metrics())
                         if self.eval_fn and tcfg.eval_every and step % tcfg.eval_every == 0 and not last:
@@ -213,7 +213,7 @@ class Trainer:
         in_row = int(scalars["nonfinite_in_row"])
         if in_row >= self.cfg.trainer.max_nonfinite_in_row:
             raise NonFiniteError(
-                f"{in_row} non-finite losses/gradients in a row up to step {step + 1}: updates were skipped; "
+                f"{in_row} non-finite losses/gradients in a row up to step {step}: updates were skipped; "
                 "lower optimizer.lr, enable optimizer.grad_clip, or check the data "
                 f"(trainer.max_nonfinite_in_row={self.cfg.trainer.max_nonfinite_in_row})")
 

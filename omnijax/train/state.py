@@ -20,6 +20,6 @@ class TrainState:
 
 
 def init_state(params: Any, optimizer: optax.GradientTransformation, extra: Any = None) -> TrainState:
-    zero = jnp.zeros((), jnp.int32)
-    return TrainState(step=zero, params=params, opt_state=optimizer.init(params),
-                      nonfinite_in_row=zero, skipped_updates=zero, extra=extra)
+    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the step donates its state
+    return TrainState(step=zero(), params=params, opt_state=optimizer.init(params),
+                      nonfinite_in_row=zero(), skipped_updates=zero(), extra=extra)

@@ -99,7 +99,8 @@ def make_train_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimize
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new_state = apply_update(state, grads, optimizer, finite)
         metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": jnp.sum(batch["loss_mask"]),
-                   "update_skipped": 1 - finite.astype(jnp.int32), **aux}
+                   "update_skipped": 1 - finite.astype(jnp.int32),
+                   "nonfinite_in_row": new_state.nonfinite_in_row, **aux}
         return new_state, metrics
 
     return step
