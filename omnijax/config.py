@@ -39,6 +39,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0          # yarn: ramp bounds in rotations over original_max_position
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0    # yarn: cos/sin scale; 0 = 0.1*ln(factor)+1
 
 
 @dataclass

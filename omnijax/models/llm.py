@@ -1,0 +1,127 @@
+"""The LLM backbone: Llama/Qwen2-family decoder (RMSNorm, RoPE, GQA, SwiGLU) with optional MoE layers.
+
+Works on packed buffers: `segment_ids` (0 = padding, documents 1..n) and `positions` per token.
+The forward is split into `embed` -> `forward_embeddings` so the multimodal model can replace
+placeholder rows with encoder outputs in between, and into per-layer `blocks` + `final_norm` +
+`logits` so pipeline parallelism can stack stages (dense blocks share one pytree structure).
+Params are float32; computation follows the dtype of the params/inputs (cast params to bf16 for
+mixed precision), with norm statistics, attention softmax and logits in float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from omnijax.config import LLMConfig
+from omnijax.layers.attention import Attention
+from omnijax.layers.mlp import MLP
+from omnijax.layers.moe import MoE
+from omnijax.layers.norms import RMSNorm
+
+AUX_KEYS = ("moe_aux_loss", "moe_lb_loss", "moe_dropped_tokens")
+
+
+def zero_aux() -> dict:
+    """Aux scalars of a dense block (same structure as a MoE block's)."""
+    return {k: jnp.zeros((), jnp.float32) for k in AUX_KEYS}
+
+
+def is_moe_layer(cfg: LLMConfig, layer: int) -> bool:
+    """Layers first, first+every, ... are MoE; every=0 means a dense model."""
+    every, first = cfg.moe.every, cfg.moe.first
+    return every > 0 and layer >= first and (layer - first) % every == 0
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + ffn(norm(x)); ffn is MLP or MoE."""
+
+    def __init__(self, cfg: LLMConfig, *, moe: bool = False, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.is_moe = moe
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg.embed_dim, cfg.mlp_dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+        x = x + self.attn(self.attn_norm(x), segment_ids, positions)
+        h = self.mlp_norm(x)
+        if self.is_moe:
+            y, aux = self.mlp(h, segment_ids)
+        else:
+            y, aux = self.mlp(h), zero_aux()
+        return x + y, aux
+
+
+def default_packing(tokens_shape: tuple[int, ...], segment_ids: jax.Array | None,
+                    positions: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """One document per row when not given: segment_ids = 1, positions = 0..L-1."""
+    b, l = tokens_shape[:2]
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, l), jnp.int32)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    return segment_ids, positions
+
+
+class LLM(nnx.Module):
+    def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs):
+        # Kept as a JSON string: static module attributes must be hashable for jax.jit.
+        self.config_json = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+        self.vocab_size, self.embed_dim = cfg.vocab_size, cfg.embed_dim
+        self.tie_embeddings = cfg.tie_embeddings
+        self.embedding = nnx.Param(
+            jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.embed_dim), jnp.float32) / math.sqrt(cfg.embed_dim),
+            out_sharding=("vocab", "embed"))
+        self.blocks = nnx.List([Block(cfg, moe=is_moe_layer(cfg, i), rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        if cfg.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nnx.Param(
+                jax.random.normal(rngs.params(), (cfg.embed_dim, cfg.vocab_size), jnp.float32) / math.sqrt(cfg.embed_dim),
+                out_sharding=("embed", "vocab"))
+
+    @property
+    def config(self) -> LLMConfig:
+        """The LLMConfig this model was built from."""
+        from omnijax.config import from_dict
+        return from_dict(LLMConfig, json.loads(self.config_json))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, L] int -> x [B, L, D] in the embedding's dtype."""
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Normalised hidden states [B, L, D] -> float32 logits [B, L, V] (no final norm here)."""
+        if self.lm_head is None:
+            return jnp.einsum("bld,vd->blv", x, self.embedding[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        return jnp.einsum("bld,dv->blv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+
+    def forward_embeddings(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                           positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """x [B, L, D] -> (logits [B, L, V] float32, aux scalars summed over layers).
+
+        aux["moe_aux_loss"] is already multiplied by cfg.moe.aux_loss_weight (add it to the loss as
+        is); aux["moe_lb_loss"] is the unweighted sum; aux["moe_dropped_tokens"] counts (token, expert)
+        assignments that overflowed capacity. All are 0 for a dense model.
+        """
+        segment_ids, positions = default_packing(x.shape, segment_ids, positions)
+        aux = zero_aux()
+        for block in self.blocks:
+            x, block_aux = block(x, segment_ids, positions)
+            aux = {k: aux[k] + block_aux[k] for k in AUX_KEYS}
+        return self.logits(self.final_norm(x)), aux
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        logits, _ = self.forward_embeddings(self.embed(tokens), segment_ids, positions)
+        return logits
+
+
+def param_count(model: nnx.Module) -> int:
+    return sum(int(p.size) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
