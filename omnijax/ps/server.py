@@ -93,6 +93,7 @@ class ParameterServer:
             return optax.apply_updates(param, updates), opt_state
 
         self._apply = jax.jit(apply)
+        self._compiled: set[int] = set()
         self._init = jax.jit(opt.init)
         self.set_straggler(knobs.slowdown, knobs.neighbour)
         return self.sid
@@ -142,7 +143,12 @@ class ParameterServer:
         import jax.numpy as jnp
         cond = self._cond()
         self.forward.pop(index, None)
-        self.blocks[index] = _BlockState(jnp.asarray(param), opt, int(version), applied)
+        param = jnp.asarray(param)
+        if param.size not in self._compiled:  # compile now, so that reported processing time is steady-state
+            import jax
+            jax.block_until_ready(self._apply(param, opt, jnp.zeros_like(param)))
+            self._compiled.add(param.size)
+        self.blocks[index] = _BlockState(param, opt, int(version), applied)
         for step, by_worker in pending.items():
             self._merge(index, step, by_worker)
         await self._settle(index)
