@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
 
     trainer = Trainer(cfg, model, lm_loss, loader, eval_fn=evaluate,
                       flops_per_token=llm_flops_per_token(cfg.model, cfg.data.seq_len),
-                      aux_weights={"moe_aux_loss": cfg.model.moe.aux_loss_weight})
+                      aux_weights={"moe_aux_loss": 1.0})  # already weighted by model.moe.aux_loss_weight
     trainer_ref["t"] = trainer
     result = trainer.fit()
     if result.status != "finished":
