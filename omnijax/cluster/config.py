@@ -1,0 +1,65 @@
+"""Configs of the cluster recipes (simulation, bench), filled with `omnijax.config.build`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omnijax.cluster.simulator import SimConfig
+from omnijax.errors import ConfigError
+
+SCHEDULERS = ("fifo", "drf", "tiresias", "fitted", "fitted_rt", "learned")
+
+
+@dataclass
+class LearnedConfig:
+    teacher: str = "fitted"
+    max_jobs: int = 64             # jobs the policy sees per decision (more are queued behind)
+    hidden: int = 64
+    warmup_workloads: list[str] = field(default_factory=lambda: ["workloads-0.5/workload-7", "workloads-0.5/workload-8"])
+    warmup_epochs: int = 30
+    rl_workloads: list[str] = field(default_factory=lambda: ["workloads-0.5/workload-7", "workloads-0.5/workload-8"])
+    rl_episodes: int = 4
+    rl_limit: int = 60             # jobs per RL episode (a prefix of the workload)
+    lr: float = 3e-3
+    rl_lr: float = 3e-4
+    entropy: float = 0.01
+    replay: int = 4                # replay passes over the buffer per episode
+    gamma: float = 0.97
+    seed: int = 0
+
+
+@dataclass
+class ClusterConfig:
+    run_name: str = "cluster_sim"
+    scheduler: str = "fitted"
+    workload: str = "workloads/workload-1"
+    limit: int = 0                 # first N jobs only (0 = all)
+    sim: SimConfig = field(default_factory=SimConfig)
+    learned: LearnedConfig = field(default_factory=LearnedConfig)
+    plot: bool = True
+
+
+def validate(cfg: ClusterConfig) -> ClusterConfig:
+    if cfg.scheduler not in SCHEDULERS:
+        raise ConfigError(f"scheduler={cfg.scheduler!r}: must be one of {', '.join(SCHEDULERS)}")
+    if cfg.learned.teacher not in SCHEDULERS[:-1]:
+        raise ConfigError(f"learned.teacher={cfg.learned.teacher!r}: must be one of {', '.join(SCHEDULERS[:-1])}")
+    if cfg.limit < 0:
+        raise ConfigError(f"limit={cfg.limit}: must be >= 0")
+    s = cfg.sim
+    if min(s.num_nodes, s.gpus_per_node, s.cpus_per_node) <= 0 or s.slot_s <= 0 or s.restart_s < 0:
+        raise ConfigError("sim.num_nodes, sim.gpus_per_node, sim.cpus_per_node, sim.slot_s must be > 0 and "
+                          "sim.restart_s >= 0")
+    if not cfg.run_name or "/" in cfg.run_name:
+        raise ConfigError(f"run_name={cfg.run_name!r}: must be a non-empty name without '/'")
+    return cfg
+
+
+@dataclass
+class BenchConfig:
+    """`python -m recipes bench cluster` options; each row averages workload-1..files of a set."""
+    schedulers: list[str] = field(default_factory=lambda: list(SCHEDULERS))
+    workloads: list[str] = field(default_factory=lambda: ["workloads", "workloads-realistic"])
+    files: int = 2
+    limit: int = 0
+    sim: SimConfig = field(default_factory=SimConfig)
+    learned: LearnedConfig = field(default_factory=LearnedConfig)

@@ -1,0 +1,25 @@
+"""Scheduler construction by name, shared by the recipes, the bench and the executor."""
+from __future__ import annotations
+
+from omnijax.cluster.config import SCHEDULERS, ClusterConfig
+from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, Scheduler, Tiresias
+from omnijax.errors import ConfigError
+
+
+def make_scheduler(name: str, cfg: ClusterConfig | None = None) -> Scheduler:
+    """A fresh scheduler; "learned" is trained first (supervised warm-up, then actor-critic)."""
+    cfg = cfg or ClusterConfig()
+    if name == "fifo":
+        return FIFO()
+    if name == "drf":
+        return DRF()
+    if name == "tiresias":
+        return Tiresias()
+    if name == "fitted":
+        return FittedModel(restart_s=cfg.sim.restart_s)
+    if name == "fitted_rt":
+        return FittedModel(objective="remaining_time", restart_s=cfg.sim.restart_s)
+    if name == "learned":
+        from omnijax.cluster.learned import train_learned
+        return train_learned(cfg)
+    raise ConfigError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")

@@ -1,0 +1,175 @@
+"""Loading the Pollux workloads and per-application profiles from the shared data folder.
+
+Workloads give job arrivals (name, time, application, requested GPUs, batch size); per-application
+profiles give measured step/sync times per placement and the iterations each batch size needs, from
+which the simulator derives job speed and job length. The folder is `<repo>/../shared/data/pollux`,
+or `$OMNIJAX_SHARED_DATA/pollux`.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from omnijax.errors import UserError
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+APPLICATIONS = ("bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3")
+
+
+def shared_data_root() -> Path:
+    """`$OMNIJAX_SHARED_DATA` if set, else `<repo>/../shared/data`; a clear UserError if missing."""
+    env = os.environ.get("OMNIJAX_SHARED_DATA")
+    root = Path(env) if env else _REPO_ROOT.parent / "shared" / "data"
+    if not (root / "pollux").is_dir():
+        raise UserError(
+            f"cluster workload data not found: {root / 'pollux'} is missing. Put the Pollux data folder "
+            f"there (see shared/data/README.md) or set OMNIJAX_SHARED_DATA to the folder that holds 'pollux/'.")
+    return root
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One submitted job as the workload file describes it."""
+    name: str
+    time: float             # submission time, seconds from the start of the workload
+    application: str
+    num_replicas: int       # GPUs the user asked for
+    batch_size: int         # total batch size (fixed for the job's life here)
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    if not path.exists():
+        raise UserError(f"missing data file {path}; the Pollux data folder looks incomplete")
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def workload_sets() -> list[str]:
+    """Names like `workloads/workload-1` for every workload file available."""
+    root = shared_data_root() / "pollux"
+    return sorted(f"{d.name}/{p.stem}" for d in root.iterdir() if d.is_dir() and d.name.startswith("workloads")
+                  for p in d.glob("workload-*.csv"))
+
+
+def load_workload(name: str, limit: int = 0) -> list[JobSpec]:
+    """Jobs of `name` (`workloads/workload-3`, or `workload-3` for the main folder), by arrival time.
+
+    Rows with an unknown application or non-positive sizes raise UserError naming the row.
+    """
+    folder, _, stem = name.rpartition("/")
+    path = shared_data_root() / "pollux" / (folder or "workloads") / f"{stem}.csv"
+    if not path.exists():
+        raise UserError(f"unknown workload '{name}': {path} does not exist; choose from {', '.join(workload_sets())}")
+    jobs = []
+    for i, row in enumerate(_read_csv(path)):
+        try:
+            spec = JobSpec(row["name"], float(row["time"]), row["application"], int(row["num_replicas"]),
+                           int(row["batch_size"]))
+        except (KeyError, ValueError) as exc:
+            raise UserError(f"{path} row {i + 2}: cannot parse ({exc})") from None
+        if spec.application not in APPLICATIONS or spec.num_replicas <= 0 or spec.batch_size <= 0:
+            raise UserError(f"{path} row {i + 2}: bad job {spec}")
+        jobs.append(spec)
+    jobs.sort(key=lambda j: (j.time, j.name))
+    return jobs[:limit] if limit else jobs
+
+
+@dataclass
+class AppProfile:
+    """Measured behaviour of one application, turned into step-time and job-length functions."""
+    name: str
+    local_bsz: np.ndarray       # measured single-GPU local batch sizes
+    compute_s: np.ndarray       # step_time - sync_time at those sizes (mean over repeats)
+    sync_points: np.ndarray     # rows (num_nodes, log2 num_replicas)
+    sync_s: np.ndarray          # mean sync time at those points
+    iterations: dict[int, int] = field(default_factory=dict)   # total batch size -> iterations to finish
+
+    @property
+    def max_local_bsz(self) -> float:
+        return float(self.local_bsz.max())
+
+    @property
+    def min_local_bsz(self) -> float:
+        return float(self.local_bsz.min())
+
+    def compute_time(self, local_bsz: float) -> float:
+        """Per-step compute at a local batch; above the measured maximum, gradient accumulation."""
+        accum = max(1, int(np.ceil(local_bsz / self.max_local_bsz - 1e-9)))
+        per = local_bsz / accum
+        t = np.interp(np.log(max(per, 1e-9)), np.log(self.local_bsz), np.log(self.compute_s))
+        return accum * float(np.exp(t))
+
+    def sync_time(self, num_nodes: int, num_replicas: int) -> float:
+        if num_replicas <= 1:
+            return 0.0
+        return float(_sync_interpolator(self.name)(num_nodes, np.log2(num_replicas)))
+
+    def step_time(self, num_replicas: int, num_nodes: int, batch_size: int) -> float:
+        """Seconds per iteration of the total batch on `num_replicas` GPUs spread over `num_nodes` nodes."""
+        if num_replicas <= 0:
+            raise ValueError("step_time needs at least one replica")
+        return self.compute_time(batch_size / num_replicas) + self.sync_time(num_nodes, num_replicas)
+
+    def total_iterations(self, batch_size: int) -> int:
+        """Iterations to reach the final measured epoch; log-log interpolation between batch sizes."""
+        if batch_size in self.iterations:
+            return self.iterations[batch_size]
+        bs = np.array(sorted(self.iterations))
+        its = np.array([self.iterations[b] for b in bs])
+        return int(round(np.exp(np.interp(np.log(batch_size), np.log(bs), np.log(its)))))
+
+
+@functools.lru_cache(maxsize=None)
+def _sync_interpolator(name: str):
+    """Linear interpolation over (nodes, log2 replicas), nearest neighbour outside the measured hull."""
+    from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
+    prof = load_profile(name)
+    lin = LinearNDInterpolator(prof.sync_points, prof.sync_s)
+    near = NearestNDInterpolator(prof.sync_points, prof.sync_s)
+
+    @functools.lru_cache(maxsize=4096)
+    def f(nodes: int, log_r: float) -> float:
+        v = float(lin(nodes, log_r))
+        return v if np.isfinite(v) else float(near(nodes, log_r))
+    return f
+
+
+@functools.lru_cache(maxsize=None)
+def load_profile(name: str) -> AppProfile:
+    """Read placements.csv, scalability.csv and validation-*.csv of application `name`."""
+    if name not in APPLICATIONS:
+        raise UserError(f"unknown application '{name}'; known: {', '.join(APPLICATIONS)}")
+    folder = shared_data_root() / "pollux" / "traces" / name
+    compute: dict[float, list[float]] = {}
+    sync: dict[tuple[int, float], list[float]] = {}
+    for row in _read_csv(folder / "placements.csv"):
+        placement = row["placement"]
+        nodes, replicas = len(placement), sum(int(c) for c in placement)
+        step, sy = float(row["step_time"]), float(row["sync_time"])
+        if replicas == 1:
+            compute.setdefault(float(row["local_bsz"]), []).append(step - sy)
+        else:
+            sync.setdefault((nodes, float(np.log2(replicas))), []).append(sy)
+    for row in _read_csv(folder / "scalability.csv"):
+        key = (int(row["num_nodes"]), float(np.log2(int(row["num_replicas"]))))
+        sync.setdefault(key, []).append(float(row["sync_time"]))
+    if not compute:
+        raise UserError(f"{folder / 'placements.csv'}: no single-GPU rows, cannot derive compute time")
+    bsz = np.array(sorted(compute))
+    iterations = {}
+    for path in folder.glob("validation-*.csv"):
+        rows = _read_csv(path)
+        if rows:
+            iterations[int(path.stem.split("-")[1])] = int(float(rows[-1]["iteration"]))
+    if not iterations:
+        raise UserError(f"{folder}: no validation-<batch>.csv files")
+    keys = sorted(sync)
+    return AppProfile(
+        name=name, local_bsz=bsz, compute_s=np.array([max(np.mean(compute[b]), 1e-6) for b in bsz]),
+        sync_points=np.array(keys, dtype=float), sync_s=np.array([np.mean(sync[k]) for k in keys]),
+        iterations=iterations)

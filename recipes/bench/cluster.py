@@ -1,0 +1,51 @@
+"""Cluster schedulers side by side in the trace-driven simulator on the Pollux workloads."""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+DESCRIPTION = "cluster scheduling: avg JCT, makespan, utilisation of FIFO/DRF/Tiresias/fitted/learned per workload set"
+
+
+def run(overrides: list[str]) -> Iterator[dict]:
+    """Overrides: schedulers=[...], workloads=[sets], files=N (workload-1..N of each set), limit=N jobs,
+    plus any ClusterConfig key (sim.*, learned.*). Each row averages the set's files."""
+    import numpy as np
+
+    from omnijax.cluster.config import SCHEDULERS, BenchConfig, ClusterConfig, validate
+    from omnijax.cluster.registry import make_scheduler
+    from omnijax.cluster.simulator import run_workload
+    from omnijax.cluster.traces import load_workload
+    from omnijax.config import build
+    from omnijax.errors import ConfigError
+
+    cfg = build(BenchConfig, None, overrides, check=None)
+    bad = [s for s in cfg.schedulers if s not in SCHEDULERS]
+    if bad or cfg.files < 1:
+        raise ConfigError(f"schedulers must be among {', '.join(SCHEDULERS)} (got {bad}); files must be >= 1")
+    ccfg = validate(ClusterConfig(sim=cfg.sim, learned=cfg.learned, limit=cfg.limit))
+    schedulers = {}
+    for name in cfg.schedulers:   # train the learned policy once, reuse it on every workload
+        t0 = time.perf_counter()
+        schedulers[name] = (make_scheduler(name, ccfg), time.perf_counter() - t0)
+    for wset in cfg.workloads:
+        rows = {}
+        specs = {i: load_workload(f"{wset}/workload-{i}", cfg.limit) for i in range(1, cfg.files + 1)}
+        for name in cfg.schedulers:
+            proto, train_s = schedulers[name]
+            t0 = time.perf_counter()
+            results = [run_workload(specs[i], proto.fresh(), cfg.sim) for i in specs]
+            rows[name] = {
+                "variant": name, "workload": wset, "files": cfg.files,
+                "avg_jct_s": round(float(np.mean([r.avg_jct_s for r in results])), 1),
+                "makespan_s": round(float(np.mean([r.makespan_s for r in results])), 1),
+                "utilization": round(float(np.mean([r.utilization for r in results])), 4),
+                "restarts_per_job": round(float(np.mean([np.mean([j["restarts"] for j in r.jobs]) for r in results])), 2),
+                "sim_s": round(time.perf_counter() - t0, 1)}
+            if train_s > 1:
+                rows[name]["train_s"] = round(train_s, 1)
+            base = "drf" if name != "learned" or "fitted" not in rows else "fitted"
+            if name != "drf" and base in rows:
+                rows[name]["vs"] = base
+                rows[name]["jct_ratio"] = round(rows[name]["avg_jct_s"] / rows[base]["avg_jct_s"], 4)
+            yield rows[name]

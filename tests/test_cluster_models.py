@@ -1,0 +1,84 @@
+"""Cluster performance models and trace loading: fitting recovers known coefficients; bad input errors."""
+import numpy as np
+import pytest
+
+from omnijax.cluster.perf_model import LossCoeffs, LossModel, SpeedModel, fit_loss_curve, speed_features
+from omnijax.cluster.traces import load_profile, load_workload, shared_data_root
+from omnijax.errors import UserError
+
+
+@pytest.mark.parametrize("true", [LossCoeffs(2e-3, 0.5, 0.3), LossCoeffs(1e-4, 1.0, 1.2), LossCoeffs(5e-2, 2.0, 0.0)])
+def test_loss_fit_recovers_coefficients_from_noisy_points(true):
+    rng = np.random.default_rng(0)
+    k = np.linspace(0, 3 * true.b / true.a, 60)
+    loss = true(k) * (1 + 0.01 * rng.standard_normal(k.size))
+    fit = fit_loss_curve(k, loss)
+    assert fit.a == pytest.approx(true.a, rel=0.15)
+    assert fit.b == pytest.approx(true.b, rel=0.1)
+    assert fit.c == pytest.approx(true.c, abs=0.05 * (1 / true.b + true.c))
+    assert min(fit.a, fit.b, fit.c) >= 0
+
+
+def test_loss_model_reports_prediction_error_and_predicts_length():
+    true = LossCoeffs(a=19.0 / 1000, b=1.0, c=0.5)       # converges (eps=0.05) at k = 1000
+    model = LossModel(eps=0.05)
+    rng = np.random.default_rng(1)
+    for k in range(0, 600, 20):
+        model.observe(k, float(true(k)) * (1 + 0.005 * rng.standard_normal()))
+    assert model.total_steps() == pytest.approx(1000, rel=0.15)
+    assert len(model.errors) == len(model.steps) - model.min_points and max(model.errors[-5:]) < 0.05
+    model.observe(700, float("nan"))   # a bad point is ignored, not fitted
+    assert len(model.steps) == 30
+
+
+def test_loss_fit_rejects_too_few_points():
+    with pytest.raises(ValueError):
+        fit_loss_curve(np.array([1.0, 2.0]), np.array([1.0, 0.9]))
+
+
+def _speed_points(form, theta, noise, seed=2):
+    rng = np.random.default_rng(seed)
+    model = SpeedModel(form, batch_size=32)
+    for n in (1, 2, 3, 4, 6, 8, 12, 16, 32):
+        for m in (1, 2, 4, 8):
+            model.observe(n, m, float(speed_features(form, 32, n, m) @ theta) * (1 + noise * rng.standard_normal()))
+    return model
+
+
+@pytest.mark.parametrize("form", ["allreduce", "ps"])
+def test_speed_nnls_recovers_coefficients(form):
+    theta = np.array([0.01, 0.05, 0.2, 0.003, 0.1])
+    # coefficients: identifiable at small noise (the features are close to collinear at 1% noise)
+    np.testing.assert_allclose(_speed_points(form, theta, 0.002).theta, theta, rtol=0.2, atol=2e-3)
+    # predictions: accurate at realistic noise, and the reported running error reflects the noise
+    model = _speed_points(form, theta, 0.02)
+    assert 0.005 < model.mean_error < 0.05
+    for n, m in [(5, 2), (24, 6), (1, 1)]:
+        assert model.predict(n, m) == pytest.approx(float(speed_features(form, 32, n, m) @ theta), rel=0.04)
+    with pytest.raises(ValueError):
+        speed_features(form, 32, 0, 1)
+
+
+def test_shared_data_missing_is_a_clear_user_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIJAX_SHARED_DATA", str(tmp_path))
+    with pytest.raises(UserError, match="OMNIJAX_SHARED_DATA"):
+        shared_data_root()
+
+
+def test_workload_and_profile_loading(tmp_path, monkeypatch):
+    jobs = load_workload("workloads/workload-1")
+    assert len(jobs) == 160 and jobs == sorted(jobs, key=lambda j: (j.time, j.name))
+    assert len(load_workload("workload-1", limit=5)) == 5
+    prof = load_profile("cifar10")
+    assert prof.total_iterations(128) == 39062
+    # more replicas on one node: faster; the same replicas spread over nodes: slower (measured sync)
+    assert prof.step_time(4, 1, 2048) < prof.step_time(2, 1, 2048) < prof.step_time(1, 1, 2048)
+    assert prof.step_time(4, 4, 2048) > prof.step_time(4, 1, 2048)
+    with pytest.raises(UserError, match="unknown workload"):
+        load_workload("workloads/workload-99")
+    bad = tmp_path / "pollux" / "workloads"
+    bad.mkdir(parents=True)
+    (bad / "workload-1.csv").write_text("name,time,application,num_replicas,batch_size\nx,1,gpt9,1,8\n")
+    monkeypatch.setenv("OMNIJAX_SHARED_DATA", str(tmp_path))
+    with pytest.raises(UserError, match="row 2"):
+        load_workload("workload-1")
