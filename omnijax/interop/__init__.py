@@ -1,1 +1,1 @@
-"""omnijax.interop"""
+"""omnijax.interop: weight import/export (Hugging Face safetensors)."""
