@@ -1,0 +1,233 @@
+"""Decentralized grouped reordering: a pure, deterministic assignment of a window's samples to bins.
+
+A window holds the samples of G upcoming global batches; its bins are (step in window, dp rank,
+microbatch). Every host runs the same function on the same metadata and gets the same plan, then
+loads only the payloads of its own ranks: no coordinator, no payload traffic.
+
+`plan_lpt`: items sorted longest-first by cost (ties by key), each put on the least-loaded bin
+(ties by bin index) where it fits: its LLM tokens in one row (best fit among the bin's rows) and its
+encoder rows under the bin's encoder capacity. An item that fits no bin is reported in `unplaced`
+(the loader drops and counts it); nothing is ever placed twice or over capacity.
+`plan_window`: the grouped reordering over G steps. A step lasts as long as its slowest rank, so the
+window's time is the sum over steps of the max rank cost. Phase 1 assigns items (longest first) to
+steps, each to the step whose estimated time max(largest item, total / ranks) grows least (ties: the
+lighter step, then the lower index), within the step's aggregate capacity: large items gather in
+the same steps, where the other ranks get filled up to the same level. Phase 2 runs `plan_lpt` over
+each step's ranks x microbatches; an item that then fits nowhere in its step goes to the least
+loaded bin of any step where it fits, else to `unplaced`.
+`plan_arrival`: the baseline without reordering: batch g's samples in arrival order, split into
+equal consecutive chunks per rank and microbatch (capacity not considered).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Item:
+    key: int                   # identity within the window (position in arrival order)
+    cost: float
+    tokens: int                # LLM tokens: must fit in one row
+    enc: tuple[int, ...] = ()  # encoder input rows, one entry per encoder (fixed order)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    rows: int                  # LLM rows per bin
+    row_len: int               # tokens per row
+    enc: tuple[int, ...] = ()  # encoder input rows per bin, one entry per encoder
+
+    def fits_alone(self, item: Item) -> bool:
+        return item.tokens <= self.row_len and self.rows > 0 and all(e <= c for e, c in zip(item.enc, self.enc))
+
+
+@dataclass(frozen=True)
+class Plan:
+    bins: tuple[tuple[tuple[int, int], ...], ...]   # per bin: (item key, row) in placement order
+    loads: tuple[float, ...]                        # cost per bin
+    unplaced: tuple[int, ...] = ()                  # keys of items that fit in no bin
+
+    def rows_used(self) -> list[int]:
+        return [1 + max((r for _, r in b), default=-1) for b in self.bins]
+
+
+class _Bin:
+    __slots__ = ("free", "enc", "items")
+
+    def __init__(self, cap: Capacity):
+        self.free: list[int] = []          # free tokens of each opened row
+        self.enc = list(cap.enc)
+        self.items: list[tuple[int, int]] = []
+
+    def row_for(self, item: Item, cap: Capacity) -> int:
+        """Best-fit row index for item (a new row if none fits), or -1 if the bin cannot take it."""
+        if any(e > c for e, c in zip(item.enc, self.enc)):
+            return -1
+        best, best_free = -1, None
+        for r, f in enumerate(self.free):
+            if item.tokens <= f and (best_free is None or f < best_free):
+                best, best_free = r, f
+        if best >= 0:
+            return best
+        return len(self.free) if len(self.free) < cap.rows and item.tokens <= cap.row_len else -1
+
+    def add(self, item: Item, row: int, cap: Capacity) -> None:
+        if row == len(self.free):
+            self.free.append(cap.row_len)
+        self.free[row] -= item.tokens
+        self.enc = [c - e for c, e in zip(self.enc, item.enc)]
+        self.items.append((item.key, row))
+
+
+def plan_lpt(items: list[Item], n_bins: int, cap: Capacity) -> Plan:
+    """Longest-processing-time-first greedy, capacity-aware. Pure and deterministic."""
+    if n_bins <= 0:
+        raise ValueError(f"n_bins={n_bins}: must be > 0")
+    bins = [_Bin(cap) for _ in range(n_bins)]
+    loads = [0.0] * n_bins
+    heap = [(0.0, b) for b in range(n_bins)]
+    unplaced = []
+    for item in sorted(items, key=lambda it: (-it.cost, it.key)):
+        tried = []
+        placed = False
+        while heap:
+            load, b = heapq.heappop(heap)
+            tried.append((load, b))
+            row = bins[b].row_for(item, cap)
+            if row >= 0:
+                bins[b].add(item, row, cap)
+                loads[b] += item.cost
+                tried[-1] = (loads[b], b)
+                placed = True
+                break
+        for t in tried:
+            heapq.heappush(heap, t)
+        if not placed:
+            unplaced.append(item.key)
+    return Plan(tuple(tuple(b.items) for b in bins), tuple(loads), tuple(sorted(unplaced)))
+
+
+def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
+                fill: float = 0.9, max_share: float = 1.5, min_share: float = 0.5) -> Plan:
+    """Grouped reordering of a window of `steps` global batches; bins ordered (step, rank, microbatch).
+
+    A step takes at most `fill` of its capacity and at most `max_share` times the window's mean LLM
+    tokens per step; then steps under `min_share` times the mean receive the cheapest items of the
+    fullest step, so steps keep comparable sizes (and none is empty while another has two items).
+    """
+    if steps <= 0 or ranks <= 0 or microbatches <= 0:
+        raise ValueError(f"steps={steps}, ranks={ranks}, microbatches={microbatches}: all must be > 0")
+    per_step = ranks * microbatches
+    mean_tokens = sum(it.tokens for it in items) / steps
+    tok_cap = min(fill * per_step * cap.rows * cap.row_len,
+                  max(max_share * mean_tokens, max((it.tokens for it in items), default=0)))
+    enc_cap = [fill * per_step * c for c in cap.enc]
+    total = np.zeros(steps)
+    big = np.zeros(steps)
+    tok = np.zeros(steps)
+    enc = np.zeros((steps, len(cap.enc)))
+    members: list[list[Item]] = [[] for _ in range(steps)]
+    unplaced: list[int] = []
+    for it in sorted(items, key=lambda it: (-it.cost, it.key)):
+        if not cap.fits_alone(it):
+            unplaced.append(it.key)
+            continue
+        now = np.maximum(big, total / ranks)
+        after = np.maximum(np.maximum(big, it.cost), (total + it.cost) / ranks)
+        ok = (tok + it.tokens <= tok_cap) & np.all(enc + np.asarray(it.enc, float) <= enc_cap, axis=-1) \
+            if cap.enc else (tok + it.tokens <= tok_cap)
+        if not ok.any():  # aggregate capacity exhausted: fall back to the emptiest step
+            ok = np.ones(steps, bool)
+        order = np.lexsort((np.arange(steps), total, np.where(ok, after - now, np.inf)))
+        g = int(order[0])
+        members[g].append(it)
+        total[g] += it.cost
+        big[g] = max(big[g], it.cost)
+        tok[g] += it.tokens
+        enc[g] += it.enc
+    tokens_of = [sum(it.tokens for it in m) for m in members]
+    while True:  # lift light steps: move the cheapest item of the fullest step
+        light = [g for g in range(steps) if tokens_of[g] < min_share * mean_tokens or not members[g]]
+        donor = max(range(steps), key=lambda g: (tokens_of[g], -g))
+        if not light or len(members[donor]) < 2:
+            break
+        g = min(light, key=lambda g: (tokens_of[g], g))
+        it = min(members[donor], key=lambda it: (it.cost, it.key))
+        if tokens_of[donor] - it.tokens < tokens_of[g] + it.tokens and members[g]:
+            break  # moving would only swap which step is light
+        members[donor].remove(it)
+        members[g].append(it)
+        tokens_of[donor] -= it.tokens
+        tokens_of[g] += it.tokens
+    bins: list[tuple[tuple[int, int], ...]] = []
+    loads: list[float] = []
+    spill: list[Item] = []
+    for g in range(steps):
+        p = plan_lpt(members[g], per_step, cap)
+        bins += p.bins
+        loads += p.loads
+        spill += [it for it in members[g] if it.key in set(p.unplaced)]
+    if spill:  # place leftovers anywhere they fit, least loaded bin first
+        state = [_Bin(cap) for _ in bins]
+        for b, content in zip(state, bins):
+            for key, row in content:
+                it = next(x for x in items if x.key == key)
+                if row == len(b.free):
+                    b.free.append(cap.row_len)
+                b.free[row] -= it.tokens
+                b.enc = [c - e for c, e in zip(b.enc, it.enc)]
+                b.items.append((key, row))
+        for it in sorted(spill, key=lambda it: (-it.cost, it.key)):
+            for b in sorted(range(len(state)), key=lambda b: (loads[b], b)):
+                row = state[b].row_for(it, cap)
+                if row >= 0:
+                    state[b].add(it, row, cap)
+                    loads[b] += it.cost
+                    break
+            else:
+                unplaced.append(it.key)
+        bins = [tuple(b.items) for b in state]
+    return Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
+
+
+def plan_arrival(items: list[Item], n_bins: int, cap: Capacity) -> Plan:
+    """No reordering: consecutive chunks in arrival order; rows filled first-fit without a capacity check."""
+    order = sorted(items, key=lambda it: it.key)
+    chunks = np.array_split(np.arange(len(order)), n_bins)
+    bins, loads = [], []
+    for idx in chunks:
+        free: list[int] = []
+        placed = []
+        for i in idx:
+            it = order[i]
+            row = next((r for r, f in enumerate(free) if it.tokens <= f), -1)
+            if row < 0:
+                free.append(max(cap.row_len, it.tokens))
+                row = len(free) - 1
+            free[row] -= it.tokens
+            placed.append((it.key, row))
+        bins.append(tuple(placed))
+        loads.append(float(sum(order[i].cost for i in idx)))
+    return Plan(tuple(bins), tuple(loads), ())
+
+
+def rank_costs(plan: Plan, steps: int, ranks: int, microbatches: int) -> np.ndarray:
+    """Cost per (step, rank) [steps, ranks]; bins are ordered (step, rank, microbatch)."""
+    return np.asarray(plan.loads).reshape(steps, ranks, microbatches).sum(-1)
+
+
+def max_over_mean(plan: Plan, steps: int, ranks: int, microbatches: int) -> float:
+    """Time-weighted imbalance of the window: sum over steps of the slowest rank's cost divided by
+    the sum over steps of the mean rank cost (1.0 = perfect; a step lasts as long as its slowest rank)."""
+    c = rank_costs(plan, steps, ranks, microbatches)
+    mean = c.mean(-1).sum()
+    return float(c.max(-1).sum() / mean) if mean > 0 else 1.0
+
+
+def lower_bound(items: list[Item], ranks: int) -> float:
+    """No plan beats max(1, largest item / (window cost / ranks)): the rank holding the largest item."""
+    total = sum(it.cost for it in items)
+    return max(1.0, max((it.cost for it in items), default=0.0) * ranks / total) if total > 0 else 1.0

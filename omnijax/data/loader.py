@@ -1,0 +1,273 @@
+"""The omnijax loader: mixing -> metadata -> grouped reordering -> payloads of this host's ranks -> packing.
+
+Built on grain's dataset API: `MapDataset.range(step, ...)` mapped by `host_batch` (a pure function
+of the step, given the config) and turned into an `IterDataset` with threaded prefetch. Per window
+of G steps every host computes the same plan from metadata alone (`window_plan`), then reads and
+packs only the samples of its own dp ranks. The state is (step, seed, schedule fingerprint):
+resuming at a step gives the identical batches, with any number of hosts.
+
+Bad data: a sample whose metadata is invalid or that is over capacity is dropped at planning
+(identically on every host) and counted; an over-long text-only sample is split into row-sized
+pieces; a record that fails to decode or validate is skipped by the host that reads it, counted,
+and logged with its source and index. A missing shard fails at start (sources.open_sources).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from omnijax.data import balance, packing
+from omnijax.data.cost import CostModel, sample_cost
+from omnijax.data.mixing import Mixer, schedule_from_config
+from omnijax.data.sample import BadSample, validate_meta
+from omnijax.data.sources import Source, SourceSpec, open_sources
+from omnijax.data.tokens import default_mm_config
+from omnijax.errors import ConfigError, UserError
+
+log = logging.getLogger("omnijax.data")
+
+
+@dataclass
+class LoaderConfig:
+    sources: list[SourceSpec] = field(default_factory=lambda: [SourceSpec(name="world")])
+    mix: Any = None                 # None (uniform) | {name: weight} | [{step, weights: {name: weight}}]
+    seed: int = 0
+    samples_per_step: int = 32      # global samples drawn per step (before drops)
+    dp: int = 1                     # data-parallel ranks (TP/PP/CP peers share a rank's batch)
+    microbatches: int = 1
+    row_len: int = 256              # LLM tokens per row
+    max_rows: int = 8               # largest LLM row bucket per bin (rank x microbatch)
+    max_encoder_rows: dict[str, int] = field(default_factory=dict)  # per encoder per bin; default rows*len*group
+    window: int = 4                 # G: global batches balanced together
+    reorder: bool = True            # False: arrival order (baseline)
+    threads: int = 2                # grain prefetch threads
+    prefetch: int = 2               # batches prefetched
+
+    def check(self) -> "LoaderConfig":
+        for name in ("samples_per_step", "dp", "microbatches", "row_len", "max_rows", "window", "threads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"data.{name}={getattr(self, name)}: must be > 0")
+        if self.prefetch < 0:
+            raise ConfigError(f"data.prefetch={self.prefetch}: must be >= 0")
+        if not self.sources:
+            raise ConfigError("data.sources: needs at least one source")
+        return self
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One planned sample (or a piece of a split one)."""
+    source: int
+    record: int
+    piece: int = -1         # >= 0: row-sized piece of an over-long text sample
+    drawn: int = 0          # step within the window the mixer drew it for
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    first_step: int
+    entries: tuple[Entry, ...]              # by item key
+    plan: balance.Plan                      # bins ordered (step in window, rank, microbatch)
+    layouts: tuple[packing.Layout, ...]     # per step in window
+    dropped: tuple[tuple[str, int, str], ...]  # (source, record, reason)
+    split: int                              # samples split into pieces
+    items: tuple[balance.Item, ...]
+
+
+class Loader:
+    """Host-side loader for dp ranks `ranks` (default: all) of a `LoaderConfig`."""
+
+    def __init__(self, cfg: LoaderConfig, mm_cfg: Any = None, ranks: list[int] | None = None,
+                 cost_model: CostModel | None = None, world_cfg: Any = None, sources: list[Source] | None = None):
+        self.cfg = cfg.check()
+        self.mm_cfg = mm_cfg if mm_cfg is not None else default_mm_config()
+        self.ranks = list(range(cfg.dp)) if ranks is None else sorted(int(r) for r in ranks)
+        if not self.ranks or any(not 0 <= r < cfg.dp for r in self.ranks) or len(set(self.ranks)) != len(self.ranks):
+            raise ConfigError(f"loader ranks={ranks}: must be distinct dp ranks in [0, {cfg.dp})")
+        self.sources = sources if sources is not None else open_sources(cfg.sources, world_cfg)  # once per host
+        self.names = [s.name for s in self.sources]
+        self.schedule = schedule_from_config(self.names, cfg.mix)
+        self.mixer = Mixer([len(s) for s in self.sources], self.schedule, cfg.seed, cfg.samples_per_step)
+        self.cost_model = cost_model or CostModel.from_flops(self.mm_cfg)
+        self.specs = packing.encoder_specs(self.mm_cfg)
+        self.enc_names = tuple(self.specs)
+        self.enc_cap = {n: self.cfg.max_encoder_rows.get(n, cfg.max_rows * cfg.row_len * s.group)
+                        for n, s in self.specs.items()}
+        unknown = set(self.cfg.max_encoder_rows) - set(self.specs)
+        if unknown:
+            raise ConfigError(f"data.max_encoder_rows: unknown encoder(s) {sorted(unknown)}; known: {list(self.specs)}")
+        self.row_buckets = packing.buckets(cfg.max_rows)
+        self.enc_buckets = {n: packing.buckets(c, self.specs[n].group, smallest=self.specs[n].group * 16)
+                            for n, c in self.enc_cap.items()}
+        self.capacity = balance.Capacity(cfg.max_rows, cfg.row_len, tuple(self.enc_cap[n] for n in self.enc_names))
+        self._lock = threading.Lock()
+        self.skipped = Counter()            # this host's decode failures per source
+        self.shapes = packing.ShapeCounter()
+        self.step = 0
+
+    # ------------------------------------------------------------------------------ planning
+    def _items(self, step0: int) -> tuple[list[Entry], list[balance.Item], list, int]:
+        cfg = self.cfg
+        entries, items, dropped, split = [], [], [], 0
+        for g in range(cfg.window):
+            src, rec = self.mixer.batch(step0 + g)
+            for s, r in zip(src.tolist(), rec.tolist()):
+                source = self.sources[s]
+                try:
+                    meta = validate_meta(source.meta(r))
+                    c = sample_cost(meta, self.cost_model, self.mm_cfg)
+                except (BadSample, UserError) as exc:
+                    dropped.append((source.name, r, f"bad metadata: {exc}"))
+                    continue
+                enc = tuple(dict(c.encoder_rows).get(n, 0) for n in self.enc_names)
+                if c.llm_tokens > cfg.row_len and not any(enc) and all(x.modality == "text" for x in meta.segments):
+                    pieces = math.ceil(c.llm_tokens / cfg.row_len)
+                    split += 1
+                    for p in range(pieces):
+                        n = min(cfg.row_len, c.llm_tokens - p * cfg.row_len)
+                        items.append(balance.Item(len(entries), float(self.cost_model.llm(n)), n, enc))
+                        entries.append(Entry(s, r, p, g))
+                    continue
+                item = balance.Item(len(entries), c.total, c.llm_tokens, enc)
+                if not self.capacity.fits_alone(item):
+                    dropped.append((source.name, r, f"over capacity ({c.llm_tokens} LLM tokens, encoder rows "
+                                                     f"{dict(c.encoder_rows)}; row_len={cfg.row_len}, "
+                                                     f"encoder capacity {self.enc_cap})"))
+                    continue
+                items.append(item)
+                entries.append(Entry(s, r, -1, g))
+        return entries, items, dropped, split
+
+    @functools.lru_cache(maxsize=4)
+    def window_plan(self, window: int) -> WindowPlan:
+        """The plan of window `window` (steps [window*G, (window+1)*G)): identical on every host."""
+        cfg = self.cfg
+        step0 = window * cfg.window
+        entries, items, dropped, split = self._items(step0)
+        if cfg.reorder:
+            plan = balance.plan_window(items, cfg.window, cfg.dp, cfg.microbatches, self.capacity)
+        else:  # baseline: each step keeps its own samples in arrival order
+            per_step: list[list[balance.Item]] = [[] for _ in range(cfg.window)]
+            for it in items:
+                per_step[entries[it.key].drawn].append(it)
+            bins, loads, unplaced = [], [], []
+            for group in per_step:
+                p = _arrival_with_capacity(group, cfg.dp * cfg.microbatches, self.capacity)
+                bins += p.bins
+                loads += p.loads
+                unplaced += p.unplaced
+            plan = balance.Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
+        for key in plan.unplaced:
+            e = entries[key]
+            dropped.append((self.names[e.source], e.record, "fits in no bin of its window"))
+        per_step_bins = cfg.dp * cfg.microbatches
+        by_key = {it.key: it for it in items}
+        layouts = []
+        for g in range(cfg.window):
+            rows_need, enc_need = 1, {n: 0 for n in self.enc_names}
+            for b in plan.bins[g * per_step_bins: (g + 1) * per_step_bins]:
+                rows_need = max(rows_need, 1 + max((r for _, r in b), default=0))
+                for n_i, n in enumerate(self.enc_names):
+                    enc_need[n] = max(enc_need[n], sum(by_key[k].enc[n_i] for k, _ in b))
+            layouts.append(packing.Layout(packing.pick(self.row_buckets, rows_need), cfg.row_len,
+                                          tuple((n, packing.pick(self.enc_buckets[n], enc_need[n])) for n in self.enc_names)))
+        for name, rec, why in dropped:
+            log.info("dropped %s[%d]: %s", name, rec, why)
+        return WindowPlan(step0, tuple(entries), plan, tuple(layouts), tuple(dropped), split, tuple(items))
+
+    # ------------------------------------------------------------------------------ loading
+    def _load(self, entry: Entry):
+        source = self.sources[entry.source]
+        try:
+            sample = source.get(entry.record).validate()
+            flat = packing.flatten(sample, self.mm_cfg, self.specs)
+            if entry.piece >= 0:
+                flat = packing.text_piece(flat, entry.piece, self.cfg.row_len)
+            return flat
+        except (BadSample, UserError, ValueError, OSError) as exc:
+            with self._lock:
+                self.skipped[source.name] += 1
+            log.warning("skipped bad record %s[%d]: %s", source.name, entry.record, exc)
+            return None
+
+    def host_batch(self, step: int) -> dict[str, Any]:
+        """This host's part of global batch `step`: one packed dict per microbatch (local ranks concatenated)."""
+        cfg = self.cfg
+        wp = self.window_plan(step // cfg.window)
+        g = step % cfg.window
+        layout = wp.layouts[g]
+        micro = []
+        for m in range(cfg.microbatches):
+            packs = []
+            for r in self.ranks:
+                b = (g * cfg.dp + r) * cfg.microbatches + m
+                entries = []
+                for key, row in wp.plan.bins[b]:
+                    flat = self._load(wp.entries[key])
+                    if flat is not None:
+                        entries.append((flat, row))
+                packs.append(packing.pack_bin(entries, layout, self.specs))
+            batch = packing.concat(packs, layout)
+            with self._lock:
+                self.shapes.add(layout, batch)
+            micro.append(batch)
+        return {"step": step, "microbatches": micro, "layout": layout, "ranks": tuple(self.ranks)}
+
+    # ------------------------------------------------------------------------------ iteration
+    def dataset(self, start_step: int = 0):
+        """grain IterDataset of host batches from `start_step` on (threaded prefetch)."""
+        import grain
+        ds = grain.MapDataset.range(start_step, 1 << 40).map(self.host_batch)
+        return ds.to_iter_dataset(grain.ReadOptions(num_threads=self.cfg.threads, prefetch_buffer_size=self.cfg.prefetch))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.dataset(self.step):
+            self.step = batch["step"] + 1
+            yield batch
+
+    def state(self) -> dict[str, Any]:
+        """Small and host-independent: saved with the model checkpoint."""
+        return {"step": int(self.step), "seed": int(self.cfg.seed), "schedule": self.schedule.fingerprint()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if int(state["seed"]) != self.cfg.seed or state["schedule"] != self.schedule.fingerprint():
+            raise UserError(f"loader state was saved with seed {state['seed']} and schedule {state['schedule']}; "
+                            f"this run has seed {self.cfg.seed} and schedule {self.schedule.fingerprint()}: "
+                            f"resume with the same data config")
+        self.step = int(state["step"])
+
+    def metrics(self, step: int | None = None) -> dict[str, Any]:
+        """Counters: this host's skipped records, and the plan's drops/splits of the current window."""
+        wp = self.window_plan((self.step if step is None else step) // self.cfg.window)
+        return {"skipped_bad_records": int(sum(self.skipped.values())),
+                "skipped_by_source": dict(self.skipped),
+                "dropped_in_window": len(wp.dropped), "split_in_window": wp.split,
+                "distinct_shapes": len(self.shapes.shapes), "padded_fraction": self.shapes.padded_fraction}
+
+
+def _arrival_with_capacity(items: list[balance.Item], n_bins: int, cap: balance.Capacity) -> balance.Plan:
+    """Arrival order into equal consecutive chunks, rows first-fit; what does not fit is unplaced."""
+    order = sorted(items, key=lambda it: it.key)
+    chunks = np.array_split(np.arange(len(order)), n_bins)
+    bins, loads, unplaced = [], [], []
+    for idx in chunks:
+        b = balance._Bin(cap)
+        load = 0.0
+        for i in idx:
+            it = order[i]
+            row = b.row_for(it, cap)
+            if row < 0:
+                unplaced.append(it.key)
+                continue
+            b.add(it, row, cap)
+            load += it.cost
+        bins.append(tuple(b.items))
+        loads.append(load)
+    return balance.Plan(tuple(bins), tuple(loads), tuple(unplaced))

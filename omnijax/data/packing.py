@@ -1,0 +1,219 @@
+"""Packing samples into fixed-capacity buffers (the batch layout the multimodal model consumes).
+
+Per bin (one dp rank x microbatch): LLM rows [rows, row_len] and, per encoder E, input rows
+[N_E, D_E]. Capacities come from small bucket sets (`buckets`), so a run compiles at most
+|row buckets| x prod |encoder buckets| step shapes; `ShapeCounter` reports how many it used.
+
+A sample is flattened into one LLM token run: text tokens as they are, each image/video/audio
+segment as `n_llm` placeholder ids (tokenizer.PLACEHOLDER) whose embeddings the model replaces by
+the encoder outputs; `E_dest` tells where each encoder output token goes (flat index into rows x
+row_len, -1 = padding). Targets are next tokens within the sample; `loss_mask` is 1 where the
+target is a token of a loss segment. Over-long text-only samples are split into row-sized pieces.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omnijax.data import tokenizer
+from omnijax.data.sample import BadSample, Sample
+
+ENCODER_ORDER = ("audio", "vision")
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    name: str
+    dim: int        # D_E: width of one input row
+    group: int      # r_E: input rows per output token
+
+
+def encoder_specs(mm_cfg: Any) -> dict[str, EncoderSpec]:
+    """Input width and grouping factor of every encoder in the model config."""
+    from omnijax.models.mm_config import AudioConfig, VisionConfig, encoder_configs
+    out = {}
+    for name, e in encoder_configs(mm_cfg).items():
+        if isinstance(e, VisionConfig):
+            out[name] = EncoderSpec(name, e.temporal_patch * e.patch * e.patch * 3, e.merge * e.merge)
+        elif isinstance(e, AudioConfig):
+            out[name] = EncoderSpec(name, e.n_mels, e.reduction)
+        else:  # a registered encoder kind must expose these two numbers
+            out[name] = EncoderSpec(name, int(getattr(e, "input_dim")), int(getattr(e, "group", 1)))
+    return dict(sorted(out.items()))
+
+
+def buckets(largest: int, multiple: int = 1, smallest: int | None = None, growth: float = 1.5) -> tuple[int, ...]:
+    """Capacities from `smallest` to `largest` (included), each ~`growth` x the previous, multiples of `multiple`.
+
+    growth 1.5 bounds the padding of one buffer to about a third while keeping the set small
+    (about log(largest/smallest)/log(1.5) sizes).
+    """
+    if growth <= 1:
+        raise ValueError(f"bucket growth={growth}: must be > 1")
+    largest = math.ceil(largest / multiple) * multiple
+    c = max(multiple, math.ceil((smallest or multiple) / multiple) * multiple)
+    out = []
+    while c < largest:
+        out.append(c)
+        c = max(c + multiple, math.ceil(c * growth / multiple) * multiple)
+    return tuple(out + [largest])
+
+
+def pick(bucket_set: tuple[int, ...], need: int) -> int:
+    """Smallest bucket >= need (the largest one if none is; callers check capacity before)."""
+    for b in bucket_set:
+        if b >= need:
+            return b
+    return bucket_set[-1]
+
+
+@dataclass(frozen=True)
+class Layout:
+    rows: int
+    row_len: int
+    enc: tuple[tuple[str, int], ...]   # (encoder name, N_E input rows), sorted by name
+
+    @property
+    def key(self) -> tuple:
+        return (self.rows, self.row_len, self.enc)
+
+
+@dataclass
+class ShapeCounter:
+    """Distinct step shapes seen (bounded by the bucket sets) and padding accounting."""
+    shapes: set = field(default_factory=set)
+    real_tokens: int = 0
+    total_tokens: int = 0
+    real_enc: int = 0
+    total_enc: int = 0
+
+    def add(self, layout: Layout, batch: dict[str, np.ndarray]) -> None:
+        self.shapes.add(layout.key)
+        self.real_tokens += int((batch["segment_ids"] > 0).sum())
+        self.total_tokens += int(batch["segment_ids"].size)
+        for name, _ in layout.enc:
+            self.real_enc += int((batch[f"{name}_segment_ids"] > 0).sum())
+            self.total_enc += int(batch[f"{name}_segment_ids"].size)
+
+    @property
+    def padded_fraction(self) -> float:
+        total = self.total_tokens + self.total_enc
+        return 1.0 - (self.real_tokens + self.real_enc) / total if total else 0.0
+
+
+# ------------------------------------------------------------------------------ flattening
+@dataclass
+class Flat:
+    tokens: np.ndarray                  # int32 [n]
+    loss: np.ndarray                    # bool [n]: token is a loss target
+    enc: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]  # (encoder, inputs, positions, llm offsets)
+
+
+def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec]) -> Flat:
+    """One LLM token run for the sample plus the encoder inputs of its media segments."""
+    from omnijax.data.features import segment_inputs
+    toks, loss, enc = [], [], []
+    n = 0
+    for seg in sample.segments:
+        if seg.modality == "text":
+            ids = np.asarray(seg.data, np.int32)
+            toks.append(ids)
+            loss.append(np.full(ids.size, bool(seg.loss)))
+            n += ids.size
+            continue
+        name = mm_cfg.modalities.get(seg.modality)
+        if name not in specs:
+            raise BadSample(f"{sample.source}[{sample.index}]: no encoder for modality {seg.modality!r}")
+        inputs, positions = segment_inputs(seg.modality, seg.data, mm_cfg)
+        spec = specs[name]
+        if inputs.shape[0] % spec.group:
+            raise BadSample(f"{sample.source}[{sample.index}]: {inputs.shape[0]} {name} rows are not a multiple "
+                            f"of its grouping {spec.group}")
+        k = inputs.shape[0] // spec.group
+        toks.append(np.full(k, tokenizer.PLACEHOLDER[seg.modality], np.int32))
+        loss.append(np.zeros(k, bool))
+        enc.append((name, inputs, positions, np.arange(n, n + k)))
+        n += k
+    return Flat(np.concatenate(toks) if toks else np.zeros(0, np.int32),
+                np.concatenate(loss) if loss else np.zeros(0, bool), enc)
+
+
+def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
+    """Piece `piece` (row_len tokens) of a text-only sample that is longer than one row."""
+    if flat.enc:
+        raise BadSample("only text-only samples can be split across rows")
+    lo = piece * row_len
+    return Flat(flat.tokens[lo: lo + row_len], flat.loss[lo: lo + row_len], [])
+
+
+# --------------------------------------------------------------------------------- packing
+def pack_bin(entries: list[tuple[Flat, int]], layout: Layout, specs: dict[str, EncoderSpec]) -> dict[str, np.ndarray]:
+    """Buffers of one bin from (flattened sample, row) entries; raises BadSample if over capacity."""
+    R, L = layout.rows, layout.row_len
+    tokens = np.full((R, L), tokenizer.PAD, np.int32)
+    targets = np.full((R, L), tokenizer.PAD, np.int32)
+    loss_mask = np.zeros((R, L), np.float32)
+    seg_ids = np.zeros((R, L), np.int32)
+    positions = np.zeros((R, L), np.int32)
+    fill = np.zeros(R, np.int64)
+    nseg = np.zeros(R, np.int32)
+    caps = dict(layout.enc)
+    enc_parts: dict[str, list] = {name: [] for name in caps}
+    enc_used = {name: 0 for name in caps}
+    for flat, row in entries:
+        n = flat.tokens.size
+        if row >= R or fill[row] + n > L:
+            raise BadSample(f"sample of {n} tokens does not fit row {row} of a {R}x{L} buffer")
+        a = int(fill[row])
+        nseg[row] += 1
+        tokens[row, a: a + n] = flat.tokens
+        targets[row, a: a + n - 1] = flat.tokens[1:]
+        loss_mask[row, a: a + n - 1] = flat.loss[1:]
+        seg_ids[row, a: a + n] = nseg[row]
+        positions[row, a: a + n] = np.arange(n)
+        fill[row] += n
+        for name, inputs, pos, offs in flat.enc:
+            enc_parts[name].append((inputs, pos, row * L + a + offs))
+    out = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "segment_ids": seg_ids, "positions": positions}
+    for name, cap in caps.items():
+        spec = specs[name]
+        inputs = np.zeros((cap, spec.dim), np.float32)
+        eseg = np.zeros(cap, np.int32)
+        epos = np.zeros((cap, 3), np.int32)
+        dest = np.full(cap // spec.group, -1, np.int32)
+        used = 0
+        for k, (x, pos, dst) in enumerate(enc_parts[name]):
+            m = x.shape[0]
+            if used + m > cap:
+                raise BadSample(f"{name} inputs exceed the bin's capacity of {cap} rows")
+            inputs[used: used + m] = x
+            eseg[used: used + m] = k + 1
+            epos[used: used + m] = pos
+            dest[used // spec.group: (used + m) // spec.group] = dst
+            used += m
+        enc_used[name] = used
+        out[f"{name}_inputs"], out[f"{name}_segment_ids"] = inputs, eseg
+        out[f"{name}_positions"], out[f"{name}_dest"] = epos, dest
+    return out
+
+
+def concat(packs: list[dict[str, np.ndarray]], layout: Layout) -> dict[str, np.ndarray]:
+    """Concatenate bins (e.g. a host's ranks) along rows; dest and encoder segment ids are offset."""
+    out = {k: np.concatenate([p[k] for p in packs]) for k in ("tokens", "targets", "loss_mask", "segment_ids", "positions")}
+    for name, _ in layout.enc:
+        dests, segs = [], []
+        seg_base = 0
+        for b, p in enumerate(packs):
+            d = p[f"{name}_dest"]
+            dests.append(np.where(d >= 0, d + b * layout.rows * layout.row_len, -1).astype(np.int32))
+            s = p[f"{name}_segment_ids"]
+            segs.append(np.where(s > 0, s + seg_base, 0).astype(np.int32))
+            seg_base += int(s.max(initial=0))
+        out[f"{name}_inputs"] = np.concatenate([p[f"{name}_inputs"] for p in packs])
+        out[f"{name}_positions"] = np.concatenate([p[f"{name}_positions"] for p in packs])
+        out[f"{name}_segment_ids"] = np.concatenate(segs)
+        out[f"{name}_dest"] = np.concatenate(dests)
+    return out

@@ -1,0 +1,160 @@
+"""Binary record format of one `Sample` (ArrayRecord payloads) and its metadata sidecar.
+
+Record bytes: b"OJX1" | u32 header length | JSON header | raw array bytes. The header lists each
+segment's modality, shape, dtype and loss flag, so `read_meta` parses a few hundred bytes and never
+touches the arrays; `decode` is `np.frombuffer` (no pickle, no copies beyond the final array).
+
+A shard `x.arrayrecord` has a sidecar `x.arrayrecord.meta.npz` with the metadata of all its records
+as four flat arrays (segment offsets, modality codes, shapes, loss flags): a host loads it once and
+answers `meta(i)` for any record without opening the shard.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from omnijax.data.sample import MODALITIES, BadSample, Sample, SampleMeta, Segment, SegmentMeta
+
+MAGIC = b"OJX1"
+_DTYPES = {"int32", "float32", "float16", "uint8"}
+META_SUFFIX = ".meta.npz"
+MAX_RANK = 4
+
+
+class BadRecord(BadSample):
+    """Bytes that do not decode into a sample (truncated, wrong magic, inconsistent header)."""
+
+
+def encode(sample: Sample) -> bytes:
+    """Serialise a sample (its arrays keep their dtype; text is stored as int32)."""
+    segs, blobs = [], []
+    for seg in sample.segments:
+        data = np.ascontiguousarray(seg.data)
+        if seg.modality == "text":
+            data = data.astype(np.int32, copy=False)
+        if str(data.dtype) not in _DTYPES:
+            data = data.astype(np.float32)
+        segs.append({"m": seg.modality, "shape": list(data.shape), "dtype": str(data.dtype), "loss": bool(seg.loss)})
+        blobs.append(data.tobytes())
+    header = json.dumps({"segments": segs, "source": sample.source, "index": sample.index}).encode()
+    return b"".join([MAGIC, struct.pack("<I", len(header)), header, *blobs])
+
+
+def _header(raw: bytes, where: str) -> tuple[dict, int]:
+    if len(raw) < 8 or raw[:4] != MAGIC:
+        raise BadRecord(f"{where}: not an omnijax record (bad magic or truncated)")
+    (n,) = struct.unpack("<I", raw[4:8])
+    try:
+        header = json.loads(raw[8: 8 + n])
+        _ = [(s["m"], s["shape"], s["dtype"], s["loss"]) for s in header["segments"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadRecord(f"{where}: unreadable record header ({exc.__class__.__name__})") from None
+    return header, 8 + n
+
+
+def read_meta(raw: bytes, source: str = "", index: int = -1) -> SampleMeta:
+    """Metadata of a record from its header only."""
+    header, _ = _header(raw, f"{source}[{index}]")
+    return SampleMeta(tuple(SegmentMeta(s["m"], tuple(s["shape"]), bool(s["loss"])) for s in header["segments"]),
+                      source, index)
+
+
+def decode(raw: bytes, source: str = "", index: int = -1) -> Sample:
+    """Sample from record bytes; BadRecord if the bytes are inconsistent. Values are not validated here."""
+    where = f"{source}[{index}]"
+    header, pos = _header(raw, where)
+    segs = []
+    for s in header["segments"]:
+        if s["dtype"] not in _DTYPES or s["m"] not in MODALITIES:
+            raise BadRecord(f"{where}: segment with modality {s['m']!r} dtype {s['dtype']!r} is not supported")
+        dtype = np.dtype(s["dtype"])
+        n = int(np.prod(s["shape"], dtype=np.int64)) * dtype.itemsize
+        if pos + n > len(raw):
+            raise BadRecord(f"{where}: record truncated ({len(raw)} bytes, header needs {pos + n})")
+        data = np.frombuffer(raw, dtype, count=n // dtype.itemsize, offset=pos).reshape(s["shape"])
+        if s["m"] != "text" and dtype != np.float32:
+            data = data.astype(np.float32) / (255.0 if dtype == np.uint8 else 1.0)
+        segs.append(Segment(s["m"], data, bool(s["loss"])))
+        pos += n
+    return Sample(tuple(segs), source, index)
+
+
+# ------------------------------------------------------------------------------ sidecars
+_CODE = {m: i for i, m in enumerate(MODALITIES)}
+
+
+class MetaTable:
+    """Metadata of many records as flat arrays (compact: ~20 bytes per segment)."""
+
+    def __init__(self, seg_offsets: np.ndarray, modality: np.ndarray, shape: np.ndarray, loss: np.ndarray):
+        self.seg_offsets = np.asarray(seg_offsets, np.int64)
+        self.modality = np.asarray(modality, np.uint8)
+        self.shape = np.asarray(shape, np.int32).reshape(-1, MAX_RANK)
+        self.loss = np.asarray(loss, bool)
+
+    def __len__(self) -> int:
+        return len(self.seg_offsets) - 1
+
+    @classmethod
+    def from_metas(cls, metas: list[SampleMeta]) -> "MetaTable":
+        offsets = np.zeros(len(metas) + 1, np.int64)
+        mods, shapes, loss = [], [], []
+        for i, m in enumerate(metas):
+            offsets[i + 1] = offsets[i] + len(m.segments)
+            for s in m.segments:
+                if len(s.shape) > MAX_RANK:
+                    raise BadSample(f"segment shape {s.shape} has more than {MAX_RANK} dimensions")
+                mods.append(_CODE[s.modality])
+                shapes.append(list(s.shape) + [-1] * (MAX_RANK - len(s.shape)))
+                loss.append(s.loss)
+        return cls(offsets, np.array(mods, np.uint8), np.array(shapes, np.int32).reshape(-1, MAX_RANK),
+                   np.array(loss, bool))
+
+    def meta(self, i: int, source: str = "") -> SampleMeta:
+        lo, hi = self.seg_offsets[i], self.seg_offsets[i + 1]
+        segs = tuple(SegmentMeta(MODALITIES[self.modality[k]], tuple(int(d) for d in self.shape[k] if d >= 0),
+                                 bool(self.loss[k])) for k in range(lo, hi))
+        return SampleMeta(segs, source, int(i))
+
+    def save(self, path: str | Path) -> None:
+        with open(path, "wb") as f:
+            np.savez(f, seg_offsets=self.seg_offsets, modality=self.modality, shape=self.shape, loss=self.loss)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MetaTable":
+        with np.load(path) as z:
+            return cls(z["seg_offsets"], z["modality"], z["shape"], z["loss"])
+
+    @classmethod
+    def concat(cls, tables: list["MetaTable"]) -> "MetaTable":
+        if not tables:
+            return cls(np.zeros(1, np.int64), np.zeros(0, np.uint8), np.zeros((0, MAX_RANK), np.int32), np.zeros(0, bool))
+        offs, base = [np.zeros(1, np.int64)], 0
+        for t in tables:
+            offs.append(t.seg_offsets[1:] + base)
+            base += int(t.seg_offsets[-1])
+        return cls(np.concatenate(offs), np.concatenate([t.modality for t in tables]),
+                   np.concatenate([t.shape for t in tables]), np.concatenate([t.loss for t in tables]))
+
+
+# -------------------------------------------------------------------------------- writing
+def write_shard(path: str | Path, samples) -> int:
+    """Write samples to one ArrayRecord shard plus its metadata sidecar; returns the record count.
+
+    group_size:1 keeps every record in its own chunk, the layout for random access.
+    """
+    from array_record.python.array_record_module import ArrayRecordWriter
+    path = str(path)
+    metas = []
+    writer = ArrayRecordWriter(path, "group_size:1")
+    try:
+        for s in samples:
+            writer.write(encode(s))
+            metas.append(SampleMeta(s.meta().segments))
+    finally:
+        writer.close()
+    MetaTable.from_metas(metas).save(path + META_SUFFIX)
+    return len(metas)

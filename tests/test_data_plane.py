@@ -1,0 +1,180 @@
+"""Mixing, grouped reordering (property tests simulating hosts), packing layout, loader resume and bad data."""
+import logging
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from omnijax.data import balance as B
+from omnijax.data import packing, records, tokenizer
+from omnijax.data.loader import Loader, LoaderConfig
+from omnijax.data.mixing import Mixer, Schedule
+from omnijax.data.sample import Sample, Segment, text
+from omnijax.data.sources import SourceSpec
+from omnijax.errors import ConfigError, UserError
+
+
+# ---------------------------------------------------------------------------------- mixing
+def test_mixing_is_pure_and_follows_the_schedule():
+    sched = Schedule(["a", "b"], [{"step": 0, "weights": {"a": 1.0}}, {"step": 100, "weights": {"a": 1, "b": 3}}])
+    m1, m2 = Mixer([5, 1000], sched, 7, 16), Mixer([5, 1000], sched, 7, 16)
+    # computing step 150 directly or after walking through earlier steps gives the same batch
+    for s in range(0, 151, 3):
+        m1.batch(s)
+    assert all(np.array_equal(x, y) for x, y in zip(m1.batch(150), m2.batch(150)))
+    assert m2.index(150 * 16 + 3) == (int(m1.batch(150)[0][3]), int(m1.batch(150)[1][3]))
+    counts = m1.counts(np.arange(0, 400))
+    assert counts.sum(1).tolist() == [16] * 400 and counts[:1, 1].sum() == 0
+    assert abs(counts[200:, 1].mean() / 16 - 0.75) < 0.02
+    # source a (5 records) runs out: each epoch uses every record once, in a new order
+    draws = np.concatenate([m1.batch(s)[1][m1.batch(s)[0] == 0] for s in range(3)])
+    epochs = [draws[i: i + 5] for i in range(0, 30, 5)]
+    assert all(sorted(e) == list(range(5)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1
+    assert not np.array_equal(Mixer([5, 1000], sched, 8, 16).batch(150)[1], m1.batch(150)[1])
+
+
+def test_schedule_errors():
+    with pytest.raises(ConfigError, match="unknown source"):
+        Schedule(["a"], {"b": 1.0})
+    with pytest.raises(ConfigError, match="increasing"):
+        Schedule(["a"], [{"step": 5, "weights": {"a": 1}}, {"step": 2, "weights": {"a": 1}}])
+    with pytest.raises(ConfigError, match="positive sum"):
+        Schedule(["a"], {"a": 0.0})
+
+
+# ------------------------------------------------------------------------- balance (hosts)
+item_st = st.builds(lambda c, t, e1, e2: (c, t, e1, e2), st.floats(0.0, 1e4, allow_nan=False),
+                    st.integers(1, 64), st.integers(0, 300), st.integers(0, 300))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(item_st, min_size=0, max_size=120), st.integers(1, 4), st.integers(1, 4), st.integers(1, 2),
+       st.integers(1, 4), st.integers(0, 2 ** 16))
+def test_plans_identical_on_every_host_and_exact(raw, steps, ranks, micro, rows, shuffle_seed):
+    cap = B.Capacity(rows, 64, (600, 400))
+    items = [B.Item(k, c, t, (e1, e2)) for k, (c, t, e1, e2) in enumerate(raw)]
+    # every simulated host sees the window's metadata in its own order (e.g. read by different threads)
+    hosts = [np.random.default_rng([shuffle_seed, h]).permutation(len(items)) for h in range(3)]
+    plans = [B.plan_window([items[i] for i in order], steps, ranks, micro, cap) for order in hosts]
+    assert plans[0] == plans[1] == plans[2]
+    plan = plans[0]
+    placed = [k for b in plan.bins for k, _ in b]
+    assert sorted(placed + list(plan.unplaced)) == list(range(len(items)))  # each exactly once
+    assert len(plan.bins) == steps * ranks * micro
+    for b in plan.bins:  # nothing over capacity
+        assert all(r < rows for _, r in b)
+        for r in range(rows):
+            assert sum(items[k].tokens for k, rr in b if rr == r) <= cap.row_len
+        for e in range(2):
+            assert sum(items[k].enc[e] for k, _ in b) <= cap.enc[e]
+    # generous capacity: nothing is left out
+    roomy = B.Capacity(len(items) + 1, 64, (10 ** 6, 10 ** 6))
+    assert B.plan_window(items, steps, ranks, micro, roomy).unplaced == ()
+
+
+def test_reordering_beats_arrival_order():
+    rng = np.random.default_rng(0)
+    costs = (rng.pareto(1.5, 16 * 64) + 1) * 10
+    items = [B.Item(k, float(c), 8) for k, c in enumerate(costs)]
+    cap = B.Capacity(64, 64)
+    arrival = np.mean([B.max_over_mean(B.plan_arrival(items[s * 64:(s + 1) * 64], 8, cap), 1, 8, 1) for s in range(16)])
+    g16 = B.max_over_mean(B.plan_window(items, 16, 8, 1, cap), 16, 8, 1)
+    assert g16 < arrival and g16 < 1.2
+    assert B.lower_bound(items, 8) >= 1.0
+
+
+# --------------------------------------------------------------------------------- packing
+def test_pack_layout_places_encoder_outputs_on_placeholders():
+    from omnijax.data.tokens import default_mm_config
+    mm = default_mm_config()
+    specs = packing.encoder_specs(mm)
+    img = Sample((text("a"), Segment("image", np.random.rand(16, 24, 3).astype(np.float32)), text("ok", loss=True)))
+    aud = Sample((Segment("audio", np.random.rand(3000).astype(np.float32) - 0.5), text("7", loss=True)))
+    flats = [packing.flatten(s.validate(), mm, specs) for s in (img, aud)]
+    layout = packing.Layout(2, 64, (("audio", 64), ("vision", 64)))
+    out = packing.pack_bin([(flats[0], 0), (flats[1], 0)], layout, specs)
+    tok = out["tokens"].reshape(-1)
+    for name, ph in (("vision", tokenizer.IMAGE), ("audio", tokenizer.AUDIO)):
+        d = out[f"{name}_dest"]
+        assert (tok[d[d >= 0]] == ph).all() and (tok == ph).sum() == (d >= 0).sum()
+        seg = out[f"{name}_segment_ids"]
+        assert (seg > 0).sum() == (d >= 0).sum() * specs[name].group
+    row = out["segment_ids"][0]
+    assert set(row[row > 0]) == {1, 2} and out["segment_ids"][1].max() == 0
+    # the loss covers exactly the answer tokens ("ok" and "7")
+    assert out["loss_mask"].sum() == 3 and (out["targets"][out["loss_mask"] > 0] != tokenizer.PAD).all()
+    both = packing.concat([out, out], layout)
+    assert both["tokens"].shape == (4, 64) and both["vision_dest"].max() >= 2 * 64
+    assert both["vision_segment_ids"].max() == 2 * out["vision_segment_ids"].max()
+
+
+# ---------------------------------------------------------------------------------- loader
+CFG = dict(samples_per_step=16, dp=4, microbatches=2, window=2, row_len=128, max_rows=3)
+
+
+def _rank_slice(batch, layout, i, name=None):
+    rows = layout.rows
+    if name is None:
+        return {k: batch[k][i * rows:(i + 1) * rows] for k in ("tokens", "targets", "loss_mask", "segment_ids")}
+    n = dict(layout.enc)[name]
+    return batch[f"{name}_inputs"][i * n:(i + 1) * n]
+
+
+def test_resume_identical_with_other_host_counts():
+    one = Loader(LoaderConfig(**CFG))
+    it = iter(one)
+    full = [next(it) for _ in range(3)]
+    state = one.state()
+    after = next(it)
+    hosts = [Loader(LoaderConfig(**CFG), ranks=r) for r in ([0, 1], [2, 3])]
+    for h in hosts:
+        h.restore({**state, "step": 1})
+    for step, ref in zip(range(1, 4), full[1:] + [after]):
+        parts = [next(iter(h)) for h in hosts]
+        for h, part in zip(hosts, parts):
+            assert part["step"] == step and part["layout"] == ref["layout"]
+            for m in range(CFG["microbatches"]):
+                for i, r in enumerate(h.ranks):
+                    a, b = _rank_slice(part["microbatches"][m], ref["layout"], i), _rank_slice(ref["microbatches"][m], ref["layout"], r)
+                    assert all(np.array_equal(a[k], b[k]) for k in a)
+                    assert np.array_equal(_rank_slice(part["microbatches"][m], ref["layout"], i, "vision"),
+                                          _rank_slice(ref["microbatches"][m], ref["layout"], r, "vision"))
+    assert state == {"step": 3, "seed": 0, "schedule": one.schedule.fingerprint()}
+    with pytest.raises(UserError, match="same data config"):
+        Loader(LoaderConfig(**{**CFG, "seed": 1})).restore(state)
+
+
+def _shard(tmp_path, name, samples):
+    path = tmp_path / f"{name}.arrayrecord"
+    records.write_shard(path, samples)
+    return str(path)
+
+
+def test_bad_records_skipped_counted_logged_and_overlong(tmp_path, caplog):
+    good = [Sample((text("x" * 20), text("ok", loss=True))) for _ in range(6)]
+    long_text = Sample((text("y" * 300, loss=True),))  # 300 tokens > row_len 128: split
+    big_video = Sample((Segment("video", np.zeros((40, 64, 64, 3), np.float32)), text("a", loss=True)))  # over capacity
+    path = _shard(tmp_path, "mixed", good + [long_text, big_video])
+    # corrupt record 0's payload but keep its sidecar: decoding fails at load time
+    raw = records.encode(good[0])
+    bad_path = _shard(tmp_path, "bad", good[:3])
+    from array_record.python.array_record_module import ArrayRecordWriter
+    w = ArrayRecordWriter(bad_path, "group_size:1")
+    w.write(raw[:-30])  # truncated
+    for s in good[1:3]:
+        w.write(records.encode(s))
+    w.close()
+    cfg = LoaderConfig(sources=[SourceSpec("mixed", path=path), SourceSpec("bad", path=bad_path)],
+                       samples_per_step=8, dp=2, window=1, row_len=128, max_rows=4, max_encoder_rows={"vision": 1024})
+    loader = Loader(cfg)
+    caplog.set_level(logging.INFO, logger="omnijax.data")
+    for s in range(6):
+        loader.host_batch(s)
+    m = loader.metrics()
+    assert loader.skipped["bad"] > 0 and "skipped bad record bad[0]" in caplog.text
+    plans = [loader.window_plan(s) for s in range(6)]
+    assert any("over capacity" in why for p in plans for _, _, why in p.dropped)
+    assert sum(p.split for p in plans) > 0 and m["distinct_shapes"] >= 1
+    with pytest.raises(UserError, match="missing ArrayRecord shard: .*nope.arrayrecord"):
+        Loader(LoaderConfig(sources=[SourceSpec("x", path=str(tmp_path / "nope.arrayrecord"))]))
