@@ -1,0 +1,252 @@
+"""Entry point: run the LLM backbone under a 5D layout (PP x DP/FSDP x CP x TP x EP).
+
+``LLMParallel`` is a placement for the trainer (``mesh``, ``state_shardings``, ``put_state``,
+``put_batch``, ``bubble_fraction``) plus a ``loss_fn(model, batch) -> (loss_sum, count, aux)`` that runs
+the model's own layers with the parallel pieces plugged in:
+
+- DP / FSDP / TP: parameters and optimizer state placed by ``shardings/<rules>.yaml``; GSPMD inserts
+  the gathers, reduce-scatters and all-reduces those placements imply.
+- CP: batches are stored in the causal load-balanced order (``put_batch``) and attention runs with
+  :func:`omnijax.parallel.context.cp_attention` (ring or all-gather of K/V).
+- EP: MoE layers run with :func:`omnijax.parallel.expert.ep_moe` (all-to-all dispatch/combine).
+- PP: ``prepare(model)`` stacks the blocks on a ``stage`` axis (``PipelinedLLM``); the loss runs them
+  with :func:`omnijax.parallel.pipeline.spmd_pipeline`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from omnijax.errors import ConfigError
+from omnijax.layers.attention import dot_product_attention
+from omnijax.models.llm import AUX_KEYS, LLM, default_packing, zero_aux
+from omnijax.parallel import context, expert, pipeline, rules as rules_lib
+from omnijax.parallel.mesh import Layout, make_mesh, parse_layout
+from omnijax.train.losses import masked_cross_entropy
+
+_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Collective ops by kind in (compiled) HLO text; async pairs count once (the ``-start``)."""
+    counts: dict[str, int] = {}
+    for m in _COLLECTIVE.finditer(hlo_text):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return dict(sorted(counts.items()))
+
+
+class CompileCounter:
+    """Wraps a jitted function and reports how many distinct programs it compiled."""
+
+    def __init__(self, jitted: Callable):
+        self.fn = jitted
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    @property
+    def programs(self) -> int:
+        return int(self.fn._cache_size())
+
+
+# --------------------------------------------------------------------------------- pipelined model
+def _stacked_var(v: nnx.Variable, value: jax.Array) -> nnx.Variable:
+    names = v.get_metadata().get("out_sharding") or (None,) * (value.ndim - 3)
+    return v.replace(value, out_sharding=("stage", None, "layers", *names))
+
+
+class PipelinedLLM(nnx.Module):
+    """The LLM with its blocks stacked ``[stage, repeat, layer, ...]`` so ``pp`` can shard them.
+
+    Shares the embedding, final norm and head of the model it is built from; ``embed``/``logits`` are the
+    model's own methods.
+    """
+
+    def __init__(self, model: LLM, schedule: pipeline.Schedule):
+        self.embedding, self.lm_head, self.final_norm = model.embedding, model.lm_head, model.final_norm
+        self.tie_embeddings = model.tie_embeddings
+        self.vocab_size, self.embed_dim, self.config_json = model.vocab_size, model.embed_dim, model.config_json
+        self.num_layers = len(model.blocks)
+        graphs, states = zip(*(nnx.split(b) for b in model.blocks))
+        if any(g != graphs[0] for g in graphs[1:]):
+            raise ConfigError("pipeline parallelism needs identical blocks on every layer (e.g. model.moe.every=0 "
+                              "or 1): stages are stacked into one array per parameter")
+        stacked = pipeline.stack_layers(list(states), schedule)
+        stacked = jax.tree.map(lambda v, a: _stacked_var(v, a), states[0], stacked,
+                               is_leaf=lambda x: isinstance(x, nnx.Variable))
+        self.stages = nnx.merge(graphs[0], stacked)
+        self.repeats = schedule.repeats
+
+    embed = LLM.embed
+    logits = LLM.logits
+
+
+def unstack_params(pipelined_params: nnx.State, schedule: pipeline.Schedule) -> dict:
+    """Pure-dict params of a ``PipelinedLLM`` in the original ``LLM`` layout (``blocks`` as a list)."""
+    pure = nnx.to_pure_dict(pipelined_params)
+    stages = pure.pop("stages")
+    stages = jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, stages,
+                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+    layers = pipeline.unstack_layers(stages, schedule)
+    pure["blocks"] = {i: layer for i, layer in enumerate(layers)}
+    return pure
+
+
+# ---------------------------------------------------------------------------------------- engine
+class LLMParallel:
+    """Mesh, placements and the parallel loss for one LLM layout."""
+
+    def __init__(self, layout: str | Layout, model_cfg: Any, *, devices: list | None = None,
+                 rules: str = "llm_5d", microbatches: int = 0,
+                 schedule: Literal["gpipe", "circular"] = "gpipe", repeats: int = 2, remat: bool = False,
+                 cp_impl: Literal["ring", "allgather"] = "ring", ep_impl: Literal["alltoall", "gspmd"] = "alltoall"):
+        devices = list(jax.devices() if devices is None else devices)
+        self.layout = parse_layout(layout, len(devices)) if isinstance(layout, str) else layout
+        r = repeats if (schedule == "circular" and self.layout.pp > 1) else 1
+        self.mesh: Mesh = make_mesh(self.layout, devices, model_cfg, microbatches=microbatches, circular_repeats=r)
+        self.rules = rules_lib.load_rules(rules)
+        self.model_cfg = model_cfg
+        self.remat, self.cp_impl, self.ep_impl = remat, cp_impl, ep_impl
+        self.schedule: pipeline.Schedule | None = None
+        if self.layout.pp > 1:
+            m = microbatches or 2 * self.layout.pp
+            self.schedule = pipeline.make_schedule(schedule, self.layout.pp, m, model_cfg.num_layers, repeats)
+        if self.layout.ep > 1 and ep_impl == "alltoall" and self.layout.pp > 1:
+            raise ConfigError(f"parallel.llm={self.layout}: expert all-to-all inside the pipeline is not supported; "
+                              "use pp with dense layers or ep without pp")
+
+    @classmethod
+    def from_config(cls, cfg: Any, devices: list | None = None) -> "LLMParallel":
+        """From an omnijax ``Config`` (``parallel`` and ``model`` sections)."""
+        p = cfg.parallel
+        return cls(p.llm, cfg.model, devices=devices, rules=p.rules, microbatches=p.microbatches,
+                   schedule=p.pipeline_schedule, remat=p.remat)
+
+    # ---------------------------------------------------------------------- placement interface
+    @property
+    def bubble_fraction(self) -> float:
+        return self.schedule.bubble_fraction if self.schedule else 0.0
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.batch_shards
+
+    def activation(self, *names: str | None) -> NamedSharding:
+        return NamedSharding(self.mesh, self.rules.spec(names, None, self.mesh, "activations"))
+
+    def constrain(self, x: jax.Array, *names: str | None) -> jax.Array:
+        spec = self.rules.spec(names, x.shape, self.mesh, "activations")
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def state_shardings(self, state: Any) -> Any:
+        """Params and everything that mirrors them (optimizer moments, gradients) by the rules."""
+        return rules_lib.state_shardings(state, self.rules, self.mesh)
+
+    def put_state(self, state: Any) -> Any:
+        return jax.device_put(state, self.state_shardings(state))
+
+    def batch_sharding(self, batch: dict) -> dict:
+        return {k: self.activation("batch", "seq") if np.ndim(v) >= 2 else self.activation("batch")
+                for k, v in batch.items()}
+
+    def layout_batch(self, batch: dict) -> dict:
+        """Host-side: store every ``[B, L]`` array in the causal load-balanced order for ``cp``."""
+        if self.layout.cp == 1:
+            return dict(batch)
+        out = {}
+        for k, v in batch.items():
+            v = np.asarray(v)
+            out[k] = v[:, context.balanced_order(v.shape[1], self.layout.cp)] if v.ndim >= 2 else v
+        return out
+
+    def put_batch(self, batch: dict) -> dict:
+        batch = self.layout_batch(batch)
+        sh = self.batch_sharding(batch)
+        return {k: jax.make_array_from_process_local_data(sh[k], np.asarray(v)) for k, v in batch.items()}
+
+    # ----------------------------------------------------------------------------------- model
+    def prepare(self, model: LLM) -> nnx.Module:
+        """The module to train under this layout: the model itself, or its pipelined form for pp > 1."""
+        return PipelinedLLM(model, self.schedule) if self.schedule else model
+
+    def _attention(self, q, k, v, seg, pos, inside_pipeline: bool):
+        if self.layout.cp > 1 and not inside_pipeline:
+            return context.cp_attention(q, k, v, seg, seg, pos, pos, mesh=self.mesh, impl=self.cp_impl,
+                                        attention_fn=dot_product_attention)
+        return dot_product_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
+                                     kv_positions=pos, causal=True)
+
+    def _moe(self, moe, h, seg):
+        if self.layout.ep > 1 and self.ep_impl == "alltoall":
+            specs = {n: self.rules.spec(getattr(moe, n).get_metadata()["out_sharding"], getattr(moe, n).shape,
+                                        self.mesh, "params") for n in ("gate", "up", "down")}
+            return expert.ep_moe(moe, h, seg, mesh=self.mesh, weight_specs=specs)
+        return moe(h, seg)
+
+    def block(self, blk: nnx.Module, x: jax.Array, seg: jax.Array, pos: jax.Array,
+              inside_pipeline: bool = False) -> tuple[jax.Array, dict]:
+        """One decoder layer (same maths as ``Block.__call__``) with CP attention and EP experts."""
+        q, k, v = blk.attn.project_qkv(blk.attn_norm(x), pos)
+        x = x + blk.attn.output(self._attention(q, k, v, seg, pos, inside_pipeline))
+        h = blk.mlp_norm(x)
+        y, aux = self._moe(blk.mlp, h, seg) if blk.is_moe else (blk.mlp(h), zero_aux())
+        if not inside_pipeline:
+            x = self.constrain(x + y, "batch", "seq", "embed")
+        else:
+            x = x + y
+        return x, aux
+
+    def forward_embeddings(self, model: nnx.Module, x: jax.Array, seg: jax.Array | None = None,
+                           pos: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Parallel counterpart of ``LLM.forward_embeddings``: ``x [B, L, D] -> (logits, aux)``."""
+        seg, pos = default_packing(x.shape, seg, pos)
+        x = self.constrain(x, "batch", "seq", "embed")
+        if isinstance(model, PipelinedLLM):
+            x, aux = self._pipeline(model, x, seg, pos)
+        else:
+            aux = zero_aux()
+            for blk in model.blocks:
+                x, a = self.block(blk, x, seg, pos)
+                aux = {kk: aux[kk] + a[kk] for kk in AUX_KEYS}
+        logits = model.logits(model.final_norm(x))
+        return self.constrain(logits, "batch", "seq", "vocab"), aux
+
+    def _pipeline(self, model: PipelinedLLM, x, seg, pos):
+        sch = self.schedule
+        graph, stacked = nnx.split(model.stages)
+        per = jax.tree.leaves(stacked)[0].shape[2]
+        b = x.shape[0]
+        if b % sch.microbatches or (b // sch.microbatches) % self.layout.batch_shards:
+            raise ConfigError(f"batch of {b} sequences: pp needs it divisible by parallel.microbatches="
+                              f"{sch.microbatches} x data shards {self.layout.batch_shards}")
+
+        def stage(params, h, ex):
+            s_seg, s_pos = ex
+            tot = jnp.zeros((len(AUX_KEYS),), jnp.float32)
+            for j in range(per):
+                blk = nnx.merge(graph, jax.tree.map(lambda a: a[j], params))
+                h, a = self.block(blk, h, s_seg, s_pos, inside_pipeline=True)
+                tot = tot + jnp.stack([a[kk] for kk in AUX_KEYS])
+            return h, tot
+
+        xs = pipeline.split_microbatches(x, sch.microbatches)
+        xs = self.constrain(xs, None, "batch", "seq", "embed")
+        extras = (pipeline.split_microbatches(seg, sch.microbatches), pipeline.split_microbatches(pos, sch.microbatches))
+        ys, aux = pipeline.spmd_pipeline(stage, stacked, xs, extras, mesh=self.mesh, schedule=sch, remat=self.remat)
+        y = self.constrain(pipeline.merge_microbatches(ys), "batch", "seq", "embed")
+        m = sch.microbatches  # per-microbatch means -> mean over the batch; counts add up
+        aux = {kk: aux[i] if kk == "moe_dropped_tokens" else aux[i] / m for i, kk in enumerate(AUX_KEYS)}
+        return y, aux
+
+    def loss_fn(self, model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
+        """``LossFn`` for ``omnijax.train.step``: (loss_sum, token_count, aux) of the next-token loss."""
+        x = model.embed(batch["tokens"])
+        logits, aux = self.forward_embeddings(model, x, batch["segment_ids"], batch["positions"])
+        loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+        return loss_sum, count, aux

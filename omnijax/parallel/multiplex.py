@@ -1,0 +1,200 @@
+"""Encoder–LLM multiplexing: one jitted step in which every device encodes and the LLM keeps its layout.
+
+The encoders run inside one `shard_map` over *all* devices (the encoder view `(edp, esp)` of the
+LLM mesh): each device encodes its own short segments (pure data parallelism) and its chunk of the
+long segments of its `esp` group (sequence parallelism: all-to-all over heads). The projected
+output tokens then travel to the LLM positions that need them with one fixed-capacity
+`all_to_all` driven by the host plan (`omnijax.parallel.routing`); its transpose carries the
+gradients back. The LLM half is `LLMParallel`'s (DP/FSDP/TP/CP/EP/PP), so the whole
+forward/backward is one XLA program that the compiler schedules.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from omnijax.errors import ConfigError
+from omnijax.layers import attention as attention_lib
+from omnijax.models.mllm import MultimodalModel
+from omnijax.parallel import context, routing
+from omnijax.parallel.engine import LLMParallel
+from omnijax.train.losses import masked_cross_entropy
+
+ALL = routing.MESH_AXES
+
+
+class MultiplexedModel(nnx.Module):
+    """The multimodal model with its LLM in the layout's form (stacked stages under pp)."""
+
+    def __init__(self, model: MultimodalModel, engine: LLMParallel):
+        self.llm = engine.prepare(model.llm)
+        self.encoders = model.encoders
+        self.projectors = model.projectors
+
+
+class EncoderPart(nnx.Module):
+    """Encoders + projectors: the half of the model that runs inside the shard_map."""
+
+    def __init__(self, encoders: nnx.Dict, projectors: nnx.Dict):
+        self.encoders, self.projectors = encoders, projectors
+
+
+def ulysses_attention(axes: tuple[str, ...]):
+    """Sequence-parallel attention over `axes`: all-to-all heads<->sequence, attend, and back.
+
+    Each device holds a chunk of the group's long buffer; after the exchange it holds every row of
+    the group for H/esp heads, so attention sees whole segments (segment ids decide who attends to
+    whom), then the inverse exchange restores the row chunking."""
+
+    def attend(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal=False, **kw):
+        # q/k/v [B=1, n, H, Dh] -> [1, esp*n, H/esp, Dh]
+        gather = lambda t: jax.lax.all_to_all(t, axes, 2, 1, tiled=True)  # noqa: E731
+        seg = jax.lax.all_gather(q_segment_ids, axes, axis=1, tiled=True)
+        pos = jax.lax.all_gather(q_positions, axes, axis=1, tiled=True)
+        out = attention_lib.dot_product_attention(gather(q), gather(k), gather(v), q_segment_ids=seg,
+                                                  kv_segment_ids=seg, q_positions=pos, kv_positions=pos,
+                                                  causal=causal, **kw)
+        return jax.lax.all_to_all(out, axes, 1, 2, tiled=True)
+
+    return attend
+
+
+class Multiplexer:
+    """Placement + loss for the joint multimodal step (the trainer's placement interface).
+
+    mode: "balanced" (omnijax), "arrival" (decoupled, no reordering) or "coupled" (the baseline that
+    encodes on pipeline stage 0, replicated over tp/cp). long_short=False keeps every segment DP.
+    """
+
+    def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
+                 mode: routing.Mode = "balanced", long_short: bool = True, cost_fn=None,
+                 capacities: dict | None = None):
+        self.engine, self.mesh, self.mm_cfg = engine, engine.mesh, mm_cfg
+        devices = int(np.prod(list(self.mesh.shape.values())))
+        edp, esp = routing.parse_encoder_layout(encoder_layout, devices)
+        self.grid = routing.DeviceGrid.from_layout(engine.layout, esp)
+        self.esp_axes = self.grid.esp_axes()
+        self.mode, self.long_short = mode, long_short and esp > 1
+        self.capacities = capacities
+        from omnijax.data.packing import encoder_specs
+
+        specs = encoder_specs(mm_cfg)
+        self.reductions = {n: s.group for n, s in specs.items()}
+        self.dims = {n: s.dim for n, s in specs.items()}
+        if self.long_short:
+            from omnijax.models.mm_config import encoder_configs
+
+            for name, c in encoder_configs(mm_cfg).items():
+                if c.num_heads % esp:
+                    raise ConfigError(f"parallel.encoder: esp={esp} must divide model.encoders.{name}.num_heads="
+                                      f"{c.num_heads} (sequence parallelism splits heads)")
+        self.cost_fn = cost_fn or self._default_cost
+        self.last_plan: routing.Plan | None = None
+
+    def _default_cost(self, name: str, rows: int) -> float:
+        from omnijax.data.cost import CostModel
+
+        coeffs = CostModel.from_flops(self.mm_cfg).encoders[name]
+        n = rows // self.reductions[name] if name == "audio" else rows
+        return float(coeffs(n))
+
+    # ------------------------------------------------------------------ placement interface
+    @property
+    def bubble_fraction(self) -> float:
+        return self.engine.bubble_fraction
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.engine.data_parallel_size
+
+    def prepare(self, model: MultimodalModel) -> MultiplexedModel:
+        return MultiplexedModel(model, self.engine)
+
+    def state_shardings(self, state: Any) -> Any:
+        return self.engine.state_shardings(state)
+
+    def put_state(self, state: Any) -> Any:
+        return self.engine.put_state(state)
+
+    def plan(self, host_batch: dict) -> routing.Plan:
+        return routing.build_plan(host_batch, self.grid, self.reductions, self.dims, self.cost_fn,
+                                  order=context.balanced_order, mode=self.mode, long_short=self.long_short,
+                                  capacities=self.capacities)
+
+    def put_batch(self, host_batch: dict) -> dict:
+        """LLM arrays in the LLM layout; encoder buffers and routing tables one row per device."""
+        plan = self.plan(host_batch)
+        self.last_plan = plan
+        llm_keys = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+        out = self.engine.put_batch({k: host_batch[k] for k in llm_keys})
+        sharding = NamedSharding(self.mesh, P(ALL))
+        flat = list(np.asarray(self.mesh.devices).reshape(-1))
+        local = [i for i, d in enumerate(flat) if d.process_index == jax.process_index()]
+        for k, v in plan.arrays.items():
+            out[k] = jax.make_array_from_process_local_data(sharding, v[local[0]:local[-1] + 1], v.shape)
+        return out
+
+    # --------------------------------------------------------------------------- the step
+    def _encode_local(self, part: EncoderPart, arrays: dict) -> jax.Array:
+        """This device's projected encoder outputs [M, D_llm] (short then long, per encoder) + a zero pad row."""
+        outs = []
+        for name in sorted(self.reductions):
+            if f"{name}_short_inputs" not in arrays:
+                continue
+            enc, proj = part.encoders[name], part.projectors[name]
+            r = self.reductions[name]
+            for kind in ("short", "long"):
+                x = arrays[f"{name}_{kind}_inputs"]
+                if x.shape[0] == 0:
+                    continue
+                seg, pos = arrays[f"{name}_{kind}_segment_ids"], arrays[f"{name}_{kind}_positions"]
+                run = lambda x=x, seg=seg, pos=pos, kind=kind: self._run_encoder(enc, proj, x, seg, pos, kind)
+                has_work = jnp.any(seg > 0)
+                if kind == "long":  # every device of the group must take the same branch (collectives inside)
+                    has_work = jax.lax.psum(has_work.astype(jnp.int32), self.esp_axes) > 0
+                width = self.engine.model_cfg.embed_dim
+                outs.append(jax.lax.cond(has_work, run, lambda: jnp.zeros((x.shape[0] // r, width), jnp.float32)))
+        width = self.engine.model_cfg.embed_dim
+        outs.append(jnp.zeros((1, width), jnp.float32))
+        return jnp.concatenate(outs, axis=0)
+
+    def _run_encoder(self, enc, proj, x, seg, pos, kind: Literal["short", "long"]) -> jax.Array:
+        if kind == "long":
+            with attention_lib.use_attention(ulysses_attention(self.esp_axes)):
+                h = enc(x, seg, pos)
+        else:
+            h = enc(x, seg, pos)
+        return proj(h).astype(jnp.float32)
+
+    def inject(self, part: EncoderPart, x: jax.Array, batch: dict) -> jax.Array:
+        """Write every encoder output token into its LLM position of `x` [B, L, D] (LLM layout)."""
+        keys = [k for k in batch if k.endswith(("_inputs", "_segment_ids", "_positions")) and
+                k.split("_")[1] in ("short", "long")] + ["route_send", "route_recv"]
+        arrays = {k: batch[k] for k in keys}
+        graphdef, state = nnx.split(part)
+        x_spec = self.engine.activation("batch", "seq", "embed").spec
+
+        def body(state, x, arrays):
+            local = {k: v[0] for k, v in arrays.items()}
+            out = self._encode_local(nnx.merge(graphdef, state), local).astype(x.dtype)
+            sent = out[local["route_send"]]                              # [D, C, D_llm]
+            got = jax.lax.all_to_all(sent, ALL, 0, 0, tiled=True)        # [D, C, D_llm], row = source
+            b, l, d = x.shape
+            flat = x.reshape(b * l, d).at[local["route_recv"].reshape(-1)].set(got.reshape(-1, d), mode="drop")
+            return flat.reshape(b, l, d)
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), x_spec, P(ALL)), out_specs=x_spec, check_vma=False)
+        return fn(state, x, arrays)
+
+    def loss_fn(self, model: MultiplexedModel, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
+        x = model.llm.embed(batch["tokens"])
+        x = self.engine.constrain(x, "batch", "seq", "embed")
+        x = self.inject(EncoderPart(model.encoders, model.projectors), x, batch)
+        logits, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"])
+        loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+        return loss_sum, count, aux
