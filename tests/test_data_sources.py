@@ -1,0 +1,142 @@
+"""Sources and conversion: JSONL with media (npy/PNG/WAV) -> ArrayRecord, Parquet, metadata without payloads."""
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from omnijax.data import media, records, sources
+from omnijax.data.sample import BadSample, Sample, text
+from omnijax.errors import UserError
+
+
+def _png_with_filters(path, px):
+    """PNG whose rows use filters 0..4 in turn (exercises every unfilter path of the reader)."""
+    h, w, c = px.shape
+    bpp, out, prev = c, b"", np.zeros(w * c, np.int32)
+    for y in range(h):
+        cur = px[y].reshape(-1).astype(np.int32)
+        kind = y % 5
+        left = np.concatenate([np.zeros(bpp, np.int32), cur[:-bpp]])
+        upleft = np.concatenate([np.zeros(bpp, np.int32), prev[:-bpp]])
+        if kind == 0:
+            f = cur
+        elif kind == 1:
+            f = cur - left
+        elif kind == 2:
+            f = cur - prev
+        elif kind == 3:
+            f = cur - (left + prev) // 2
+        else:
+            p = left + prev - upleft
+            pa, pb, pc = abs(p - left), abs(p - prev), abs(p - upleft)
+            f = cur - np.where((pa <= pb) & (pa <= pc), left, np.where(pb <= pc, prev, upleft))
+        out += bytes([kind]) + (f % 256).astype(np.uint8).tobytes()
+        prev = cur
+
+    def chunk(k, b):
+        return struct.pack(">I", len(b)) + k + b + struct.pack(">I", zlib.crc32(k + b))
+    path.write_bytes(media.PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 6 if c == 4 else 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(out)) + chunk(b"IEND", b""))
+
+
+def test_png_and_wav_readers(tmp_path):
+    rng = np.random.default_rng(0)
+    for c in (3, 4):
+        px = rng.integers(0, 256, (10, 7, c), dtype=np.uint8)
+        _png_with_filters(tmp_path / "a.png", px)
+        img = media.load_png(tmp_path / "a.png")
+        assert media.png_shape(tmp_path / "a.png") == img.shape == (10, 7, 3)
+        assert np.array_equal(np.round(img * 255).astype(np.uint8), px[..., :3])
+    wave = np.sin(np.arange(8000) / 8000 * 2 * np.pi * 440).astype(np.float32) * 0.5
+    media.write_wav(tmp_path / "a.wav", wave, rate=8000)  # resampled to 16 kHz on load
+    x = media.load_wav(tmp_path / "a.wav")
+    assert x.shape == media.wav_shape(tmp_path / "a.wav") == (16000,)
+    assert abs(np.abs(x).max() - 0.5) < 0.01
+    (tmp_path / "bad.png").write_bytes(b"nope")
+    with pytest.raises(BadSample, match="not a PNG"):
+        media.load_png(tmp_path / "bad.png")
+
+
+@pytest.fixture()
+def jsonl(tmp_path):
+    rng = np.random.default_rng(1)
+    np.save(tmp_path / "clip.npy", rng.random((3, 16, 16, 3), dtype=np.float32))
+    media.write_png(tmp_path / "img.png", rng.random((16, 24, 3)))
+    media.write_wav(tmp_path / "tone.wav", np.sin(np.arange(4000) / 10).astype(np.float32) * 0.3)
+    np.save(tmp_path / "empty.npy", np.zeros((0, 8, 3), np.float32))
+    lines = [
+        {"text": "plain text document"},
+        {"segments": [{"text": "look: "}, {"image": "img.png"}, {"text": "a picture", "loss": True}]},
+        {"segments": [{"video": "clip.npy"}, {"text": "moving", "loss": True}]},
+        {"segments": [{"audio": "tone.wav"}, {"text": "7", "loss": True}]},
+        "not json at all",
+        {"segments": [{"image": "missing.png"}, {"text": "x", "loss": True}]},
+        {"segments": [{"image": "empty.npy"}, {"text": "x", "loss": True}]},
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n\n")
+    return path
+
+
+def test_jsonl_meta_matches_payload_and_bad_lines(jsonl):
+    src = sources.JsonlSource("d", str(jsonl))
+    assert len(src) == 7
+    for i in range(4):
+        s = src.get(i).validate()
+        assert s.meta() == src.meta(i)
+    assert src.meta(1).modalities == ("text", "image", "text") and src.meta(1).segments[1].shape == (16, 24, 3)
+    with pytest.raises(records.BadRecord, match="not valid JSON"):
+        src.meta(4)
+    with pytest.raises(BadSample, match="not found"):
+        src.get(5)
+    with pytest.raises(BadSample, match="empty image"):
+        src.get(6).validate()
+
+
+def test_convert_to_arrayrecord_and_read_back(jsonl, tmp_path, capsys):
+    from recipes import convert
+    out = tmp_path / "shards"
+    assert convert.main([f"input={jsonl}", f"output={out}", "shards=2"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["records"] == 4 and summary["skipped_bad"] == 3
+    ref = sources.JsonlSource("d", str(jsonl))
+    (ar,) = sources.open_sources([sources.SourceSpec("d", path=str(out))])
+    assert len(ar) == 4
+    for i in range(len(ar)):  # metadata from the sidecar equals the decoded payload's
+        assert ar.meta(i) == ar.get(i).meta()
+    originals = {records.encode(ref.get(i).with_origin("d", 0)) for i in range(4)}
+    assert {records.encode(ar.get(i).with_origin("d", 0)) for i in range(4)} == originals  # payloads intact
+
+
+def test_record_header_is_enough_for_metadata():
+    s = Sample((text("hello"), text("!", loss=True)), "x", 3)
+    raw = records.encode(s)
+    assert records.read_meta(raw, "x", 3) == s.meta()
+    with pytest.raises(records.BadRecord, match="truncated"):
+        records.decode(raw[:-2])
+    with pytest.raises(records.BadRecord, match="magic"):
+        records.decode(b"garbage!")
+
+
+def test_parquet_source(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["abc", "héllo wörld", None]}), tmp_path / "t.parquet", row_group_size=2)
+    (src,) = sources.open_sources([sources.SourceSpec("p", path=str(tmp_path / "t.parquet"))])
+    assert len(src) == 3
+    assert src.get(1).meta() == src.meta(1) and src.meta(1).loss_tokens == len("héllo wörld".encode()) + 1
+    with pytest.raises(BadSample, match="null"):
+        src.get(2)
+    with pytest.raises(UserError, match="no column"):
+        sources.ParquetSource("p", str(tmp_path / "t.parquet"), column="body")
+
+
+def test_missing_inputs_fail_at_open(tmp_path):
+    with pytest.raises(UserError, match="missing JSONL file"):
+        sources.open_sources([sources.SourceSpec("j", path=str(tmp_path / "x.jsonl"))])
+    records.write_shard(tmp_path / "a.arrayrecord", [Sample((text("a"),))])
+    (tmp_path / "a.arrayrecord.meta.npz").unlink()
+    with pytest.raises(UserError, match="missing metadata sidecar"):
+        sources.open_sources([sources.SourceSpec("a", path=str(tmp_path / "a.arrayrecord"))])
