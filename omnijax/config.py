@@ -107,6 +107,11 @@ class TrainerConfig:
     keep_checkpoints: int = 3
     max_nonfinite_in_row: int = 5
     progress: bool = True
+    # Stale data parallelism (omnijax/train/staleness.py): apply the all-reduced gradient one step late.
+    staleness: Literal["sync", "stale1", "stale1+dc", "stale1+wp", "stale1+dc+wp"] = "sync"
+    dc_lambda: float = 0.04          # delay compensation strength (stale1+dc)
+    dc_adaptive: bool = False        # lambda / sqrt(mean square of the gradient), as in DC-ASGD-a
+    stale_warmup_steps: int = 10     # synchronous steps before staleness starts
 
 
 @dataclass
@@ -127,7 +132,8 @@ _POSITIVE = {
 }
 _NON_NEGATIVE = {"trainer.seed", "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip",
                  "parallel.cpu_devices", "parallel.microbatches", "trainer.checkpoint_every",
-                 "trainer.eval_every", "data.eval_batches", "data.workers"}
+                 "trainer.eval_every", "data.eval_batches", "data.workers",
+                 "trainer.dc_lambda", "trainer.stale_warmup_steps"}
 
 
 def validate(cfg: Config) -> Config:

@@ -91,10 +91,17 @@ class Trainer:
         self.optimizer = make_optimizer(cfg.optimizer, cfg.trainer.steps)
         self.lr_schedule = learning_rate_schedule(cfg.optimizer, cfg.trainer.steps)
         state = init_state(params, self.optimizer)
-        self.state = self.placement.put_state(state)
-        step = make_train_step(self.graphdef, self.rest, loss_fn, self.optimizer,
-                               grad_accum=cfg.trainer.grad_accum, aux_weights=aux_weights,
-                               compute_dtype=jnp.dtype(cfg.trainer.compute_dtype))
+        if cfg.trainer.staleness != "sync":  # stale data parallelism: omnijax/train/staleness.py
+            from omnijax.train.staleness import make_stale_train_step
+
+            self.state, step = make_stale_train_step(
+                cfg.trainer, self.graphdef, self.rest, loss_fn, self.optimizer, self.placement, state,
+                compute_dtype=jnp.dtype(cfg.trainer.compute_dtype), aux_weights=aux_weights)
+        else:
+            self.state = self.placement.put_state(state)
+            step = make_train_step(self.graphdef, self.rest, loss_fn, self.optimizer,
+                                   grad_accum=cfg.trainer.grad_accum, aux_weights=aux_weights,
+                                   compute_dtype=jnp.dtype(cfg.trainer.compute_dtype))
         self._step = jax.jit(step, donate_argnums=0)
         self.checkpointer = (Checkpointer(self.run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
                              if cfg.trainer.checkpoint_every else None)
