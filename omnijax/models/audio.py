@@ -8,12 +8,16 @@ positions over the downsampled frame index.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from omnijax.config import from_dict
 from omnijax.data import features
-from omnijax.models.encoder_layers import EncoderBlock, layer_norm, linear, rope_inv_freq, transformer_flops
+from omnijax.models.encoder_layers import EncoderBlock, as_static, layer_norm, linear, rope_inv_freq, transformer_flops
 from omnijax.models.mm_config import AudioConfig
 
 
@@ -21,16 +25,20 @@ class AudioEncoder(nnx.Module):
     """(frames [N, n_mels], segment_ids [N], positions [N, 3]) -> [N / reduction, D]."""
 
     def __init__(self, cfg: AudioConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+        self.config_json = json.dumps(dataclasses.asdict(cfg), sort_keys=True)  # static attrs must hash
         d, r = cfg.embed_dim, cfg.reduction
         self.input_dim = cfg.n_mels
         self.reduction = r
         self.out_dim = d
         self.downsample = linear(r * cfg.n_mels, d, (None, "embed"), rngs)
-        self.inv_freq = rope_inv_freq(d // cfg.num_heads, 1, cfg.rope_theta)
+        self.inv_freq = as_static(rope_inv_freq(d // cfg.num_heads, 1, cfg.rope_theta))
         self.blocks = nnx.List([EncoderBlock(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs)
                                 for _ in range(cfg.num_layers)])
         self.post_norm = layer_norm(d, cfg.norm_eps, rngs)
+
+    @property
+    def cfg(self) -> AudioConfig:
+        return from_dict(AudioConfig, json.loads(self.config_json))
 
     def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         r = self.reduction

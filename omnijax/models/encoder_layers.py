@@ -39,9 +39,14 @@ def rope_inv_freq(head_dim: int, axes: int, theta: float) -> np.ndarray:
     return table
 
 
+def as_static(table: np.ndarray) -> tuple[tuple[float, ...], ...]:
+    """A host table as nested tuples: a hashable module attribute that jit treats as a constant."""
+    return tuple(tuple(float(v) for v in row) for row in np.asarray(table))
+
+
 def apply_rope_nd(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate x [B, L, H, Dh] ("rotate half" layout) by angles sum_a positions[..., a] * inv_freq[a]."""
-    angles = jnp.einsum("bla,ap->blp", positions.astype(jnp.float32), jnp.asarray(inv_freq))
+    angles = jnp.einsum("bla,ap->blp", positions.astype(jnp.float32), jnp.asarray(np.asarray(inv_freq, np.float32)))
     cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)

@@ -10,12 +10,16 @@ learned table indexed by (h, w). The optional merger groups merge x merge neighb
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from omnijax.config import from_dict
 from omnijax.data import features
-from omnijax.models.encoder_layers import (EncoderBlock, GeluMLP, layer_norm, linear, rope_inv_freq,
+from omnijax.models.encoder_layers import (EncoderBlock, GeluMLP, as_static, layer_norm, linear, rope_inv_freq,
                                            transformer_flops)
 from omnijax.models.mm_config import VisionConfig
 from omnijax.layers.attention import dot_product_attention
@@ -54,7 +58,8 @@ class VisionEncoder(nnx.Module):
     """Packed ViT: (patches [N, Din], segment_ids [N], positions [N, 3]) -> [N / merge^2, merge^2 * D]."""
 
     def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+        self.config_json = json.dumps(dataclasses.asdict(cfg), sort_keys=True)  # static attrs must hash
+        self.learned_grid = cfg.learned_grid
         d = cfg.embed_dim
         self.input_dim = cfg.temporal_patch * cfg.patch * cfg.patch * 3
         self.reduction = cfg.merge * cfg.merge
@@ -67,17 +72,21 @@ class VisionEncoder(nnx.Module):
             self.inv_freq = None
         else:
             self.pos_embed = None
-            self.inv_freq = rope_inv_freq(d // cfg.num_heads, 3, cfg.rope_theta)
+            self.inv_freq = as_static(rope_inv_freq(d // cfg.num_heads, 3, cfg.rope_theta))
         self.blocks = nnx.List([EncoderBlock(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs)
                                 for _ in range(cfg.num_layers)])
         self.post_norm = layer_norm(d, cfg.norm_eps, rngs) if cfg.post_norm else None
         self.head = PoolingHead(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs) if cfg.head else None
 
+    @property
+    def cfg(self) -> VisionConfig:
+        return from_dict(VisionConfig, json.loads(self.config_json))
+
     def hidden(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """Per-patch features [N, D] after the blocks (and post-norm)."""
         x = self.patch_embed(inputs.astype(jnp.float32))
         if self.pos_embed is not None:
-            g = self.cfg.learned_grid
+            g = self.learned_grid
             x = x + self.pos_embed[...][positions[:, 1] * g + positions[:, 2]]
         x, seg, pos = x[None], segment_ids[None], positions[None]
         for block in self.blocks:

@@ -1,0 +1,384 @@
+"""tiny_omni: a tiny vision+audio+LLM model trained on the built-in world, then greedy-decoded."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from omnijax.config import Config, DataConfig, build, OptimizerConfig, ParallelConfig, TrainerConfig, validate
+from omnijax.data import features, tokenizer
+from omnijax.data.sample import BadSample, Sample
+from omnijax.data.world import WorldConfig
+from omnijax.errors import ConfigError
+from omnijax.models.mm_config import MMConfig, encoder_configs
+
+DESCRIPTION = "tiny vision+audio+LLM on the built-in multimodal world (CPU, minutes); per-modality answer accuracy vs chance"
+
+PLACEHOLDER = {"image": tokenizer.IMAGE, "video": tokenizer.VIDEO, "audio": tokenizer.AUDIO}
+
+
+@dataclass
+class EvalConfig:
+    items: int = 150              # held-out questions per modality
+    batch_size: int = 32
+    max_new_tokens: int = 14
+
+
+@dataclass
+class OmniConfig:
+    model: MMConfig = field(default_factory=MMConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    # encoder name -> input-row capacity of one global batch (multiples of its reduction)
+    capacity: dict[str, Any] = field(default_factory=lambda: {"vision": 2048, "audio": 1024})
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def check(cfg: OmniConfig) -> OmniConfig:
+    # the shared sections, with the LLM section checked as a text model's would be
+    validate(Config(model=cfg.model.llm, parallel=cfg.parallel, data=cfg.data, optimizer=cfg.optimizer,
+                    trainer=cfg.trainer))
+    encs = encoder_configs(cfg.model)
+    for name, enc in encs.items():
+        r = enc.merge * enc.merge if hasattr(enc, "merge") else enc.reduction
+        cap = cfg.capacity.get(name)
+        if not isinstance(cap, int) or cap <= 0 or cap % r:
+            raise ConfigError(f"capacity.{name}={cap!r}: must be a positive multiple of {r} (the encoder's reduction)")
+    if cfg.model.llm.max_seq_len < cfg.data.seq_len:
+        raise ConfigError(f"model.llm.max_seq_len={cfg.model.llm.max_seq_len} must be >= data.seq_len={cfg.data.seq_len}")
+    cfg.world.check()
+    return cfg
+
+
+# ------------------------------------------------------------------------------------ packing
+class Packer:
+    """Host-side packing of Samples into the batch layout of brief/DESIGN (fixed capacities).
+
+    Samples go first-fit into B rows of L LLM tokens; their encoder segments go into one buffer per
+    encoder. A sample that can never fit (a segment larger than a capacity) or that fails validation
+    is skipped and counted in `skipped`, never a crash.
+    """
+
+    def __init__(self, mm_cfg: MMConfig, batch_size: int, seq_len: int, capacity: dict[str, int]):
+        self.cfg = mm_cfg
+        self.encs = encoder_configs(mm_cfg)
+        self.modalities = dict(mm_cfg.modalities)
+        self.B, self.L = batch_size, seq_len
+        self.capacity = {name: int(capacity[name]) for name in self.encs}
+        self.reduction = {name: (e.merge * e.merge if hasattr(e, "merge") else e.reduction) for name, e in self.encs.items()}
+        self.skipped: dict[str, int] = {}
+
+    def _skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+    def sizes(self, sample: Sample) -> tuple[int, dict[str, int]] | None:
+        """(LLM tokens, encoder rows per encoder) from metadata, or None (counted) if it can never fit."""
+        try:
+            meta = sample.meta()
+            llm, rows = 0, {}
+            for seg in meta.segments:
+                n_in, n_llm = features.encoder_tokens(seg.modality, seg.shape, self.cfg)
+                llm += n_llm
+                if seg.modality != "text":
+                    name = self.modalities[seg.modality]
+                    rows[name] = rows.get(name, 0) + n_in
+        except BadSample:
+            self._skip("bad_sample")
+            return None
+        for name, n in rows.items():
+            if n > self.capacity[name]:
+                self._skip(f"too_large_for_{name}_capacity")
+                return None
+        if llm > self.L:
+            self._skip("too_long_for_seq_len")
+            return None
+        return llm, rows
+
+    def empty(self) -> dict[str, np.ndarray]:
+        B, L = self.B, self.L
+        batch = {"tokens": np.full((B, L), tokenizer.PAD, np.int32), "targets": np.full((B, L), tokenizer.PAD, np.int32),
+                 "loss_mask": np.zeros((B, L), np.float32), "segment_ids": np.zeros((B, L), np.int32),
+                 "positions": np.zeros((B, L), np.int32)}
+        for name, enc in self.encs.items():
+            cap, dim = self.capacity[name], self._input_dim(name)
+            batch[f"{name}_inputs"] = np.zeros((cap, dim), np.float32)
+            batch[f"{name}_segment_ids"] = np.zeros((cap,), np.int32)
+            batch[f"{name}_positions"] = np.zeros((cap, 3), np.int32)
+            batch[f"{name}_dest"] = np.full((cap // self.reduction[name],), -1, np.int32)
+        return batch
+
+    def _input_dim(self, name: str) -> int:
+        e = self.encs[name]
+        return e.temporal_patch * e.patch * e.patch * 3 if hasattr(e, "patch") else e.n_mels
+
+    def pack(self, samples: Iterable[Sample]) -> tuple[dict[str, np.ndarray], list[int]]:
+        """Pack samples in order until the next one does not fit; returns (batch, packed indices into samples).
+
+        Samples skipped as unfit are reported as packed (consumed) so the caller moves on.
+        """
+        batch = self.empty()
+        row_fill = [0] * self.B
+        row_docs = [0] * self.B
+        enc_fill = {name: 0 for name in self.encs}
+        enc_segs = {name: 0 for name in self.encs}
+        consumed: list[int] = []
+        for k, sample in enumerate(samples):
+            sizes = self.sizes(sample)
+            if sizes is None:
+                consumed.append(k)
+                continue
+            llm, rows = sizes
+            row = next((r for r in range(self.B) if row_fill[r] + llm <= self.L), None)
+            if row is None or any(enc_fill[n] + rows[n] > self.capacity[n] for n in rows):
+                break
+            try:
+                payloads = [(seg, features.segment_inputs(seg.modality, seg.data, self.cfg) if seg.modality != "text" else None)
+                            for seg in sample.validate().segments]
+            except BadSample:
+                self._skip("bad_sample")
+                consumed.append(k)
+                continue
+            row_docs[row] += 1
+            start = pos = row_fill[row]
+            toks, loss = [], []
+            for seg, payload in payloads:
+                if seg.modality == "text":
+                    toks.append(np.asarray(seg.data, np.int32))
+                    loss.append(np.full(len(seg.data), seg.loss, bool))
+                    continue
+                name = self.modalities[seg.modality]
+                x, p = payload
+                r = self.reduction[name]
+                e0 = enc_fill[name]
+                enc_segs[name] += 1
+                batch[f"{name}_inputs"][e0:e0 + len(x)] = x
+                batch[f"{name}_positions"][e0:e0 + len(x)] = p
+                batch[f"{name}_segment_ids"][e0:e0 + len(x)] = enc_segs[name]
+                n_out = len(x) // r
+                flat0 = row * self.L + pos + sum(len(t) for t in toks)
+                batch[f"{name}_dest"][e0 // r:e0 // r + n_out] = flat0 + np.arange(n_out)
+                enc_fill[name] += len(x)
+                toks.append(np.full(n_out, PLACEHOLDER[seg.modality], np.int32))
+                loss.append(np.zeros(n_out, bool))
+            t, m = np.concatenate(toks), np.concatenate(loss)
+            n = len(t)
+            batch["tokens"][row, start:start + n] = t
+            batch["targets"][row, start:start + n - 1] = t[1:]
+            batch["loss_mask"][row, start:start + n - 1] = m[1:]
+            batch["segment_ids"][row, start:start + n] = row_docs[row]
+            batch["positions"][row, start:start + n] = np.arange(n)
+            row_fill[row] += n
+            consumed.append(k)
+        return batch, consumed
+
+
+class WorldLoader:
+    """Trainer loader over the world's train split: packs samples in index order.
+
+    Its state is the next sample index, so resume is exact.
+    """
+
+    def __init__(self, world, packer: Packer, window: int = 96):
+        self.world, self.packer, self.window = world, packer, window
+        self.index = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        samples = (self.world.sample(i) for i in range(self.index, self.index + self.window))  # rendered lazily
+        batch, consumed = self.packer.pack(samples)
+        if not consumed:
+            raise ConfigError("tiny_omni: no sample fits a batch; raise data.seq_len or capacity.*")
+        self.index += len(consumed)
+        return batch
+
+    def get_state(self) -> dict:
+        return {"index": self.index}
+
+    def set_state(self, state: dict) -> None:
+        self.index = int(state["index"])
+
+    def metrics(self) -> dict:
+        return {f"skipped_{k}": v for k, v in self.packer.skipped.items()}
+
+
+# ----------------------------------------------------------------------------------- decoding
+def eval_items(world, per_modality: int) -> dict[str, list]:
+    """Held-out scored questions: the first `per_modality` of each media modality in index order."""
+    out: dict[str, list] = {"image": [], "video": [], "audio": []}
+    i = 0
+    while any(len(v) < per_modality for v in out.values()):
+        s = world.spec(i)
+        if s["qtype"] != "caption" and s["modality"] in out and len(out[s["modality"]]) < per_modality:
+            out[s["modality"]].append(world.item(i))
+        i += 1
+        if i > 100 * per_modality + 1000:
+            raise ConfigError("world.weights leave a media modality with (almost) no samples to evaluate")
+    return out
+
+
+class GreedyDecoder:
+    """Greedy decoding of answers: encoders run once per batch (prefill of the embeddings), then each
+    new token's embedding is written at the next position. Shapes are fixed: one program per phase."""
+
+    def __init__(self, graphdef, rest, packer: Packer, max_new: int):
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        self.packer, self.max_new = packer, max_new
+
+        def prefill(params, batch):
+            return nnx.merge(graphdef, params, rest).embed(batch)
+
+        def step(params, x, seg, pos, cur):
+            model = nnx.merge(graphdef, params, rest)
+            logits, _ = model.llm.forward_embeddings(x, seg, pos)
+            rows = jnp.arange(x.shape[0])
+            nxt = jnp.argmax(logits[rows, cur - 1], axis=-1).astype(jnp.int32)
+            emb = model.llm.embed(nxt[:, None])[:, 0].astype(x.dtype)
+            safe = jnp.minimum(cur, x.shape[1] - 1)
+            return x.at[rows, safe].set(emb), nxt
+
+        self._prefill, self._step = jax.jit(prefill), jax.jit(step)
+
+    def answers(self, params, prompts: list[Sample]) -> list[str | None]:
+        """Decoded answer text per prompt (None: the prompt does not fit and was skipped)."""
+        import jax.numpy as jnp
+
+        B, L = self.packer.B, self.packer.L
+        out: list[str | None] = [None] * len(prompts)
+        for start in range(0, len(prompts), B):
+            chunk = prompts[start:start + B]
+            batch = self.packer.empty()
+            cur = np.zeros(B, np.int32)
+            fill = {name: 0 for name in self.packer.reduction}
+            for r, prompt in enumerate(chunk):  # one prompt per row, room left for the answer
+                if self.packer.sizes(prompt) is None:
+                    continue
+                one, used = self.packer.pack([prompt])
+                n = int((one["segment_ids"][0] > 0).sum())
+                if not used or n + self.max_new > L:
+                    self.packer._skip("eval_prompt_too_long")
+                    continue
+                self._place(batch, one, r, n, fill)
+                cur[r] = n
+            x = self._prefill(params, batch)
+            seg, pos = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"])
+            cur_j = jnp.asarray(np.maximum(cur, 1))
+            generated = []
+            for _ in range(self.max_new):
+                x, nxt = self._step(params, x, seg, pos, cur_j)
+                generated.append(np.asarray(nxt))
+                cur_j = cur_j + 1
+            gen = np.stack(generated, axis=1)
+            for r in range(len(chunk)):
+                if cur[r] == 0:
+                    continue
+                ids = list(gen[r])
+                ids = ids[:ids.index(tokenizer.EOS)] if tokenizer.EOS in ids else ids
+                out[start + r] = tokenizer.decode([i for i in ids if i < 256])
+        return out
+
+    def _place(self, batch: dict, one: dict, r: int, n: int, fill: dict[str, int]) -> None:
+        """Copy a single-prompt batch (in row 0) into row r of `batch`, appending to encoder buffers."""
+        L = self.packer.L
+        for k in ("tokens", "segment_ids", "positions"):
+            batch[k][r, :n] = one[k][0, :n]
+        batch["segment_ids"][r, n:n + self.max_new] = 1
+        batch["positions"][r, n:n + self.max_new] = np.arange(n, n + self.max_new)
+        for name, red in self.packer.reduction.items():
+            used = int((one[f"{name}_segment_ids"] > 0).sum())
+            if not used:
+                continue
+            f0 = fill[name]
+            if f0 + used > self.packer.capacity[name]:
+                raise ConfigError(f"eval batch overflows the {name} capacity; lower eval.batch_size")
+            batch[f"{name}_inputs"][f0:f0 + used] = one[f"{name}_inputs"][:used]
+            batch[f"{name}_positions"][f0:f0 + used] = one[f"{name}_positions"][:used]
+            batch[f"{name}_segment_ids"][f0:f0 + used] = one[f"{name}_segment_ids"][:used] + r * 1000
+            batch[f"{name}_dest"][f0 // red:(f0 + used) // red] = one[f"{name}_dest"][:used // red] + r * L
+            fill[name] = f0 + used
+
+
+def accuracy_by_modality(decoder: GreedyDecoder, params, items: dict[str, list]) -> tuple[dict, dict]:
+    """Exact-match accuracy of the decoded answers per modality, and per question type."""
+    acc, per_q = {}, {}
+    for modality, its in items.items():
+        answers = decoder.answers(params, [it.prompt() for it in its])
+        hits = [a is not None and a.strip() == it.answer for a, it in zip(answers, its)]
+        acc[f"{modality}_accuracy"] = float(np.mean(hits)) if hits else 0.0
+        for it, h in zip(its, hits):
+            per_q.setdefault(it.qtype, []).append(h)
+    return acc, {q: round(float(np.mean(v)), 3) for q, v in sorted(per_q.items())}
+
+
+def load(argv: list[str]) -> OmniConfig:
+    """recipes/configs/tiny_omni.yaml <- key=value overrides, checked."""
+    from recipes.common import CONFIGS
+
+    named = any(o.startswith("trainer.run_name=") for o in argv)
+    return build(OmniConfig, CONFIGS / "tiny_omni.yaml", argv,
+                 defaults=None if named else {"trainer": {"run_name": "tiny_omni"}}, check=check)
+
+
+def main(argv: list[str]) -> int:
+    from recipes.common import CONFIGS, setup_devices
+
+    setup_devices(argv)
+    cfg = load(argv)
+    t0 = time.perf_counter()
+
+    import jax
+    from flax import nnx
+
+    from omnijax.data.world import World, chance, token_report
+    from omnijax.models.mllm import MultimodalModel, describe, mm_loss
+    from omnijax.train.loop import Trainer
+
+    train_world = World(cfg.world, "train")
+    eval_world = World(cfg.world, "eval")
+    packer = Packer(cfg.model, cfg.data.batch_size, cfg.data.seq_len, cfg.capacity)
+    scale = -(-cfg.eval.batch_size // cfg.data.batch_size)
+    eval_packer = Packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len,
+                         {k: v * scale for k, v in cfg.capacity.items()})
+    model = MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))
+    print(f"tiny_omni: params {describe(model)}", file=sys.stderr)
+    items = eval_items(eval_world, cfg.eval.items)
+    trainer_ref: dict[str, Any] = {}
+
+    def evaluate(params) -> dict:
+        t = trainer_ref["t"]
+        dec = trainer_ref.setdefault("dec", GreedyDecoder(t.graphdef, t.rest, eval_packer, cfg.eval.max_new_tokens))
+        acc, per_q = accuracy_by_modality(dec, params, items)
+        trainer_ref["per_question"] = per_q
+        return acc
+
+    trainer = Trainer(cfg, model, mm_loss, WorldLoader(train_world, packer), eval_fn=evaluate)
+    trainer_ref["t"] = trainer
+    result = trainer.fit()
+    if result.status != "finished":
+        return 0
+    t_total = time.perf_counter() - t0
+    chances = {f"{m}_accuracy": round(float(chance(m)), 4) for m in ("image", "video", "audio")}
+    report = {"metrics": result.eval, "chance": chances, "per_question": trainer_ref.get("per_question", {}),
+              "eval_items_per_modality": cfg.eval.items, "steps": cfg.trainer.steps,
+              "wall_s": round(t_total, 1), "skipped": dict(packer.skipped),
+              "tokens": token_report(train_world, 1000, cfg.model)}
+    if jax.process_index() == 0:
+        (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    lines = [f"{'modality':<8} {'accuracy':>9} {'chance':>7}"]
+    for m in ("image", "video", "audio"):
+        k = f"{m}_accuracy"
+        lines.append(f"{m:<8} {result.eval[k]:>9.3f} {chances[k]:>7.3f}")
+    print("\n".join(lines) + f"\n({cfg.trainer.steps} steps, {t_total:.0f} s) -> {trainer.run_dir}/eval.json",
+          file=sys.stderr)
+    return 0
