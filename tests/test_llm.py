@@ -128,10 +128,10 @@ def test_lse_merges_partial_attention_and_grads_are_finite():
     k = rng.normal(size=(2, L, 2, 8)).astype(np.float32)
     v = rng.normal(size=(2, L, 2, 8)).astype(np.float32)
     _, seg, pos = _packed_batch()
-    full, lse = dot_product_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
-                                      kv_positions=pos, return_lse=True)
-    parts = [dot_product_attention(q, k[:, s], v[:, s], q_segment_ids=seg, kv_segment_ids=seg[:, s], q_positions=pos,
-                                   kv_positions=pos[:, s], return_lse=True) for s in (slice(0, 5), slice(5, L))]
+    attend = jax.jit(functools.partial(dot_product_attention, return_lse=True))
+    full, lse = attend(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+    parts = [attend(q, k[:, s], v[:, s], q_segment_ids=seg, kv_segment_ids=seg[:, s], q_positions=pos,
+                    kv_positions=pos[:, s]) for s in (slice(0, 5), slice(5, L))]
     merged_lse = jnp.logaddexp(parts[0][1], parts[1][1])
     w = [jnp.where(jnp.isfinite(p[1]), jnp.exp(p[1] - jnp.where(jnp.isfinite(merged_lse), merged_lse, 0)), 0.0)
          for p in parts]
@@ -143,7 +143,7 @@ def test_lse_merges_partial_attention_and_grads_are_finite():
     def loss(q, k, v):
         return jnp.sum(dot_product_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
                                              kv_positions=pos) ** 2)
-    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
     assert np.all(np.asarray(grads[0])[0, 13:] == 0)
 
@@ -217,7 +217,7 @@ def test_moe_layer_matches_per_token_reference():
     layer.capacity_factor = 100.0  # no drops: must equal the direct per-token mixture
     x = jax.random.normal(jax.random.key(0), (2, 8, cfg.embed_dim))
     seg = jnp.ones((2, 8), jnp.int32)
-    y, aux = layer(x, seg)
+    y, aux = jax.jit(lambda m, x, s: m(x, s))(layer, x, seg)
     assert float(aux["moe_dropped_tokens"]) == 0
     probs = jax.nn.softmax(x @ layer.router[...], -1)
     w, idx = jax.lax.top_k(probs, cfg.moe.top_k)

@@ -199,7 +199,11 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: Any = jnp.float32) -> LLM:
-    """Load a Llama/Qwen2 checkpoint directory into an omnijax LLM with params of `dtype`."""
+    """Load a Llama/Qwen2 checkpoint directory into an omnijax LLM with params of `dtype`.
+
+    dtype=None keeps each tensor's stored dtype. Unsupported architectures, missing files and
+    weights that do not fit config.json raise UserError naming the file and the problem.
+    """
     from safetensors import safe_open
 
     path = Path(path)
