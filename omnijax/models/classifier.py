@@ -50,3 +50,8 @@ def classifier_loss(model: Classifier, batch: dict) -> jax.Array:
 
 def accuracy(model: Classifier, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean(jnp.argmax(model(x), axis=-1) == y)
+
+
+def build_classifier(cfg: ClassifierConfig, seed: int = 0) -> Classifier:
+    """Module-level factory (picklable with functools.partial) for remote workers."""
+    return Classifier(cfg, rngs=nnx.Rngs(seed))

@@ -1,0 +1,108 @@
+"""PS throughput with 1 of 4 servers slowed 2x/4x: static placement vs load distribution vs no straggler."""
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from omnijax import config as cfglib
+from omnijax.ps.config import PSConfig
+
+DESCRIPTION = __doc__.splitlines()[0]
+
+
+@dataclass
+class PSBenchConfig:
+    ps: PSConfig = field(default_factory=lambda: PSConfig(
+        num_workers=2, num_servers=4, num_blocks=32, chunk_bytes=1 << 20, credit_bytes=4 << 20,
+        link_mb_per_s=25.0, rebalance_every=4, min_gain=0.05, explore_every=8, trial_steps=4))
+    in_dim: int = 256
+    hidden: list[int] = field(default_factory=lambda: [1024, 1024])
+    num_classes: int = 10
+    batch_per_worker: int = 32
+    warmup_steps: int = 24        # not timed (every variant): compile, first measurements, rebalancing
+    steps: int = 30               # timed steps per variant
+    spare_server: bool = True     # also measure balanced + exploration with a 5th (spare) server in the pool
+    slowdowns: list[float] = field(default_factory=lambda: [2.0, 4.0])
+    slow_server: int = 3
+    lr: float = 1e-3
+
+
+class SyntheticBatches:
+    """Deterministic random classification batches, made on the worker (no data through the driver)."""
+
+    def __init__(self, in_dim: int, num_classes: int, batch: int):
+        self.in_dim, self.num_classes, self.batch = in_dim, num_classes, batch
+
+    def __call__(self, step: int, worker: int, num_workers: int) -> dict:
+        r = np.random.default_rng(step * 7919 + worker)
+        return {"x": r.normal(size=(self.batch, self.in_dim)).astype(np.float32),
+                "y": r.integers(0, self.num_classes, self.batch).astype(np.int32)}
+
+
+def _measure(cluster, base: PSConfig, bench: PSBenchConfig, **changes) -> dict:
+    import dataclasses
+
+    import optax
+
+    from omnijax.models.classifier import ClassifierConfig, build_classifier, classifier_loss
+    from omnijax.ps.trainer import PSTrainer
+
+    cfg = dataclasses.replace(base, **changes)
+    model_fn = functools.partial(build_classifier, ClassifierConfig(bench.in_dim, list(bench.hidden), bench.num_classes))
+    batches = SyntheticBatches(bench.in_dim, bench.num_classes, bench.batch_per_worker)
+    trainer = PSTrainer(cfg, model_fn, classifier_loss, optax.adam(bench.lr), batches, cluster, log=lambda m: None)
+    trainer.run(bench.warmup_steps)
+    t0 = time.perf_counter()
+    rows = trainer.run(bench.steps)
+    wall = time.perf_counter() - t0
+    samples = bench.steps * cfg.num_workers * bench.batch_per_worker
+    slow_share = sum(b for b, s in zip(trainer.block_bytes, trainer.placement) if s == cfg.slow_server)
+    return dict(samples_per_s=round(samples / wall, 2), step_ms=round(1e3 * wall / bench.steps, 2),
+                final_loss=round(rows[-1]["loss"], 4), servers=sorted(set(trainer.placement)),
+                slow_server_bytes_fraction=round(slow_share / sum(trainer.block_bytes), 4),
+                changes=[e["kind"].split(" ")[0] for e in trainer.events],
+                param_mb=round(4 * trainer.layout.total / 1e6, 2))
+
+
+def run(overrides: list[str]) -> Iterator[dict]:
+    import ray
+
+    import cloudpickle
+    from omnijax.ps.trainer import PSCluster, ensure_ray
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    bench: PSBenchConfig = cfglib.build(PSBenchConfig, overrides=overrides, check=None)
+    base = bench.ps
+    started = not ray.is_initialized()
+    ensure_ray(base.address)
+    pool = base.max_servers or base.num_servers
+    cluster = PSCluster(base.num_workers, pool + int(bench.spare_server), base.address)
+    fixed = dict(max_servers=pool, explore_every=0)  # the five required variants: the same 4 servers
+    try:
+        ref = _measure(cluster, base, bench, slow_server=-1, slowdown=1.0, balance=False, **fixed)
+        yield dict(variant="no_straggler", **ref, fraction_of_no_straggler=1.0)
+        for factor in bench.slowdowns:
+            tag = f"{factor:g}x"
+            for kind, balance in (("static", False), ("balanced", True)):
+                row = _measure(cluster, base, bench, slow_server=bench.slow_server, slowdown=factor, balance=balance,
+                               **fixed)
+                yield dict(variant=f"{kind}_{tag}", **row,
+                           fraction_of_no_straggler=round(row["samples_per_s"] / ref["samples_per_s"], 4),
+                           vs="no_straggler")
+        if bench.spare_server:  # exploration may bring in a 5th server: more resources than no_straggler
+            for factor in bench.slowdowns:
+                row = _measure(cluster, base, bench, slow_server=bench.slow_server, slowdown=factor, balance=True,
+                               max_servers=pool + 1, min_servers=pool - 1,
+                               explore_every=base.explore_every or 8)
+                yield dict(variant=f"balanced_explore_{factor:g}x", **row,
+                           fraction_of_no_straggler=round(row["samples_per_s"] / ref["samples_per_s"], 4),
+                           vs="no_straggler", note="pool of 5 servers; exploration may add the spare")
+    finally:
+        cluster.shutdown()
+        if started:
+            ray.shutdown()
