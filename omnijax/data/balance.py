@@ -12,8 +12,8 @@ encoder rows under the bin's encoder capacity. An item that fits no bin is repor
 window's time is the sum over steps of the max rank cost. Phase 1 assigns items (longest first) to
 steps, each to the step whose estimated time max(largest item, total / ranks) grows least (ties: the
 lighter step, then the lower index), within the step's aggregate capacity: large items gather in
-the same steps, where the other ranks get filled up to the same level. Phase 2 runs `plan_lpt` over
-each step's ranks x microbatches; an item that then fits nowhere in its step goes to the least
+the same steps, where the other ranks get filled up to the same level. Phase 2 runs `plan_step` on
+each step (LPT over ranks, then the least-loaded microbatch of the chosen rank); an item that then fits nowhere in its step goes to the least
 loaded bin of any step where it fits, else to `unplaced`.
 `plan_arrival`: the baseline without reordering: batch g's samples in arrival order, split into
 equal consecutive chunks per rank and microbatch (capacity not considered).
@@ -83,24 +83,37 @@ class _Bin:
 
 
 def plan_lpt(items: list[Item], n_bins: int, cap: Capacity) -> Plan:
-    """Longest-processing-time-first greedy, capacity-aware. Pure and deterministic."""
-    if n_bins <= 0:
-        raise ValueError(f"n_bins={n_bins}: must be > 0")
-    bins = [_Bin(cap) for _ in range(n_bins)]
-    loads = [0.0] * n_bins
-    heap = [(0.0, b) for b in range(n_bins)]
+    """Longest-processing-time-first greedy over `n_bins` bins, capacity-aware. Pure and deterministic."""
+    return plan_step(items, n_bins, 1, cap)
+
+
+def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -> Plan:
+    """LPT over ranks (a rank's cost is the sum of its microbatches: they run one after the other),
+    then within the chosen rank the least-loaded microbatch bin where the item fits.
+    Bins are ordered (rank, microbatch)."""
+    if ranks <= 0 or microbatches <= 0:
+        raise ValueError(f"ranks={ranks}, microbatches={microbatches}: must be > 0")
+    bins = [_Bin(cap) for _ in range(ranks * microbatches)]
+    loads = [0.0] * len(bins)
+    heap = [(0.0, r) for r in range(ranks)]
     unplaced = []
     for item in sorted(items, key=lambda it: (-it.cost, it.key)):
         tried = []
         placed = False
         while heap:
-            load, b = heapq.heappop(heap)
-            tried.append((load, b))
-            row = bins[b].row_for(item, cap)
-            if row >= 0:
+            load, r = heapq.heappop(heap)
+            tried.append((load, r))
+            choice = None
+            for b in sorted(range(r * microbatches, (r + 1) * microbatches), key=lambda b: (loads[b], b)):
+                row = bins[b].row_for(item, cap)
+                if row >= 0:
+                    choice = (b, row)
+                    break
+            if choice is not None:
+                b, row = choice
                 bins[b].add(item, row, cap)
                 loads[b] += item.cost
-                tried[-1] = (loads[b], b)
+                tried[-1] = (load + item.cost, r)
                 placed = True
                 break
         for t in tried:
@@ -111,7 +124,7 @@ def plan_lpt(items: list[Item], n_bins: int, cap: Capacity) -> Plan:
 
 
 def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
-                fill: float = 0.9, max_share: float = 1.5, min_share: float = 0.5) -> Plan:
+                fill: float = 0.9, max_share: float = 2.0, min_share: float = 0.5) -> Plan:
     """Grouped reordering of a window of `steps` global batches; bins ordered (step, rank, microbatch).
 
     A step takes at most `fill` of its capacity and at most `max_share` times the window's mean LLM
@@ -166,7 +179,7 @@ def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, ca
     loads: list[float] = []
     spill: list[Item] = []
     for g in range(steps):
-        p = plan_lpt(members[g], per_step, cap)
+        p = plan_step(members[g], ranks, microbatches, cap)
         bins += p.bins
         loads += p.loads
         spill += [it for it in members[g] if it.key in set(p.unplaced)]
