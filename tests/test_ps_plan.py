@@ -103,3 +103,14 @@ def test_distributor_rebalances_then_explores_and_reverts_a_bad_trial():
     assert server_loads(sizes, placement) == {0: 1200, 1: 400}  # 3x slower server keeps a quarter
     assert {"explore_add", "explore_remove", "revert"} <= set(reasons) and "keep" not in reasons  # no gain
     assert any(h["kind"].startswith("explore") and not h["kept"] for h in d.history)
+
+
+def test_ps_digits_recipe_rejects_bad_config_before_starting_ray():
+    from recipes import ps_digits
+
+    with pytest.raises(ConfigError, match="unknown config key 'ps.num_server'"):
+        ps_digits.main(["ps.num_server=3"])
+    with pytest.raises(ConfigError, match="ps.min_servers"):
+        ps_digits.main(["ps.min_servers=3"])
+    with pytest.raises(ConfigError, match="model.in_dim"):
+        ps_digits.main(["model.in_dim=10"])

@@ -12,7 +12,7 @@ import numpy as np
 from omnijax import config as cfglib
 from omnijax.ps.config import PSConfig
 
-DESCRIPTION = __doc__.splitlines()[0]
+DESCRIPTION = "PS samples/s with 1 of 4 servers slowed 2x/4x: static placement vs load distribution vs no straggler"
 
 
 @dataclass
