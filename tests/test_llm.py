@@ -121,6 +121,29 @@ def test_gqa_equals_mha_with_repeated_kv_and_reference():
     assert np.all(gqa[0, 13:] == 0)  # padding queries: no valid key -> exactly 0
 
 
+@jax.jit
+def _attend(q, k, v, seg, pos):
+    return dot_product_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_attention_is_layout_free(seed):
+    """Permuting the token buffer (as load-balanced context parallelism does) permutes the output:
+    visibility depends on segment ids and positions only, never on buffer index."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.multinomial(L, np.ones(3) / 3)  # three documents (one may be empty), random sizes
+    seg = np.repeat(np.arange(3, dtype=np.int32), lengths)[None]  # segment 0 plays padding
+    pos = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)[None]
+    q = rng.normal(size=(1, L, 4, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(1, L, 2, 8)).astype(np.float32) for _ in range(2))
+    perm = rng.permutation(L)
+    out = np.asarray(_attend(q, k, v, seg, pos))
+    out_p = np.asarray(_attend(q[:, perm], k[:, perm], v[:, perm], seg[:, perm], pos[:, perm]))
+    np.testing.assert_allclose(out_p, out[:, perm], atol=1e-5)
+    assert np.all(out[0, seg[0] == 0] == 0)
+
+
 def test_lse_merges_partial_attention_and_grads_are_finite():
     """Split keys in two halves (as context parallelism does), merge with lse == full attention."""
     rng = np.random.default_rng(1)
