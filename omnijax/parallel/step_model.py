@@ -1,0 +1,432 @@
+"""Step-time model read from a compiled program's scheduled HLO.
+
+`parse_hlo` reads the text of a compiled (scheduled) module: computations, instructions in schedule
+order, shapes, operands, called computations and collective groups. `predict` replays the entry
+schedule on a target (device roofline + a hierarchical network): compute ops run in schedule order
+on one compute stream; collectives run on `comm_streams` streams as soon as their operands are
+ready and a stream is free, so they overlap with compute exactly as far as the program's data
+dependencies (and our optimization-barrier chains) allow — what a latency-hiding scheduler can reach.
+With `overlap=False` every collective blocks the compute stream (a program without async collectives).
+
+Scaling: the program is per device. A collective whose replica group spans every device of the
+compiled program is modelled over the whole target (`hosts × gpus_per_host` ranks, hierarchical:
+NVLink inside a host, the network between hosts); smaller groups stay inside one host.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+                "token": 0, "s4": 1, "u4": 1}
+_ARRAY = re.compile(r"(pred|[sufc]\d+|bf16|f8\w*|token)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMP = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "opt-barrier", "after-all",
+         "partition-id", "replica-id", "iota", "copy-done", "add-dependency"}
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "exponential", "log", "tanh",
+                "sqrt", "rsqrt", "power", "negate", "abs", "compare", "select", "clamp", "logistic", "erf",
+                "exponential-minus-one", "log-plus-one", "sign", "cosine", "sine", "floor", "ceil", "and",
+                "or", "xor", "not", "atan2", "remainder", "round-nearest-even", "round-nearest-afz", "cbrt", "tan"}
+
+
+@dataclass
+class Shape:
+    arrays: list[tuple[str, tuple[int, ...]]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_DTYPE_BYTES.get(d, 4) * int(np.prod(s, dtype=np.int64)) for d, s in self.arrays)
+
+    @property
+    def elements(self) -> int:
+        return sum(int(np.prod(s, dtype=np.int64)) for _, s in self.arrays)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self.arrays[0][1] if self.arrays else ()
+
+    @property
+    def dtype(self) -> str:
+        return self.arrays[0][0] if self.arrays else "f32"
+
+
+@dataclass
+class Instr:
+    name: str
+    opcode: str
+    shape: Shape
+    operands: list[str]
+    attrs: str
+    root: bool = False
+
+    def called(self) -> list[str]:
+        names = []
+        for key in ("calls", "to_apply", "body", "condition", "branch_computations", "true_computation",
+                    "false_computation"):
+            m = re.search(rf"\b{key}=(\{{[^}}]*\}}|%?[\w.\-]+)", self.attrs)
+            if m:
+                names += [n.strip().lstrip("%") for n in m.group(1).strip("{}").split(",") if n.strip()]
+        return names
+
+    def group_size(self, default: int) -> int:
+        m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", self.attrs)
+        if m:
+            return len([x for x in m.group(1).split(",") if x.strip()])
+        m = re.search(r"replica_groups=\[(\d+),(\d+)\]", self.attrs)
+        if m:
+            return int(m.group(2))
+        return default
+
+
+@dataclass
+class Computation:
+    name: str
+    instrs: list[Instr]
+    entry: bool = False
+
+    def table(self) -> dict[str, Instr]:
+        return {i.name: i for i in self.instrs}
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    rest = rest.strip()
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].strip()
+    head, _, tail = rest.partition(" ")
+    return head, tail.strip()
+
+
+def _parse_shape(text: str) -> Shape:
+    return Shape([(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(text)])
+
+
+def _parse_instr(line: str) -> Instr | None:
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    shape_text, rest = _split_shape(m.group(3))
+    om = re.match(r"([\w\-]+)\((.*)$", rest)
+    if not om:
+        return None
+    opcode, tail = om.group(1), om.group(2)
+    depth, i = 1, 0
+    while i < len(tail) and depth:
+        depth += tail[i] == "("
+        depth -= tail[i] == ")"
+        i += 1
+    operand_text, attrs = tail[:i - 1], tail[i:]
+    operands = re.findall(r"%([\w.\-]+)", operand_text)
+    return Instr(m.group(2), opcode, _parse_shape(shape_text), operands, attrs, bool(m.group(1)))
+
+
+def parse_hlo(text: str) -> dict[str, Computation]:
+    """Computations of an HLO module text, instructions in their (scheduled) order."""
+    comps: dict[str, Computation] = {}
+    current: Computation | None = None
+    for line in text.splitlines():
+        if current is None:
+            m = _COMP.match(line)
+            if m:
+                current = Computation(m.group(2), [], entry=bool(m.group(1)))
+            continue
+        if line.strip() == "}":
+            comps[current.name] = current
+            current = None
+            continue
+        instr = _parse_instr(line)
+        if instr:
+            current.instrs.append(instr)
+    if not any(c.entry for c in comps.values()):
+        raise ValueError("parse_hlo: no ENTRY computation found (pass compiled.as_text())")
+    return comps
+
+
+def entry(comps: dict[str, Computation]) -> Computation:
+    return next(c for c in comps.values() if c.entry)
+
+
+def collectives_in_order(text_or_comps: str | dict[str, Computation]) -> list[Instr]:
+    """Collective instructions of the entry computation, in schedule order (async pairs once)."""
+    comps = parse_hlo(text_or_comps) if isinstance(text_or_comps, str) else text_or_comps
+    out = []
+    for ins in entry(comps).instrs:
+        base = ins.opcode.removesuffix("-start")
+        if base in COLLECTIVES and not ins.opcode.endswith("-done"):
+            out.append(ins)
+    return out
+
+
+# --------------------------------------------------------------------------------- FLOP counting
+def _dot_flops(ins: Instr, table: dict[str, Instr]) -> float:
+    lhs = table.get(ins.operands[0]) if ins.operands else None
+    if lhs is None:
+        return 0.0
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+    dims = [int(x) for x in m.group(1).split(",") if x] if m else []
+    k = int(np.prod([lhs.shape.dims[d] for d in dims])) if dims else 1
+    return 2.0 * ins.shape.elements * k
+
+
+def _conv_flops(ins: Instr, table: dict[str, Instr]) -> float:
+    rhs = table.get(ins.operands[1]) if len(ins.operands) > 1 else None
+    if rhs is None or not rhs.shape.dims:
+        return 0.0
+    out_features = max(rhs.shape.dims[-1], 1)
+    return 2.0 * ins.shape.elements * rhs.shape.elements / out_features
+
+
+def _trip_count(ins: Instr) -> int:
+    m = re.search(r'known_trip_count[^0-9]*(\d+)', ins.attrs)
+    return int(m.group(1)) if m else 1
+
+
+def computation_flops(comps: dict[str, Computation], name: str, _memo: dict | None = None) -> tuple[float, float]:
+    """(dot/conv FLOPs, elementwise FLOPs) of computation `name`, recursing into calls and loops."""
+    memo = _memo if _memo is not None else {}
+    if name in memo:
+        return memo[name]
+    comp = comps[name]
+    table = comp.table()
+    mm = ew = 0.0
+    for ins in comp.instrs:
+        if ins.opcode == "dot":
+            mm += _dot_flops(ins, table)
+        elif ins.opcode == "convolution":
+            mm += _conv_flops(ins, table)
+        elif ins.opcode in _ELEMENTWISE:
+            ew += ins.shape.elements
+        elif ins.opcode in ("reduce", "reduce-window"):
+            src = table.get(ins.operands[0]) if ins.operands else None
+            ew += src.shape.elements if src else 0
+        if ins.opcode in COLLECTIVES or ins.opcode.removesuffix("-start") in COLLECTIVES:
+            continue  # their to_apply is the reduction, not compute of this device
+        called = [c for c in ins.called() if c in comps]
+        if ins.opcode == "conditional" and called:
+            sub = [computation_flops(comps, c, memo) for c in called]
+            best = max(sub, key=lambda s: s[0] + s[1])
+            mm, ew = mm + best[0], ew + best[1]
+        elif ins.opcode in ("fusion", "call", "while", "async-start", "custom-call"):
+            mult = _trip_count(ins) if ins.opcode == "while" else 1
+            for c in called:
+                a, b = computation_flops(comps, c, memo)
+                mm, ew = mm + mult * a, ew + mult * b
+    memo[name] = (mm, ew)
+    return mm, ew
+
+
+def program_flops(hlo_text: str) -> dict[str, float]:
+    """FLOPs per device of a compiled program: matmul, elementwise and their sum."""
+    comps = parse_hlo(hlo_text)
+    mm, ew = computation_flops(comps, entry(comps).name)
+    return {"matmul_flops": mm, "elementwise_flops": ew, "flops": mm + ew}
+
+
+# ------------------------------------------------------------------------------------- targets
+@dataclass(frozen=True)
+class DeviceModel:
+    name: str
+    matmul_flops: dict[str, float]       # dense peak per dtype (f32 dots run as TF32 on tensor cores)
+    vector_flops: float
+    hbm_Bps: float
+    efficiency: float = 0.6              # achieved fraction of peak for large matmuls
+    launch_s: float = 2e-6               # per kernel
+
+    def op_time(self, mm_flops: float, ew_flops: float, nbytes: float, dtype: str) -> float:
+        peak = self.matmul_flops.get(dtype, self.matmul_flops["f32"]) * self.efficiency
+        t = max(mm_flops / peak + ew_flops / self.vector_flops, nbytes / (self.hbm_Bps * 0.8))
+        return t + self.launch_s
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    gpus_per_host: int = 8
+    hosts: int = 8
+    nvlink_Bps: float = 450e9          # per GPU per direction
+    net_Bps: float = 400e9 / 8         # per GPU (one NIC each), bytes/s
+    nvlink_latency_s: float = 3e-6
+    net_latency_s: float = 10e-6
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_host * self.hosts
+
+    def collective_s(self, kind: str, nbytes: float, ranks: int) -> float:
+        """Hierarchical ring estimates; `nbytes` is the full (unsharded) buffer size."""
+        g = min(ranks, self.gpus_per_host)
+        h = max(1, ranks // self.gpus_per_host) if ranks > self.gpus_per_host else 1
+        if ranks <= 1:
+            return 0.0
+        intra = (g - 1) / g * nbytes / self.nvlink_Bps if g > 1 else 0.0
+        inter = (h - 1) / h * (nbytes / g) / self.net_Bps if h > 1 else 0.0
+        lat = (g - 1) * self.nvlink_latency_s + (h - 1) * self.net_latency_s
+        if kind == "all-reduce":
+            return 2 * (intra + inter + lat)
+        if kind in ("all-gather", "reduce-scatter"):
+            return intra + inter + lat
+        if kind == "all-to-all":
+            return (nbytes * (ranks - 1) / ranks) / (self.net_Bps if h > 1 else self.nvlink_Bps) + lat
+        return nbytes / (self.net_Bps if h > 1 else self.nvlink_Bps) + lat
+
+
+H100 = DeviceModel("H100-SXM", {"f32": 494e12, "bf16": 989e12, "f16": 989e12, "f8e4m3fn": 1979e12}, 67e12, 3.35e12)
+H200 = DeviceModel("H200-SXM", {"f32": 494e12, "bf16": 989e12, "f16": 989e12, "f8e4m3fn": 1979e12}, 67e12, 4.8e12)
+DEVICES = {"h100": H100, "h200": H200}
+
+
+def network(gbps: float = 400.0, hosts: int = 8, gpus_per_host: int = 8) -> NetworkModel:
+    """Hosts of NVLink-connected GPUs joined by `gbps` Gb/s per GPU (100–400 typical)."""
+    return NetworkModel(gpus_per_host=gpus_per_host, hosts=hosts, net_Bps=gbps * 1e9 / 8)
+
+
+# ---------------------------------------------------------------------------------- prediction
+@dataclass
+class Prediction:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    flops: float
+    collectives: list[dict] = field(default_factory=list)
+
+    @property
+    def lower_bound_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return max(0.0, self.step_s - self.compute_s)
+
+
+def _collective_bytes(ins: Instr, table: dict[str, Instr]) -> float:
+    kind = ins.opcode.removesuffix("-start")
+    if kind == "reduce-scatter":     # full buffer = its operand
+        return sum(table[o].shape.nbytes for o in ins.operands if o in table) or ins.shape.nbytes
+    if kind == "all-gather" and ins.opcode.endswith("-start"):
+        return ins.shape.nbytes / 2   # async start's shape is (operand, output)
+    return ins.shape.nbytes
+
+
+class _Sim:
+    def __init__(self, comps, device, net, program_devices, comm_streams, overlap):
+        self.comps, self.device, self.net = comps, device, net
+        self.program_devices, self.streams, self.overlap = program_devices, comm_streams, overlap
+        self.flops_memo: dict = {}
+        self.compute_s = self.comm_s = self.flops = 0.0
+        self.collectives: list[dict] = []
+
+    def ranks(self, ins: Instr) -> int:
+        size = ins.group_size(self.program_devices)
+        return self.net.world if size >= self.program_devices else size
+
+    def run(self, name: str, start: float = 0.0, scale: int = 1) -> float:
+        """Replay computation `name` from time `start`; returns its end time."""
+        comp = self.comps[name]
+        table = comp.table()
+        done: dict[str, float] = {}
+        compute_free = start
+        comm_free = [start] * max(1, self.streams)
+        end = start
+        for ins in comp.instrs:
+            ready = max([done.get(o, start) for o in ins.operands], default=start)
+            base = ins.opcode.removesuffix("-start")
+            if ins.opcode.endswith("-done"):
+                done[ins.name] = ready
+            elif base in COLLECTIVES:
+                nbytes = _collective_bytes(ins, table)
+                t = self.net.collective_s(base, nbytes, self.ranks(ins))
+                self.comm_s += t * scale
+                self.collectives.append({"op": base, "bytes": int(nbytes), "ranks": self.ranks(ins), "s": t})
+                if self.overlap:
+                    k = int(np.argmin(comm_free))
+                    s = max(ready, comm_free[k])
+                    comm_free[k] = done[ins.name] = s + t
+                else:
+                    s = max(ready, compute_free)
+                    compute_free = done[ins.name] = s + t
+            elif ins.opcode in _FREE:
+                done[ins.name] = ready
+            elif ins.opcode == "while":
+                body = [c for c in ins.called() if c in self.comps]
+                trips = _trip_count(ins)
+                t0 = s = max(ready, compute_free)
+                for _ in range(trips if body else 0):
+                    s = self.run(body[-1] if len(body) == 1 else _body_of(ins, body), s, scale)
+                compute_free = done[ins.name] = s if body else t0
+            elif ins.opcode == "conditional":
+                branches = [c for c in ins.called() if c in self.comps]
+                s = max(ready, compute_free)
+                saved = (self.compute_s, self.comm_s, len(self.collectives))
+                ends = []
+                for b in branches:       # charge the longest branch only
+                    before = (self.compute_s, self.comm_s, len(self.collectives))
+                    ends.append((self.run(b, s, scale), before, (self.compute_s, self.comm_s, len(self.collectives))))
+                if ends:
+                    longest = max(range(len(ends)), key=lambda i: ends[i][0])
+                    e, before, after = ends[longest]
+                    self.compute_s = saved[0] + (after[0] - before[0])
+                    self.comm_s = saved[1] + (after[1] - before[1])
+                    self.collectives = self.collectives[:saved[2]] + self.collectives[before[2]:after[2]]
+                    compute_free = done[ins.name] = e
+                else:
+                    done[ins.name] = s
+            elif ins.opcode == "call":
+                s = max(ready, compute_free)
+                called = [c for c in ins.called() if c in self.comps]
+                compute_free = done[ins.name] = self.run(called[0], s, scale) if called else s
+            else:
+                mm, ew = ((0.0, 0.0) if ins.opcode not in ("fusion", "dot", "convolution", "custom-call")
+                          and ins.opcode not in _ELEMENTWISE else (None, None))
+                if mm is None:
+                    mm = ew = 0.0
+                    if ins.opcode == "dot":
+                        mm = _dot_flops(ins, table)
+                    elif ins.opcode == "convolution":
+                        mm = _conv_flops(ins, table)
+                    elif ins.opcode in _ELEMENTWISE:
+                        ew = ins.shape.elements
+                    for c in ins.called():
+                        if c in self.comps:
+                            a, b = computation_flops(self.comps, c, self.flops_memo)
+                            mm, ew = mm + a, ew + b
+                nbytes = ins.shape.nbytes + sum(table[o].shape.nbytes for o in ins.operands if o in table)
+                t = self.device.op_time(mm, ew, nbytes, ins.shape.dtype)
+                self.compute_s += t * scale
+                self.flops += (mm + ew) * scale
+                s = max(ready, compute_free)
+                compute_free = done[ins.name] = s + t
+            end = max(end, done.get(ins.name, start))
+        return max(end, compute_free, *comm_free)
+
+
+def _body_of(ins: Instr, called: list[str]) -> str:
+    m = re.search(r"\bbody=%?([\w.\-]+)", ins.attrs)
+    return m.group(1) if m else called[-1]
+
+
+def predict(hlo_text: str, device: DeviceModel = H100, net: NetworkModel | None = None, *,
+            program_devices: int = 8, comm_streams: int = 1, overlap: bool = True) -> Prediction:
+    """Predicted step time of a compiled per-device program on `device` × `net` (see module doc)."""
+    comps = parse_hlo(hlo_text)
+    sim = _Sim(comps, device, net or network(), program_devices, comm_streams, overlap)
+    step = sim.run(entry(comps).name)
+    return Prediction(step, sim.compute_s, sim.comm_s, sim.flops, sim.collectives)
+
+
+def check_flops(compiled: Any) -> dict[str, float]:
+    """Our FLOP count of a compiled program next to XLA's own `cost_analysis()`."""
+    ours = program_flops(compiled.as_text())
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    xla = float(cost.get("flops", 0.0))
+    return {**ours, "xla_flops": xla, "ratio": ours["flops"] / xla if xla else math.nan}

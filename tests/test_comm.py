@@ -1,0 +1,208 @@
+"""Scheduled gradient communication: optimal bucketing, same sums as psum, order visible in HLO; step model."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import Mesh, PartitionSpec as P
+
+from omnijax.errors import ConfigError
+from omnijax.parallel import comm, step_model
+
+LINK = comm.LinkModel(n=8, bandwidth_Bps=1e9, latency_s=1e-4)
+
+tensor_lists = st.lists(st.tuples(st.integers(1, 5000), st.floats(0, 0.01)), min_size=1, max_size=7)
+
+
+def _tensors(spec, all_ready=False):
+    ready = np.cumsum([r for _, r in spec])
+    return [comm.TensorInfo(f"t{i}", n, 4, "float32", 0.0 if all_ready else float(ready[i]), len(spec) - 1 - i)
+            for i, (n, _) in enumerate(spec)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensor_lists, st.sampled_from([0, 4000, 12000]))
+def test_dp_bucketing_is_optimal(spec, max_bytes):
+    """The DP's finish time equals the best of all contiguous segmentations (brute force)."""
+    chunks = comm.issue_order(comm.partition(_tensors(spec), 0))
+    segs, finish = comm.dp_buckets(chunks, LINK.allreduce_s, max_bytes)
+    assert [a for a, _ in segs][1:] == [b for _, b in segs][:-1] and segs[0][0] == 0 and segs[-1][1] == len(chunks)
+    got = comm.simulate([comm.Bucket(tuple(chunks[a:b])) for a, b in segs], LINK.allreduce_s)
+    assert got == pytest.approx(finish)
+    n, best = len(chunks), np.inf
+    for cuts in itertools.product([0, 1], repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        buckets = [comm.Bucket(tuple(chunks[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+        if max_bytes and any(b.nbytes > max_bytes and len(b.chunks) > 1 for b in buckets):
+            continue
+        best = min(best, comm.simulate(buckets, LINK.allreduce_s))
+    assert finish == pytest.approx(best)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensor_lists, st.integers(0, 9000))
+def test_partition_covers_each_tensor(spec, part):
+    tensors = _tensors(spec)
+    chunks = comm.partition(tensors, part)
+    for i, t in enumerate(tensors):
+        mine = sorted((c.start, c.stop) for c in chunks if c.leaf == i)
+        assert mine[0][0] == 0 and mine[-1][1] == t.size
+        assert all(a[1] == b[0] for a, b in zip(mine[:-1], mine[1:]))
+        if part:
+            assert all((b - a) * 4 <= max(part, 4) for a, b in mine)
+
+
+def test_plan_fuses_orders_by_priority_and_beats_per_tensor():
+    sizes = [(2000, 0.002), (300, 0.0003), (300, 0.0003), (8000, 0.008), (100, 0.0001), (100, 0.0001)]
+    sync = comm.plan_comm(_tensors(sizes), LINK, comm.CommConfig(bucket_bytes=0, partition_bytes=16000, in_flight=2))
+    naive = comm.per_tensor_plan(_tensors(sizes), LINK)
+    assert len(sync.buckets) < len(naive.buckets) and sync.exposed_s < naive.exposed_s
+    stale = comm.plan_comm(_tensors(sizes, all_ready=True), LINK, comm.CommConfig(bucket_bytes=12000,
+                                                                                   partition_bytes=16000))
+    prios = [b.priority for b in stale.buckets]
+    assert prios == sorted(prios) and prios[0] == 0      # first-needed (forward index 0) goes first
+    with pytest.raises(ConfigError):
+        comm.CommConfig(in_flight=-1)
+    with pytest.raises(ConfigError):
+        comm.partition([comm.TensorInfo("x", 0)], 0)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return Mesh(np.array(jax.devices()), ("dp",))
+
+
+def _grads():
+    rng = np.random.default_rng(0)
+    # distinct sizes so each bucket is recognisable in the HLO
+    return {"embed": rng.normal(size=(40, 16)).astype(np.float32), "b1": rng.normal(size=(7,)).astype(np.float32),
+            "w1": rng.normal(size=(16, 24)).astype(np.float32), "b2": rng.normal(size=(5,)).astype(np.float32),
+            "w2": rng.normal(size=(24, 3)).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def scheduled(mesh):
+    grads = _grads()
+    # flatten order is b1, b2, embed, w1, w2; the forward uses embed, w1, b1, w2, b2
+    tensors = comm.describe_grads(grads, fwd_order=[2, 3, 0, 4, 1], backward_s=1e-4)
+    plan = comm.plan_comm(tensors, comm.LinkModel(8, 1e8, 2e-5),
+                          comm.CommConfig(bucket_bytes=1200, partition_bytes=1024, in_flight=1))
+    per_device = {k: np.stack([v * (i + 1) for i in range(8)]) for k, v in grads.items()}  # [8, ...]
+
+    def run(g, use_plan):
+        def body(g):
+            g = jax.tree.map(lambda x: x[0], g)
+            out = comm.scheduled_psum(g, plan, "dp") if use_plan else jax.tree.map(lambda x: jax.lax.psum(x, "dp"), g)
+            return out
+        return jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P(), check_vma=False)(g)
+
+    lowered = jax.jit(lambda g: run(g, True)).lower(per_device)
+    compiled = lowered.compile(compiler_options=comm.CPU_INSPECT_OPTIONS)
+    return plan, per_device, compiled, jax.jit(lambda g: run(g, False))
+
+
+def test_scheduled_psum_equals_psum(scheduled):
+    plan, per_device, compiled, plain = scheduled
+    assert len(plan.buckets) >= 3 and any(len(b.chunks) > 1 for b in plan.buckets)            # fused
+    assert any(c.start > 0 for b in plan.buckets for c in b.chunks)                           # partitioned
+    got, want = compiled(per_device), plain(per_device)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
+def test_hlo_shows_buckets_in_plan_order(scheduled):
+    plan, _, compiled, _ = scheduled
+    text = compiled.as_text()
+    ars = [i for i in step_model.collectives_in_order(text) if i.opcode.startswith("all-reduce")]
+    assert [i.shape.elements for i in ars] == plan.bucket_sizes()
+    # credit 1: every all-reduce after the first reads a barrier tied to the previous result
+    comps = step_model.parse_hlo(text)
+    table = step_model.entry(comps).table()
+    names = [i.name for i in ars]
+    for prev, cur in zip(names[:-1], names[1:]):
+        seen, stack = set(), list(table[cur].operands)
+        while stack:
+            n = stack.pop()
+            if n in seen or n not in table:
+                continue
+            seen.add(n)
+            stack += table[n].operands
+        assert prev in seen, f"{cur} does not wait for {prev}"
+
+
+def test_plan_rejects_mismatched_grads(mesh):
+    plan = comm.plan_comm(comm.describe_grads({"a": np.zeros(4)}), LINK)
+    with pytest.raises(ConfigError, match="tensors"):
+        comm.scheduled_psum({"a": jnp.zeros(4), "b": jnp.zeros(2)}, plan, "dp")
+
+
+def _overlap_program(mesh, dependent: bool):
+    """A per-device matmul chain plus one all-reduce that does (not) depend on it."""
+    def body(x, w, g):
+        y = x
+        for _ in range(4):
+            y = jnp.tanh(y @ w)
+        red = jax.lax.psum(y[:, :1].sum() * g if dependent else g, "dp")
+        return y, red
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=(P("dp"), P()), check_vma=False)
+    args = (jnp.ones((8 * 256, 512)), jnp.ones((512, 512)), jnp.ones((4 << 20,)))
+    return jax.jit(f).lower(*args).compile()
+
+
+def test_step_model_flops_and_overlap(mesh):
+    net = step_model.network(gbps=100)
+    free = _overlap_program(mesh, dependent=False)
+    tied = _overlap_program(mesh, dependent=True)
+    check = step_model.check_flops(free)
+    assert check["ratio"] == pytest.approx(1.0, rel=0.05) and check["matmul_flops"] == 4 * 2 * 256 * 512 * 512
+    p_free = step_model.predict(free.as_text(), step_model.H100, net)
+    p_tied = step_model.predict(tied.as_text(), step_model.H100, net)
+    p_serial = step_model.predict(free.as_text(), step_model.H100, net, overlap=False)
+    assert p_free.comm_s > 0 and p_free.compute_s > 0
+    assert p_free.step_s == pytest.approx(p_free.lower_bound_s, rel=0.02)       # independent: overlapped
+    assert p_tied.step_s == pytest.approx(p_tied.compute_s + p_tied.comm_s, rel=0.02)  # dependent: serial
+    assert p_serial.step_s == pytest.approx(p_free.compute_s + p_free.comm_s, rel=0.02)
+    assert p_free.collectives[0]["ranks"] == 64
+
+
+def test_stale_step_with_scheduled_reduction_matches_default(mesh):
+    """The stale step's reduction can be the scheduled one: same parameters after a few steps."""
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from omnijax.train.state import init_state
+    from omnijax.train.staleness import StalenessSpec, init_extra, make_stale_step, stale_state_shardings
+
+    def loss(model, batch):
+        err = (model(batch["x"]) - batch["y"]) ** 2
+        return jnp.sum(err * batch["loss_mask"][:, None]), jnp.sum(batch["loss_mask"]), {}
+
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(16, 12)).astype(np.float32), "y": rng.normal(size=(16, 6)).astype(np.float32),
+                "loss_mask": np.ones(16, np.float32)} for _ in range(3)]
+    finals = []
+    for scheduled_reduce in (False, True):
+        graphdef, params, rest = nnx.split(nnx.Linear(12, 6, rngs=nnx.Rngs(0)), nnx.Param, ...)
+        opt, spec = optax.sgd(0.1), StalenessSpec("stale1", warmup_steps=1)
+        state = init_state(params, opt, init_extra(params, spec, 8))
+        pspecs = jax.tree.map(lambda _: P(), params)
+        ospecs = jax.tree.map(lambda _: P(), state.opt_state)
+        reduce_fn = None
+        if scheduled_reduce:
+            plan = comm.plan_comm(comm.describe_grads(params, all_ready=True), LINK,
+                                  comm.CommConfig(bucket_bytes=64, partition_bytes=128, in_flight=1))
+            assert len(plan.buckets) > 2
+            reduce_fn = comm.make_reduce_fn(plan, "dp")
+        shard = stale_state_shardings(state, mesh, pspecs, ospecs)
+        step = jax.jit(make_stale_step(graphdef, rest, loss, opt, mesh, pspecs, ospecs, spec, reduce_fn=reduce_fn))
+        state = jax.device_put(state, shard)
+        for b in batches:
+            state, _ = step(state, jax.device_put(b, NamedSharding(mesh, P("dp"))))
+        finals.append(jax.device_get(state.params))
+    for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1])):
+        np.testing.assert_array_equal(a, b)
