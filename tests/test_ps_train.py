@@ -156,6 +156,19 @@ def test_async_bounded_staleness_trains_and_survives_a_worker(cluster):
     cluster.replace_worker(1)
 
 
+def test_autotune_comm_picks_a_setting_and_changes_no_arithmetic(cluster, baseline):
+    from omnijax.ps.tuning import autotune_comm
+
+    t = make(cluster)
+    best = autotune_comm(t, trials=3, steps_per_trial=2, chunk_choices=(64, 256, 4096), credit_chunks=(1, 4))
+    assert len(best["trials"]) == 3 and best["chunk_bytes"] in (64, 256, 4096)
+    assert (t.cfg.chunk_bytes, t.cfg.credit_bytes) == (best["chunk_bytes"], best["credit_bytes"])
+    t.run(STEPS - 6)
+    assert t.checksum() == baseline["checksum"]
+    with pytest.raises(ConfigError, match="credit_bytes"):
+        t.set_comm(1024, 512)
+
+
 def test_bad_config_is_a_clear_error(cluster):
     with pytest.raises(ConfigError, match="ps.num_blocks"):
         make(cluster, num_blocks=2, max_servers=3)

@@ -85,6 +85,10 @@ class ParameterServer:
 
         self._reset()
         self.knobs = knobs
+        if getattr(self, "_opt_blob", None) == optimizer_blob:  # same optimizer: keep the compiled update
+            self.set_straggler(knobs.slowdown, knobs.neighbour)
+            return self.sid
+        self._opt_blob = optimizer_blob
         opt = cloudpickle.loads(optimizer_blob)
         self._opt = opt
 

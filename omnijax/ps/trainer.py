@@ -187,6 +187,8 @@ class PSTrainer:
     def _schedule(self, placement: tuple[int, ...], at_step: int, reason: str) -> int:
         """Move blocks so that step `at_step` runs with `placement`; owners hand blocks over at that version."""
         import ray
+        if self.cfg.mode != "sync":
+            raise ConfigError("block moves and scale out/in happen at an agreed step: they need ps.mode=sync")
         if len(placement) != len(self.blocks) or any(s not in self.cluster.servers for s in placement):
             raise ConfigError(f"placement must name a server of the pool for each of {len(self.blocks)} blocks")
         old = self.placement
@@ -225,6 +227,16 @@ class PSTrainer:
         plan = plan_placement(self.block_bytes, [s if s != sid else -1 for s in current],
                               {s: 1.0 for s in servers}, servers)
         return self._schedule(plan, self._next_submit, f"remove_server:{sid}")
+
+    def set_comm(self, chunk_bytes: int, credit_bytes: int) -> None:
+        """Change the push chunk size and credit window (between `run`s; see ps.tuning)."""
+        import dataclasses
+
+        import ray
+        if chunk_bytes < 4 or credit_bytes < chunk_bytes:
+            raise ConfigError(f"chunk_bytes={chunk_bytes} must be >= 4 and credit_bytes={credit_bytes} >= chunk_bytes")
+        ray.get([w.set_comm.remote(chunk_bytes, credit_bytes) for w in self.workers])
+        self.cfg = dataclasses.replace(self.cfg, chunk_bytes=chunk_bytes, credit_bytes=credit_bytes)
 
     def set_straggler(self, sid: int, slowdown: float, neighbour: bool = False) -> None:
         import ray

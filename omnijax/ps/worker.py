@@ -32,12 +32,14 @@ class PSWorker:
         from flax import nnx
 
         model_fn, loss_fn, batch_fn = cloudpickle.loads(spec_blob)
-        graphdef, _, rest = nnx.split(model_fn(), nnx.Param, ...)
+        key = (spec_blob, layout)
+        if getattr(self, "_grad_key", None) != key:  # a new run of the same job reuses the compiled step
+            graphdef, _, rest = nnx.split(model_fn(), nnx.Param, ...)
 
-        def loss_of_flat(flat, batch):
-            return loss_fn(nnx.merge(graphdef, layout.unflatten(flat), rest), batch)
+            def loss_of_flat(flat, batch):
+                return loss_fn(nnx.merge(graphdef, layout.unflatten(flat), rest), batch)
 
-        self._grad = jax.jit(jax.value_and_grad(loss_of_flat))
+            self._grad, self._grad_key = jax.jit(jax.value_and_grad(loss_of_flat)), key
         self.batch_fn, self.layout, self.blocks, self.num_workers = batch_fn, layout, blocks, num_workers
         self.set_comm(chunk_bytes, credit_bytes)
         return self.index
