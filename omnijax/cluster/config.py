@@ -15,11 +15,11 @@ class LearnedConfig:
     max_jobs: int = 64             # jobs the policy sees per decision (more are queued behind)
     hidden: int = 64
     warmup_workloads: list[str] = field(default_factory=lambda: ["workloads-0.5/workload-7", "workloads-0.5/workload-8"])
-    warmup_epochs: int = 30
+    warmup_epochs: int = 10
     rl_workloads: list[str] = field(default_factory=lambda: ["workloads-0.5/workload-7", "workloads-0.5/workload-8"])
     rl_episodes: int = 4
     rl_limit: int = 60             # jobs per RL episode (a prefix of the workload)
-    lr: float = 3e-3
+    lr: float = 1e-2
     rl_lr: float = 3e-4
     entropy: float = 0.01
     replay: int = 4                # replay passes over the buffer per episode

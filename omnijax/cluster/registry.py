@@ -16,9 +16,9 @@ def make_scheduler(name: str, cfg: ClusterConfig | None = None) -> Scheduler:
     if name == "tiresias":
         return Tiresias()
     if name == "fitted":
-        return FittedModel(restart_s=cfg.sim.restart_s)
+        return FittedModel()
     if name == "fitted_rt":
-        return FittedModel(objective="remaining_time", restart_s=cfg.sim.restart_s)
+        return FittedModel(objective="remaining_time")
     if name == "learned":
         from omnijax.cluster.learned import train_learned
         return train_learned(cfg)

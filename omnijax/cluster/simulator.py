@@ -222,14 +222,13 @@ def plot_result(result: SimResult, path: str | Path) -> Path:
     ax.set_title(f"{result.scheduler}: avg JCT {result.avg_jct_s / 3600:.2f} h, makespan "
                  f"{result.makespan_s / 3600:.2f} h, utilisation {result.utilization:.0%}")
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, top))
-    fig.colorbar(sm, ax=ax, label="devices")
+    fig.colorbar(sm, ax=[ax, ax2], label="devices")
     ts = np.array(result.util_timeline)
     if len(ts):
         ax2.plot(ts[:, 0] / 3600, ts[:, 1], lw=1)
     ax2.set_ylim(0, 1.05)
     ax2.set_ylabel("utilisation")
     ax2.set_xlabel("hours")
-    fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)
