@@ -109,6 +109,15 @@ def test_balancer_moves_blocks_off_a_straggler(cluster, baseline):
     assert t.checksum() == checksum(baseline["flat"])  # different block sizes, same math: same bits
 
 
+def test_exploration_tries_a_spare_server_while_training(cluster, baseline):
+    t = make(cluster, explore_every=2, trial_steps=2, rebalance_every=2)
+    t.run(STEPS)
+    kinds = [e["kind"].split(" ")[0] for e in t.events]
+    assert kinds[0] == "explore_add" and kinds[1] in ("keep", "revert"), kinds
+    assert t.distributor.history[0]["kind"] == "explore_add:2" and t.distributor.history[0]["trial_rate"] > 0
+    assert t.checksum() == baseline["checksum"]
+
+
 def test_worker_death_sync_resumes_from_last_consistent_step(cluster, baseline):
     t = make(cluster)
 
