@@ -250,3 +250,15 @@ class LLMParallel:
         logits, aux = self.forward_embeddings(model, x, batch["segment_ids"], batch["positions"])
         loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
         return loss_sum, count, aux
+
+    # ------------------------------------------------------------------------------ train step
+    def jit_train_step(self, graphdef: Any, rest: Any, optimizer: Any, state: Any, batch: dict,
+                       **step_kwargs: Any) -> CompileCounter:
+        """The trainer's step (``omnijax.train.step.make_train_step``) with this layout's loss, jitted
+        with fixed input/output shardings so every step reuses one compiled program."""
+        from omnijax.train.step import make_train_step
+
+        step = make_train_step(graphdef, rest, self.loss_fn, optimizer, **step_kwargs)
+        s_sh = self.state_shardings(state)
+        b_sh = {k: v.sharding if isinstance(v, jax.Array) else self.batch_sharding(batch)[k] for k, v in batch.items()}
+        return CompileCounter(jax.jit(step, in_shardings=(s_sh, b_sh), out_shardings=(s_sh, None), donate_argnums=0))
