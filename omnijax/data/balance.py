@@ -185,9 +185,10 @@ def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, ca
         spill += [it for it in members[g] if it.key in set(p.unplaced)]
     if spill:  # place leftovers anywhere they fit, least loaded bin first
         state = [_Bin(cap) for _ in bins]
+        by_key = {x.key: x for x in items}
         for b, content in zip(state, bins):
             for key, row in content:
-                it = next(x for x in items if x.key == key)
+                it = by_key[key]
                 if row == len(b.free):
                     b.free.append(cap.row_len)
                 b.free[row] -= it.tokens

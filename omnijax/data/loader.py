@@ -108,6 +108,7 @@ class Loader:
                             for n, c in self.enc_cap.items()}
         self.capacity = balance.Capacity(cfg.max_rows, cfg.row_len, tuple(self.enc_cap[n] for n in self.enc_names))
         self._lock = threading.Lock()
+        self._plan_lock = threading.Lock()
         self.skipped = Counter()            # this host's decode failures per source
         self.shapes = packing.ShapeCounter()
         self.step = 0
@@ -145,9 +146,15 @@ class Loader:
                 entries.append(Entry(s, r, -1, g))
         return entries, items, dropped, split
 
-    @functools.lru_cache(maxsize=4)
     def window_plan(self, window: int) -> WindowPlan:
-        """The plan of window `window` (steps [window*G, (window+1)*G)): identical on every host."""
+        """The plan of window `window` (steps [window*G, (window+1)*G)): identical on every host.
+
+        Computed once per window even when several prefetch threads ask at the same time."""
+        with self._plan_lock:
+            return self._window_plan(window)
+
+    @functools.lru_cache(maxsize=4)
+    def _window_plan(self, window: int) -> WindowPlan:
         cfg = self.cfg
         step0 = window * cfg.window
         entries, items, dropped, split = self._items(step0)
@@ -205,7 +212,7 @@ class Loader:
         layout = wp.layouts[g]
         micro = []
         for m in range(cfg.microbatches):
-            packs = []
+            bins = []
             for r in self.ranks:
                 b = (g * cfg.dp + r) * cfg.microbatches + m
                 entries = []
@@ -213,8 +220,8 @@ class Loader:
                     flat = self._load(wp.entries[key])
                     if flat is not None:
                         entries.append((flat, row))
-                packs.append(packing.pack_bin(entries, layout, self.specs))
-            batch = packing.concat(packs, layout)
+                bins.append(entries)
+            batch = packing.pack(bins, layout, self.specs)
             with self._lock:
                 self.shapes.add(layout, batch)
             micro.append(batch)

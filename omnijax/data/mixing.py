@@ -10,12 +10,15 @@ hosts see the same stream.
 - Slots: the step's labels are shuffled by a permutation seeded with (seed, step).
 - Records: the j-th draw of source k (j = draws in earlier steps + rank within this step) is record
   index_shuffle(j mod n_k) of epoch j // n_k, a bijection from grain seeded per (seed, source,
-  epoch): every record once per epoch, a fresh order each epoch, O(1) memory per source.
+  epoch): every record once per epoch, a fresh order each epoch, O(1) memory per source (sources
+  of at most 65536 records use a cached explicit permutation with the same seed instead: grain's
+  bijection is slow on small domains).
 - Prefix counts (draws in earlier steps) are recomputed from the schedule, vectorised, with
   checkpoints every `CHECKPOINT` steps cached: derived data, not state.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from dataclasses import dataclass, field
@@ -92,8 +95,25 @@ def _mix64(seed: int, steps: np.ndarray) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
+@functools.lru_cache(maxsize=4096)
 def _seed32(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
+SMALL = 1 << 16  # sources up to this size use a cached explicit permutation (faster than index_shuffle there)
+
+
+@functools.lru_cache(maxsize=256)
+def _small_perm(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(n)
+
+
+def _position(p: int, n: int, seed: int) -> int:
+    """Record at position p of the permutation of range(n) seeded by `seed` (a pure function)."""
+    if n <= SMALL:
+        return int(_small_perm(n, seed)[p])
+    from grain.experimental import index_shuffle
+    return int(index_shuffle(p, max_index=n - 1, seed=seed, rounds=4))
 
 
 class Mixer:
@@ -144,7 +164,6 @@ class Mixer:
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(source ids [B], record ids [B]) of global batch `step`."""
-        from grain.experimental import index_shuffle
         if step < 0:
             raise ConfigError(f"step {step}: must be >= 0")
         counts = self.counts(np.array([step]))[0]
@@ -159,7 +178,7 @@ class Mixer:
         draws = base[labels] + rank
         n = self.sizes[labels]
         epoch, pos = draws // n, draws % n
-        recs = np.array([index_shuffle(int(p), max_index=int(m) - 1, seed=_seed32(self.seed, int(k), int(e)), rounds=4)
+        recs = np.array([_position(int(p), int(m), _seed32(self.seed, int(k), int(e)))
                          for p, m, k, e in zip(pos, n, labels, epoch)], np.int64)
         return labels.astype(np.int32), recs
 

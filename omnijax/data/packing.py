@@ -115,6 +115,8 @@ class Flat:
 def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec]) -> Flat:
     """One LLM token run for the sample plus the encoder inputs of its media segments."""
     from omnijax.data.features import segment_inputs
+    from omnijax.data.tokens import modality_configs
+    typed = modality_configs(mm_cfg)
     toks, loss, enc = [], [], []
     n = 0
     for seg in sample.segments:
@@ -127,7 +129,7 @@ def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec]) -> Flat:
         name = mm_cfg.modalities.get(seg.modality)
         if name not in specs:
             raise BadSample(f"{sample.source}[{sample.index}]: no encoder for modality {seg.modality!r}")
-        inputs, positions = segment_inputs(seg.modality, seg.data, mm_cfg)
+        inputs, positions = segment_inputs(seg.modality, seg.data, typed[seg.modality])
         spec = specs[name]
         if inputs.shape[0] % spec.group:
             raise BadSample(f"{sample.source}[{sample.index}]: {inputs.shape[0]} {name} rows are not a multiple "
@@ -152,49 +154,59 @@ def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
 # --------------------------------------------------------------------------------- packing
 def pack_bin(entries: list[tuple[Flat, int]], layout: Layout, specs: dict[str, EncoderSpec]) -> dict[str, np.ndarray]:
     """Buffers of one bin from (flattened sample, row) entries; raises BadSample if over capacity."""
-    R, L = layout.rows, layout.row_len
-    tokens = np.full((R, L), tokenizer.PAD, np.int32)
-    targets = np.full((R, L), tokenizer.PAD, np.int32)
-    loss_mask = np.zeros((R, L), np.float32)
-    seg_ids = np.zeros((R, L), np.int32)
-    positions = np.zeros((R, L), np.int32)
-    fill = np.zeros(R, np.int64)
-    nseg = np.zeros(R, np.int32)
+    return pack([entries], layout, specs)
+
+
+def pack(bins: list[list[tuple[Flat, int]]], layout: Layout, specs: dict[str, EncoderSpec]) -> dict[str, np.ndarray]:
+    """Buffers of several bins (e.g. a host's ranks) written in place, bin b at rows [b*rows, (b+1)*rows)
+    and encoder rows [b*N_E, (b+1)*N_E); dest indices are flat into the concatenated rows and encoder
+    segment ids are numbered across bins. Equal to `concat` of `pack_bin` per bin, without the copies."""
+    R, L, nb = layout.rows, layout.row_len, len(bins)
+    tokens = np.full((nb * R, L), tokenizer.PAD, np.int32)
+    targets = np.full((nb * R, L), tokenizer.PAD, np.int32)
+    loss_mask = np.zeros((nb * R, L), np.float32)
+    seg_ids = np.zeros((nb * R, L), np.int32)
+    positions = np.zeros((nb * R, L), np.int32)
     caps = dict(layout.enc)
-    enc_parts: dict[str, list] = {name: [] for name in caps}
-    enc_used = {name: 0 for name in caps}
-    for flat, row in entries:
-        n = flat.tokens.size
-        if row >= R or fill[row] + n > L:
-            raise BadSample(f"sample of {n} tokens does not fit row {row} of a {R}x{L} buffer")
-        a = int(fill[row])
-        nseg[row] += 1
-        tokens[row, a: a + n] = flat.tokens
-        targets[row, a: a + n - 1] = flat.tokens[1:]
-        loss_mask[row, a: a + n - 1] = flat.loss[1:]
-        seg_ids[row, a: a + n] = nseg[row]
-        positions[row, a: a + n] = np.arange(n)
-        fill[row] += n
-        for name, inputs, pos, offs in flat.enc:
-            enc_parts[name].append((inputs, pos, row * L + a + offs))
-    out = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "segment_ids": seg_ids, "positions": positions}
+    enc_out = {}
     for name, cap in caps.items():
         spec = specs[name]
-        inputs = np.zeros((cap, spec.dim), np.float32)
-        eseg = np.zeros(cap, np.int32)
-        epos = np.zeros((cap, 3), np.int32)
-        dest = np.full(cap // spec.group, -1, np.int32)
-        used = 0
-        for k, (x, pos, dst) in enumerate(enc_parts[name]):
-            m = x.shape[0]
-            if used + m > cap:
-                raise BadSample(f"{name} inputs exceed the bin's capacity of {cap} rows")
-            inputs[used: used + m] = x
-            eseg[used: used + m] = k + 1
-            epos[used: used + m] = pos
-            dest[used // spec.group: (used + m) // spec.group] = dst
-            used += m
-        enc_used[name] = used
+        enc_out[name] = (np.zeros((nb * cap, spec.dim), np.float32), np.zeros(nb * cap, np.int32),
+                         np.zeros((nb * cap, 3), np.int32), np.full(nb * cap // spec.group, -1, np.int32))
+    enc_seg = {name: 0 for name in caps}
+    for b, entries in enumerate(bins):
+        fill = np.zeros(R, np.int64)
+        nseg = np.zeros(R, np.int32)
+        used = {name: 0 for name in caps}
+        for flat, row in entries:
+            n = flat.tokens.size
+            if row >= R or fill[row] + n > L:
+                raise BadSample(f"sample of {n} tokens does not fit row {row} of a {R}x{L} buffer")
+            a, r = int(fill[row]), b * R + row
+            nseg[row] += 1
+            tokens[r, a: a + n] = flat.tokens
+            targets[r, a: a + n - 1] = flat.tokens[1:]
+            loss_mask[r, a: a + n - 1] = flat.loss[1:]
+            seg_ids[r, a: a + n] = nseg[row]
+            positions[r, a: a + n] = np.arange(n)
+            fill[row] += n
+            for name, x, pos, offs in flat.enc:
+                if name not in caps:
+                    raise BadSample(f"layout has no buffer for encoder {name!r}")
+                cap, g = caps[name], specs[name].group
+                m = x.shape[0]
+                if used[name] + m > cap:
+                    raise BadSample(f"{name} inputs exceed the bin's capacity of {cap} rows")
+                lo = b * cap + used[name]
+                inputs, eseg, epos, dest = enc_out[name]
+                enc_seg[name] += 1
+                inputs[lo: lo + m] = x
+                eseg[lo: lo + m] = enc_seg[name]
+                epos[lo: lo + m] = pos
+                dest[lo // g: (lo + m) // g] = r * L + a + offs
+                used[name] += m
+    out = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "segment_ids": seg_ids, "positions": positions}
+    for name, (inputs, eseg, epos, dest) in enc_out.items():
         out[f"{name}_inputs"], out[f"{name}_segment_ids"] = inputs, eseg
         out[f"{name}_positions"], out[f"{name}_dest"] = epos, dest
     return out

@@ -20,10 +20,32 @@ def modality_encoders(mm_cfg: Any) -> dict[str, str]:
     return dict(mm_cfg.modalities)
 
 
+_TYPED: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+
+def modality_configs(mm_cfg: Any) -> dict[str, Any]:
+    """modality -> typed encoder config, resolved once per config object (resolving is not cheap).
+
+    The cache holds the config object itself, so a different object is always resolved afresh;
+    mutate a config before its first use, not after.
+    """
+    hit = _TYPED.get(id(mm_cfg))
+    if hit is not None and hit[0] is mm_cfg:
+        return hit[1]
+    from omnijax.models.mm_config import encoder_configs
+    encs = encoder_configs(mm_cfg)
+    typed = {m: encs[n] for m, n in mm_cfg.modalities.items()}
+    _TYPED[id(mm_cfg)] = (mm_cfg, typed)
+    return typed
+
+
 def segment_tokens(seg: SegmentMeta, mm_cfg: Any) -> tuple[int, int]:
     """(encoder input rows, LLM tokens) of one segment; text is (0, length)."""
     from omnijax.data.features import encoder_tokens
-    return encoder_tokens(seg.modality, tuple(seg.shape), mm_cfg)
+    if seg.modality == "text":
+        return 0, int(seg.shape[0])
+    cfgs = modality_configs(mm_cfg)
+    return encoder_tokens(seg.modality, tuple(seg.shape), cfgs.get(seg.modality, mm_cfg))
 
 
 def sample_tokens(meta: SampleMeta, mm_cfg: Any = None) -> tuple[dict[str, int], int]:
