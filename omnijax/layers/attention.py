@@ -7,7 +7,10 @@ log-sum-exp.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +61,27 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment
         return out
     lse = jnp.where(denom > 0, jnp.log(safe) + m, -jnp.inf)[..., 0]  # [B, KVH, G, Lq]
     return out, jnp.moveaxis(lse, 3, 1).reshape(b, lq, h)
+
+
+_ATTENTION: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("omnijax_attention", default=None)
+
+
+@contextlib.contextmanager
+def use_attention(fn: Callable) -> Iterator[None]:
+    """Trace the enclosed forward with `fn` in place of `dot_product_attention` (same signature).
+
+    Parallel code swaps in distributed attention (e.g. sequence parallelism inside an encoder) this
+    way, so model code stays free of mesh logic."""
+    token = _ATTENTION.set(fn)
+    try:
+        yield
+    finally:
+        _ATTENTION.reset(token)
+
+
+def attention_fn() -> Callable:
+    """The attention in force: `dot_product_attention` unless `use_attention` says otherwise."""
+    return _ATTENTION.get() or dot_product_attention
 
 
 def _kernel(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:

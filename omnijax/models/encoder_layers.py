@@ -1,7 +1,8 @@
 """Building blocks shared by the vision and audio encoders (pre-LayerNorm ViT blocks).
 
 Encoders see one packed buffer [N, D] of many images/clips; attention is bidirectional inside a
-segment (segment ids, 0 = padding) via the LLM's `dot_product_attention`. Positions are (t, h, w)
+segment (segment ids, 0 = padding) via the LLM's `dot_product_attention` (or the attention that
+`omnijax.layers.attention.use_attention` puts in force, e.g. sequence-parallel). Positions are (t, h, w)
 grid coordinates; multi-axis rotary embeddings (each axis owns a slice of the rotary pairs) make any
 grid size work without a learned table.
 """
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax.layers.attention import dot_product_attention
+from omnijax.layers.attention import attention_fn
 
 
 def rope_sections(pairs: int, axes: int) -> tuple[int, ...]:
@@ -90,7 +91,7 @@ class SelfAttention(nnx.Module):
         if inv_freq is not None:
             q, k = apply_rope_nd(q, positions, inv_freq), apply_rope_nd(k, positions, inv_freq)
         flat = jnp.zeros(segment_ids.shape, jnp.int32)  # non-causal: positions only matter for rope
-        out = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+        out = attention_fn()(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                                     q_positions=flat, kv_positions=flat, causal=False)
         return jnp.einsum("blhk,hkd->bld", out, self.o[...].astype(dt)) + self.o_bias[...].astype(dt)
 
