@@ -103,10 +103,10 @@ def calibrate(cfg: CalibrateConfig, mm_cfg: Any = None, steps: dict[str, Callabl
                 step = llm_step(mm_cfg)
             else:
                 step = encoder_step(mm_cfg, comp)
-        except Exception as exc:  # a module not written yet: say so, keep the default
+            coeffs, info = fit_coeffs(time_fn_from(step), cfg.sizes, cfg.repeats)
+        except Exception as exc:  # a module not written yet or failing: say so, keep the default
             report[comp] = {"status": f"not timed ({exc.__class__.__name__}: {exc}); FLOP default kept"}
             continue
-        coeffs, info = fit_coeffs(time_fn_from(step), cfg.sizes, cfg.repeats)
         if comp == "llm":
             fitted.llm = coeffs
         else:
