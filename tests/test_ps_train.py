@@ -30,7 +30,8 @@ def model_fn():
 
 def batch_fn(step, worker, num_workers):
     r = np.random.default_rng(1000 * step + worker)
-    return {"x": r.normal(size=(8, 16)).astype(np.float32), "y": r.integers(0, 4, 8).astype(np.int32)}
+    x = r.normal(size=(8, 16)).astype(np.float32)
+    return {"x": x, "y": np.argmax(x[:, :4], axis=1).astype(np.int32)}  # learnable labels
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +179,13 @@ def test_autotune_comm_picks_a_setting_and_changes_no_arithmetic(cluster, baseli
         t.set_comm(1024, 512)
 
 
+def test_async_weight_prediction_trains(cluster):
+    t = make(cluster, mode="async", staleness=2, staleness_mode="delay_comp+weight_pred")
+    rows = t.run(16)
+    losses = [r["loss"] for r in rows if r["worker"] == 0]
+    assert len(rows) == 32 and np.mean(losses[-4:]) < np.mean(losses[:4])
+
+
 def test_bad_config_is_a_clear_error(cluster):
     with pytest.raises(ConfigError, match="ps.num_blocks"):
         make(cluster, num_blocks=2, max_servers=3)
@@ -185,3 +193,8 @@ def test_bad_config_is_a_clear_error(cluster):
         make(cluster, slow_server=0, slowdown=2.0)
     with pytest.raises(ConfigError, match="mode=sync"):
         make(cluster, mode="async", balance=True)
+    with pytest.raises(ConfigError, match="needs ps.mode=async"):
+        make(cluster, staleness_mode="weight_pred")
+    t = make(cluster, mode="async")
+    with pytest.raises(ConfigError, match="agreed step"):
+        t.add_server(2)

@@ -18,8 +18,10 @@ class PSConfig:
     chunk_bytes: int = 262144     # transfer unit of a gradient push
     credit_bytes: int = 1048576   # at most this many pushed bytes in flight per worker
     staleness: int = 1            # async: bound on how many iterations a worker may run ahead
-    staleness_mode: Literal["none", "delay_comp"] = "none"
-    dc_lambda: float = 0.04       # async delay compensation strength
+    # async only: "delay_comp" corrects a stale gradient on the server (g + λ·g⊙g⊙(w_now − w_pulled));
+    # "weight_pred" makes the worker take its gradient at predicted weights w + Opt(w, g) (fresh opt state)
+    staleness_mode: Literal["none", "delay_comp", "weight_pred", "delay_comp+weight_pred"] = "none"
+    dc_lambda: float = 0.04       # delay compensation strength
     link_mb_per_s: float = 0.0    # simulated per-server link bandwidth (0 = none); makes transfer cost real
     slow_server: int = -1         # straggler injection: this server index is slowed (-1 = none)
     slowdown: float = 1.0         # ... by this per-byte factor (kind "delay")
@@ -57,6 +59,8 @@ def validate(cfg: PSConfig) -> PSConfig:
     if cfg.slow_server >= 0 and cfg.straggler_kind == "delay" and cfg.slowdown > 1 and cfg.link_mb_per_s <= 0:
         raise ConfigError("ps.slowdown with straggler_kind=delay multiplies the per-byte link time: "
                           "set ps.link_mb_per_s > 0 too")
+    if cfg.staleness_mode != "none" and cfg.mode != "async":
+        raise ConfigError(f"ps.staleness_mode={cfg.staleness_mode} compensates stale gradients: it needs ps.mode=async")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ConfigError("ps.checkpoint_every > 0 needs ps.checkpoint_dir")
     if cfg.mode == "async" and cfg.balance:

@@ -33,7 +33,7 @@ class ServerKnobs:
     mode: str = "sync"               # "sync" | "async"
     num_workers: int = 1
     staleness: int = 0               # async: a pull for iteration k needs every worker's k-1-staleness applied
-    staleness_mode: str = "none"     # async: "none" | "delay_comp"
+    staleness_mode: str = "none"     # async: delay compensation on when it starts with "delay_comp"
     dc_lambda: float = 0.04          # delay compensation strength
     link_bytes_per_s: float = 0.0    # simulated link bandwidth (0 = no link delay)
     slowdown: float = 1.0            # straggler: per-byte link time multiplier
@@ -233,7 +233,7 @@ class ParameterServer:
 
     def _update(self, state: _BlockState, grad: np.ndarray, worker: int | None) -> None:
         k = self.knobs
-        if worker is not None and k.staleness_mode == "delay_comp" and worker in state.backup:
+        if worker is not None and k.staleness_mode.startswith("delay_comp") and worker in state.backup:
             # g~ = g + lambda * g * g * (w_now - w_pulled): first-order correction of the gradient delay
             delta = np.asarray(state.param) - state.backup.pop(worker)
             grad = grad + np.float32(k.dc_lambda) * grad * grad * delta
@@ -267,7 +267,7 @@ class ParameterServer:
                 continue
             state = self.blocks[index]
             out[i] = np.asarray(state.param)
-            if self.knobs.staleness_mode == "delay_comp":
+            if self.knobs.staleness_mode.startswith("delay_comp"):
                 state.backup[worker] = out[i]
         own = sum(a.nbytes for a in out if a is not None)
         await self._transfer(own, inbound=False)

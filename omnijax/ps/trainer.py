@@ -169,8 +169,9 @@ class PSTrainer:
 
     def _configure_worker(self, worker: Any) -> Any:
         worker.set_servers.remote(self.cluster.servers)
+        predict = self._opt_blob if self.cfg.staleness_mode.endswith("weight_pred") else None
         return worker.configure.remote(self._spec_blob, self.layout, self.blocks, self.cfg.num_workers,
-                                       self.cfg.chunk_bytes, self.cfg.credit_bytes)
+                                       self.cfg.chunk_bytes, self.cfg.credit_bytes, predict)
 
     def placement_for(self, step: int) -> tuple[int, ...]:
         return self.schedule[max(s for s in self.schedule if s <= step)]

@@ -25,21 +25,32 @@ class PSWorker:
         return self.index
 
     def configure(self, spec_blob: bytes, layout: ParamLayout, blocks: tuple[Block, ...], num_workers: int,
-                  chunk_bytes: int, credit_bytes: int) -> int:
+                  chunk_bytes: int, credit_bytes: int, predict_with: bytes | None = None) -> int:
         """Build the model from its factory and compile the flat-vector gradient once."""
         import cloudpickle
         import jax
         from flax import nnx
 
         model_fn, loss_fn, batch_fn = cloudpickle.loads(spec_blob)
-        key = (spec_blob, layout)
+        key = (spec_blob, layout, predict_with)
         if getattr(self, "_grad_key", None) != key:  # a new run of the same job reuses the compiled step
             graphdef, _, rest = nnx.split(model_fn(), nnx.Param, ...)
 
             def loss_of_flat(flat, batch):
                 return loss_fn(nnx.merge(graphdef, layout.unflatten(flat), rest), batch)
 
-            self._grad, self._grad_key = jax.jit(jax.value_and_grad(loss_of_flat)), key
+            value_and_grad = jax.value_and_grad(loss_of_flat)
+            if predict_with is None:
+                fn = value_and_grad
+            else:  # weight prediction: the gradient at w^ = w + Opt(w, g), optimizer state discarded
+                opt = cloudpickle.loads(predict_with)
+
+                def fn(flat, batch):
+                    loss, g = value_and_grad(flat, batch)
+                    updates, _ = opt.update(g, opt.init(flat), flat)
+                    return loss, value_and_grad(flat + updates, batch)[1]
+
+            self._grad, self._grad_key = jax.jit(fn), key
         self.batch_fn, self.layout, self.blocks, self.num_workers = batch_fn, layout, blocks, num_workers
         self.set_comm(chunk_bytes, credit_bytes)
         return self.index
