@@ -42,7 +42,7 @@ class LoaderConfig:
     samples_per_step: int = 32      # global samples drawn per step (before drops)
     dp: int = 1                     # data-parallel ranks (TP/PP/CP peers share a rank's batch)
     microbatches: int = 1
-    row_len: int = 256              # LLM tokens per row
+    row_len: int = 256              # LLM tokens per row (largest bucket; a step uses the smallest that fits)
     max_rows: int = 8               # largest LLM row bucket per bin (rank x microbatch)
     max_encoder_rows: dict[str, int] = field(default_factory=dict)  # per encoder per bin; default rows*len*group
     window: int = 4                 # G: global batches balanced together
@@ -104,6 +104,7 @@ class Loader:
         if unknown:
             raise ConfigError(f"data.max_encoder_rows: unknown encoder(s) {sorted(unknown)}; known: {list(self.specs)}")
         self.row_buckets = packing.buckets(cfg.max_rows)
+        self.len_buckets = packing.buckets(cfg.row_len, min(16, cfg.row_len), smallest=min(64, cfg.row_len))
         self.enc_buckets = {n: packing.buckets(c, self.specs[n].group, smallest=self.specs[n].group * 16)
                             for n, c in self.enc_cap.items()}
         self.capacity = balance.Capacity(cfg.max_rows, cfg.row_len, tuple(self.enc_cap[n] for n in self.enc_names))
@@ -178,12 +179,16 @@ class Loader:
         by_key = {it.key: it for it in items}
         layouts = []
         for g in range(cfg.window):
-            rows_need, enc_need = 1, {n: 0 for n in self.enc_names}
+            rows_need, len_need, enc_need = 1, 1, {n: 0 for n in self.enc_names}
             for b in plan.bins[g * per_step_bins: (g + 1) * per_step_bins]:
                 rows_need = max(rows_need, 1 + max((r for _, r in b), default=0))
+                fill: dict[int, int] = {}
+                for k, r in b:
+                    fill[r] = fill.get(r, 0) + by_key[k].tokens
+                len_need = max([len_need, *fill.values()])
                 for n_i, n in enumerate(self.enc_names):
                     enc_need[n] = max(enc_need[n], sum(by_key[k].enc[n_i] for k, _ in b))
-            layouts.append(packing.Layout(packing.pick(self.row_buckets, rows_need), cfg.row_len,
+            layouts.append(packing.Layout(packing.pick(self.row_buckets, rows_need), packing.pick(self.len_buckets, len_need),
                                           tuple((n, packing.pick(self.enc_buckets[n], enc_need[n])) for n in self.enc_names)))
         for name, rec, why in dropped:
             log.info("dropped %s[%d]: %s", name, rec, why)

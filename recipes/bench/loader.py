@@ -21,7 +21,7 @@ class BenchConfig:
     records: int = 1024          # world samples written to ArrayRecord for the throughput and RSS runs
     steps: int = 24              # steps timed per throughput repeat
     repeats: int = 3             # alternating omnijax/grain repeats (best of)
-    samples_per_step: int = 64
+    samples_per_step: int = 128
     dp: int = 8
     microbatches: int = 2
     row_len: int = 512
@@ -29,6 +29,7 @@ class BenchConfig:
     threads: int = 2
     balance_windows: int = 8     # windows of G=16 steps measured for the reordering variants
     rss_steps: int = 16
+    padding_steps: int = 32
     seed: int = 0
 
 
@@ -136,6 +137,32 @@ def _balance_rows(b: BenchConfig) -> Iterator[dict]:
         yield row
 
 
+def _padding(b: BenchConfig, **kw) -> tuple[dict, object]:
+    from omnijax.data.loader import Loader
+    loader = Loader(_loader_cfg(b, **kw))
+    real: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for s in range(b.padding_steps):
+        for m in loader.host_batch(s)["microbatches"]:
+            for k in m:
+                if k.endswith("segment_ids"):
+                    name = k[: -len("_segment_ids")] or "llm"
+                    real[name] = real.get(name, 0) + int((m[k] > 0).sum())
+                    total[name] = total.get(name, 0) + int(m[k].size)
+    return {k: round(1 - real[k] / total[k], 4) for k in total}, loader
+
+
+def _padding_row(b: BenchConfig) -> dict:
+    parts, loader = _padding(b, window=16, reorder=True)
+    parts_arrival, arrival = _padding(b, window=1, reorder=False)
+    return {"variant": "padding", "padded_fraction": round(loader.shapes.padded_fraction, 4),
+            "by_buffer": parts, "distinct_shapes": len(loader.shapes.shapes),
+            "arrival_padded_fraction": round(arrival.shapes.padded_fraction, 4), "arrival_by_buffer": parts_arrival,
+            "G": 16, "steps": b.padding_steps, "row_len": b.row_len, "max_rows": b.max_rows,
+            "bucket_counts": {"rows": len(loader.row_buckets), "row_len": len(loader.len_buckets),
+                              **{k: len(v) for k, v in loader.enc_buckets.items()}}}
+
+
 # ---------------------------------------------------------------------------------------- RSS
 def rss_child(args: dict) -> dict:
     """Run in a fresh process: open k ArrayRecord sources, load `steps` steps, report memory."""
@@ -184,10 +211,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
                "note": "best of repeats; omnijax = plan+read+features+pack, grain = read+features (no packing)"}
         yield {"variant": "grain", "samples_per_s": round(best_g, 1), "threads": b.threads}
         yield from _balance_rows(b)
-        m = loader.metrics()
-        yield {"variant": "padding", "padded_fraction": round(m["padded_fraction"], 4),
-               "distinct_shapes": m["distinct_shapes"], "row_len": b.row_len, "max_rows": b.max_rows,
-               "row_buckets": list(loader.row_buckets), "encoder_buckets": {k: list(v) for k, v in loader.enc_buckets.items()}}
+        yield _padding_row(b)
         base = None
         for k in (1, 10, 100, 1000):
             ps = _write_world(tmp / f"k{k}", max(b.records, k), k, b.seed) if k > 1 else paths
