@@ -176,5 +176,7 @@ def test_bad_records_skipped_counted_logged_and_overlong(tmp_path, caplog):
     plans = [loader.window_plan(s) for s in range(6)]
     assert any("over capacity" in why for p in plans for _, _, why in p.dropped)
     assert sum(p.split for p in plans) > 0 and m["distinct_shapes"] >= 1
+    assert loader.metrics()["dropped_total"] == sum(len(p.dropped) for p in plans) > 0
+    assert loader.metrics()["split_total"] == sum(p.split for p in plans)
     with pytest.raises(UserError, match="missing ArrayRecord shard: .*nope.arrayrecord"):
         Loader(LoaderConfig(sources=[SourceSpec("x", path=str(tmp_path / "nope.arrayrecord"))]))

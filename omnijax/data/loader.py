@@ -110,6 +110,7 @@ class Loader:
         self.capacity = balance.Capacity(cfg.max_rows, cfg.row_len, tuple(self.enc_cap[n] for n in self.enc_names))
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
+        self._planned: dict[int, tuple[int, int]] = {}
         self.skipped = Counter()            # this host's decode failures per source
         self.shapes = packing.ShapeCounter()
         self.step = 0
@@ -152,7 +153,9 @@ class Loader:
 
         Computed once per window even when several prefetch threads ask at the same time."""
         with self._plan_lock:
-            return self._window_plan(window)
+            wp = self._window_plan(window)
+            self._planned[window] = (len(wp.dropped), wp.split)  # once per window, even if recomputed
+            return wp
 
     @functools.lru_cache(maxsize=4)
     def _window_plan(self, window: int) -> WindowPlan:
@@ -255,12 +258,18 @@ class Loader:
                             f"resume with the same data config")
         self.step = int(state["step"])
 
+    # the trainer's loader protocol
+    get_state = state
+    set_state = restore
+
     def metrics(self, step: int | None = None) -> dict[str, Any]:
-        """Counters: this host's skipped records, and the plan's drops/splits of the current window."""
+        """Counters: this host's skipped records; drops/splits of the current window and of all windows planned."""
         wp = self.window_plan((self.step if step is None else step) // self.cfg.window)
         return {"skipped_bad_records": int(sum(self.skipped.values())),
                 "skipped_by_source": dict(self.skipped),
                 "dropped_in_window": len(wp.dropped), "split_in_window": wp.split,
+                "dropped_total": sum(d for d, _ in self._planned.values()),
+                "split_total": sum(x for _, x in self._planned.values()),
                 "distinct_shapes": len(self.shapes.shapes), "padded_fraction": self.shapes.padded_fraction}
 
 
