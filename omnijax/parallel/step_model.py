@@ -270,7 +270,8 @@ class NetworkModel:
             return 0.0
         intra = (g - 1) / g * nbytes / self.nvlink_Bps if g > 1 else 0.0
         inter = (h - 1) / h * (nbytes / g) / self.net_Bps if h > 1 else 0.0
-        lat = (g - 1) * self.nvlink_latency_s + (h - 1) * self.net_latency_s
+        # tree-like latency (NCCL picks trees for small messages), ring bandwidth terms
+        lat = math.log2(g) * self.nvlink_latency_s + (math.log2(h) if h > 1 else 0.0) * self.net_latency_s
         if kind == "all-reduce":
             return 2 * (intra + inter + lat)
         if kind in ("all-gather", "reduce-scatter"):
@@ -317,96 +318,168 @@ def _collective_bytes(ins: Instr, table: dict[str, Instr]) -> float:
     return ins.shape.nbytes
 
 
+@dataclass
+class _Totals:
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    flops: float = 0.0
+    collectives: list = field(default_factory=list)
+
+    def add(self, other: "_Totals", times: int = 1) -> None:
+        self.compute_s += other.compute_s * times
+        self.comm_s += other.comm_s * times
+        self.flops += other.flops * times
+        self.collectives += other.collectives
+
+
 class _Sim:
+    """Discrete-event replay of one computation.
+
+    overlap=True: a list scheduler. The compute stream runs, among the ops whose operands are done,
+    first those that feed a collective (so collectives start as early as dependencies allow, as a
+    latency-hiding scheduler would place them), then the rest, each group in program order.
+    Collectives run on `streams` communication streams. overlap=False: strict program order on one
+    stream, collectives included.
+    """
+
     def __init__(self, comps, device, net, program_devices, comm_streams, overlap):
         self.comps, self.device, self.net = comps, device, net
-        self.program_devices, self.streams, self.overlap = program_devices, comm_streams, overlap
+        self.program_devices, self.streams, self.overlap = program_devices, max(1, comm_streams), overlap
         self.flops_memo: dict = {}
-        self.compute_s = self.comm_s = self.flops = 0.0
-        self.collectives: list[dict] = []
 
     def ranks(self, ins: Instr) -> int:
         size = ins.group_size(self.program_devices)
         return self.net.world if size >= self.program_devices else size
 
-    def run(self, name: str, start: float = 0.0, scale: int = 1) -> float:
-        """Replay computation `name` from time `start`; returns its end time."""
+    def _compute_cost(self, ins: Instr, table: dict[str, Instr]) -> tuple[float, float]:
+        mm = ew = 0.0
+        if ins.opcode == "dot":
+            mm = _dot_flops(ins, table)
+        elif ins.opcode == "convolution":
+            mm = _conv_flops(ins, table)
+        elif ins.opcode in _ELEMENTWISE:
+            ew = ins.shape.elements
+        if ins.opcode in ("fusion", "custom-call"):
+            for c in ins.called():
+                if c in self.comps:
+                    a, b = computation_flops(self.comps, c, self.flops_memo)
+                    mm, ew = mm + a, ew + b
+        nbytes = ins.shape.nbytes + sum(table[o].shape.nbytes for o in ins.operands if o in table)
+        return self.device.op_time(mm, ew, nbytes, ins.shape.dtype), mm + ew
+
+    def _nested(self, ins: Instr) -> tuple[float, _Totals]:
+        """Duration and totals of a while/conditional/call, simulated on its own."""
+        called = [c for c in ins.called() if c in self.comps]
+        tot = _Totals()
+        if not called:
+            return 0.0, tot
+        if ins.opcode == "while":
+            body = _body_of(ins, called)
+            span, sub = self.run(body)
+            trips = _trip_count(ins)
+            tot.add(sub, trips)
+            return span * trips, tot
+        if ins.opcode == "conditional":
+            runs = [self.run(c) for c in called]
+            span, sub = max(runs, key=lambda r: r[0])     # charge the longest branch
+            tot.add(sub)
+            return span, tot
+        span, sub = self.run(called[0])
+        tot.add(sub)
+        return span, tot
+
+    def run(self, name: str) -> tuple[float, _Totals]:
+        import heapq
+
         comp = self.comps[name]
         table = comp.table()
-        done: dict[str, float] = {}
-        compute_free = start
-        comm_free = [start] * max(1, self.streams)
-        end = start
-        for ins in comp.instrs:
-            ready = max([done.get(o, start) for o in ins.operands], default=start)
-            base = ins.opcode.removesuffix("-start")
-            if ins.opcode.endswith("-done"):
-                done[ins.name] = ready
-            elif base in COLLECTIVES:
+        instrs = comp.instrs
+        index = {ins.name: i for i, ins in enumerate(instrs)}
+        ops = [sorted({index[o] for o in ins.operands if o in index}) for ins in instrs]
+        users: list[list[int]] = [[] for _ in instrs]
+        for i, deps in enumerate(ops):
+            for d in deps:
+                users[d].append(i)
+        is_coll = [ins.opcode.removesuffix("-start") in COLLECTIVES and not ins.opcode.endswith("-done")
+                   for ins in instrs]
+        feeds = [False] * len(instrs)          # transitive producers of a collective
+        stack = [i for i, c in enumerate(is_coll) if c]
+        while stack:
+            for d in ops[stack.pop()]:
+                if not feeds[d]:
+                    feeds[d] = True
+                    stack.append(d)
+        tot = _Totals()
+        done = [math.nan] * len(instrs)
+        missing = [len(d) for d in ops]
+        ready_at = [0.0] * len(instrs)
+        compute_free, comm_free = 0.0, [0.0] * self.streams
+        pending: list = []      # (ready, order key, i) for ops that need the compute stream
+
+        def key(i):
+            return (0 if feeds[i] else 1, i) if self.overlap else (0, i)
+
+        def finish(i, t):
+            done[i] = t
+            for u in users[i]:
+                missing[u] -= 1
+                ready_at[u] = max(ready_at[u], t)
+                if missing[u] == 0:
+                    became_ready(u)
+
+        def became_ready(i):
+            nonlocal comm_free
+            ins = instrs[i]
+            r = ready_at[i]
+            if ins.opcode in _FREE or ins.opcode.endswith("-done"):
+                finish(i, r)
+            elif is_coll[i] and self.overlap:
+                base = ins.opcode.removesuffix("-start")
                 nbytes = _collective_bytes(ins, table)
                 t = self.net.collective_s(base, nbytes, self.ranks(ins))
-                self.comm_s += t * scale
-                self.collectives.append({"op": base, "bytes": int(nbytes), "ranks": self.ranks(ins), "s": t})
-                if self.overlap:
-                    k = int(np.argmin(comm_free))
-                    s = max(ready, comm_free[k])
-                    comm_free[k] = done[ins.name] = s + t
-                else:
-                    s = max(ready, compute_free)
-                    compute_free = done[ins.name] = s + t
-            elif ins.opcode in _FREE:
-                done[ins.name] = ready
-            elif ins.opcode == "while":
-                body = [c for c in ins.called() if c in self.comps]
-                trips = _trip_count(ins)
-                t0 = s = max(ready, compute_free)
-                for _ in range(trips if body else 0):
-                    s = self.run(body[-1] if len(body) == 1 else _body_of(ins, body), s, scale)
-                compute_free = done[ins.name] = s if body else t0
-            elif ins.opcode == "conditional":
-                branches = [c for c in ins.called() if c in self.comps]
-                s = max(ready, compute_free)
-                saved = (self.compute_s, self.comm_s, len(self.collectives))
-                ends = []
-                for b in branches:       # charge the longest branch only
-                    before = (self.compute_s, self.comm_s, len(self.collectives))
-                    ends.append((self.run(b, s, scale), before, (self.compute_s, self.comm_s, len(self.collectives))))
-                if ends:
-                    longest = max(range(len(ends)), key=lambda i: ends[i][0])
-                    e, before, after = ends[longest]
-                    self.compute_s = saved[0] + (after[0] - before[0])
-                    self.comm_s = saved[1] + (after[1] - before[1])
-                    self.collectives = self.collectives[:saved[2]] + self.collectives[before[2]:after[2]]
-                    compute_free = done[ins.name] = e
-                else:
-                    done[ins.name] = s
-            elif ins.opcode == "call":
-                s = max(ready, compute_free)
-                called = [c for c in ins.called() if c in self.comps]
-                compute_free = done[ins.name] = self.run(called[0], s, scale) if called else s
+                tot.comm_s += t
+                tot.collectives.append({"op": base, "bytes": int(nbytes), "ranks": self.ranks(ins), "s": t})
+                k = int(np.argmin(comm_free))
+                start = max(r, comm_free[k])
+                comm_free[k] = start + t
+                finish(i, start + t)
             else:
-                mm, ew = ((0.0, 0.0) if ins.opcode not in ("fusion", "dot", "convolution", "custom-call")
-                          and ins.opcode not in _ELEMENTWISE else (None, None))
-                if mm is None:
-                    mm = ew = 0.0
-                    if ins.opcode == "dot":
-                        mm = _dot_flops(ins, table)
-                    elif ins.opcode == "convolution":
-                        mm = _conv_flops(ins, table)
-                    elif ins.opcode in _ELEMENTWISE:
-                        ew = ins.shape.elements
-                    for c in ins.called():
-                        if c in self.comps:
-                            a, b = computation_flops(self.comps, c, self.flops_memo)
-                            mm, ew = mm + a, ew + b
-                nbytes = ins.shape.nbytes + sum(table[o].shape.nbytes for o in ins.operands if o in table)
-                t = self.device.op_time(mm, ew, nbytes, ins.shape.dtype)
-                self.compute_s += t * scale
-                self.flops += (mm + ew) * scale
-                s = max(ready, compute_free)
-                compute_free = done[ins.name] = s + t
-            end = max(end, done.get(ins.name, start))
-        return max(end, compute_free, *comm_free)
+                heapq.heappush(pending, (r, key(i), i))
+
+        for i in range(len(instrs)):
+            if missing[i] == 0:
+                became_ready(i)
+        waiting: list = []      # ops ready by compute_free, ordered by key
+        while pending or waiting:
+            if not self.overlap:
+                horizon = math.inf           # one stream: everything ready is ready by compute_free
+            elif waiting or not pending:
+                horizon = compute_free
+            else:
+                horizon = max(compute_free, pending[0][0])
+            while pending and pending[0][0] <= horizon:
+                r, k, i = heapq.heappop(pending)
+                heapq.heappush(waiting, (k, r, i))
+            k, r, i = heapq.heappop(waiting)
+            ins = instrs[i]
+            start = max(r, compute_free)
+            if is_coll[i]:           # overlap=False: the collective blocks the stream
+                base = ins.opcode.removesuffix("-start")
+                nbytes = _collective_bytes(ins, table)
+                t = self.net.collective_s(base, nbytes, self.ranks(ins))
+                tot.comm_s += t
+                tot.collectives.append({"op": base, "bytes": int(nbytes), "ranks": self.ranks(ins), "s": t})
+            elif ins.opcode in ("while", "conditional", "call"):
+                t, sub = self._nested(ins)
+                tot.add(sub)
+            else:
+                t, fl = self._compute_cost(ins, table)
+                tot.compute_s += t
+                tot.flops += fl
+            compute_free = start + t
+            finish(i, compute_free)
+        end = max([compute_free, *comm_free, *[d for d in done if not math.isnan(d)]], default=0.0)
+        return end, tot
 
 
 def _body_of(ins: Instr, called: list[str]) -> str:
@@ -419,8 +492,8 @@ def predict(hlo_text: str, device: DeviceModel = H100, net: NetworkModel | None 
     """Predicted step time of a compiled per-device program on `device` × `net` (see module doc)."""
     comps = parse_hlo(hlo_text)
     sim = _Sim(comps, device, net or network(), program_devices, comm_streams, overlap)
-    step = sim.run(entry(comps).name)
-    return Prediction(step, sim.compute_s, sim.comm_s, sim.flops, sim.collectives)
+    step, tot = sim.run(entry(comps).name)
+    return Prediction(step, tot.compute_s, tot.comm_s, tot.flops, tot.collectives)
 
 
 def check_flops(compiled: Any) -> dict[str, float]:

@@ -147,12 +147,14 @@ def make_stale_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimize
                     state_shardings: Any = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """Build `step(state, batch) -> (state, metrics)` for a stale mode (`state.extra` from `init_extra`).
 
+    With mode "sync" it is the explicit-collective synchronous step (every step reduces its own fresh
+    gradients through `reduce_fn`): the baseline for scheduled communication. The Trainer's sync mode
+    keeps the lead's GSPMD step.
+
     `param_specs`/`opt_specs`: PartitionSpec trees of params / optimizer state on `mesh`.
     `reduce_fn(local_grads, param_specs)`: the gradient reduction used inside shard_map (default:
     per-tensor psum / psum_scatter; `omnijax.parallel.comm` supplies bucketed, ordered schedules).
     """
-    if not spec.stale:
-        raise ConfigError("make_stale_step: mode 'sync' uses omnijax.train.step.make_train_step")
     axes = data_axes(mesh)
     replicas = 1
     for a in axes:
@@ -243,7 +245,9 @@ def make_stale_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimize
     stale_fn, sync_fn = branch(True), branch(False)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        if spec.warmup_steps == 0:
+        if not spec.stale:
+            new_state, metrics = sync_fn(state, batch)
+        elif spec.warmup_steps == 0:
             new_state, metrics = stale_fn(state, batch)
         else:
             new_state, metrics = jax.lax.cond(state.step < spec.warmup_steps, sync_fn, stale_fn, state, batch)

@@ -116,6 +116,7 @@ def _run_digits(cfg: StalenessBench, variant: str, seeds: list[int]) -> list[flo
             idx = rng.choice(len(xtr), t.batch_size, replace=False)
             batch = {"x": xtr[idx], "y": ytr[idx], "loss_mask": np.ones(t.batch_size, np.float32)}
             state, metrics = step(state, placement.put_batch(batch))
+            jax.block_until_ready(metrics)  # one step at a time: queued CPU collectives can starve each other
         trained = nnx.merge(graphdef, jax.device_get(state.params), rest)
         out.append(100.0 * float(accuracy(trained, xte, yte)))
     return out
@@ -150,6 +151,7 @@ def _run_byte_lm(cfg: StalenessBench, variant: str, seeds: list[int]) -> list[fl
         train = stdlib_text.packed("train", seq, seed=seed)
         for i in range(t.steps):
             state, metrics = step(state, placement.put_batch(train.batch(i, t.batch_size)))
+            jax.block_until_ready(metrics)
         total = count = 0.0
         for b in eval_batches:
             s, n = eval_step(state.params, placement.put_batch(b))
