@@ -180,3 +180,21 @@ def test_bad_records_skipped_counted_logged_and_overlong(tmp_path, caplog):
     assert loader.metrics()["split_total"] == sum(p.split for p in plans)
     with pytest.raises(UserError, match="missing ArrayRecord shard: .*nope.arrayrecord"):
         Loader(LoaderConfig(sources=[SourceSpec("x", path=str(tmp_path / "nope.arrayrecord"))]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=4), st.integers(1, 9), st.integers(0, 1000),
+       st.lists(st.floats(0.1, 5.0), min_size=4, max_size=4))
+def test_mixer_epochs_cover_every_record_once(sizes, batch, seed, w):
+    names = [f"s{k}" for k in range(len(sizes))]
+    mixer = Mixer(sizes, Schedule(names, {n: w[k] for k, n in enumerate(names)}), seed, batch)
+    seq: dict[int, list[int]] = {k: [] for k in range(len(sizes))}
+    for step in range(40):
+        src, rec = mixer.batch(step)
+        order = np.argsort(src, kind="stable")  # within a step, a source's draws are in slot order
+        for slot in order:
+            seq[int(src[slot])].append(int(rec[slot]))
+    for k, n in enumerate(sizes):
+        full = len(seq[k]) // n * n
+        for e in range(0, full, n):
+            assert sorted(seq[k][e: e + n]) == list(range(n))
