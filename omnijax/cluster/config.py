@@ -63,3 +63,19 @@ class BenchConfig:
     limit: int = 0
     sim: SimConfig = field(default_factory=SimConfig)
     learned: LearnedConfig = field(default_factory=LearnedConfig)
+
+
+@dataclass
+class ExecConfig:
+    """`python -m recipes cluster_exec`: real jobs under a scheduler on a local Ray instance."""
+    run_name: str = "cluster_exec"
+    scheduler: str = "fitted"
+    runner: str = "tiny_lm"        # tiny_lm | toy
+    backend: str = "ray"           # ray | local
+    devices: int = 4               # fake CPU devices shared by all jobs
+    jobs: int = 3
+    steps: list[int] = field(default_factory=lambda: [60, 40, 40])
+    arrivals_s: list[float] = field(default_factory=lambda: [0.0, 60.0, 120.0])
+    slot_s: float = 15.0
+    resize_penalty_s: float = 20.0   # the fitted model's resize cost: about one restart of a tiny job here
+    plot: bool = True
