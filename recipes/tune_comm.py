@@ -194,8 +194,9 @@ def measure_gpu(spec: ModelSpec, variant: str, comm_cfg: Any, flags: dict, steps
     return (time.perf_counter() - t0) / steps
 
 
-def tune(cfg: TuneConfig, spec: ModelSpec, log=print) -> dict:
-    """Run the optuna study; returns the best settings and the trial history."""
+def tune(cfg: TuneConfig, spec: ModelSpec, log=print, base: dict | None = None) -> dict:
+    """Run the optuna study; returns the best settings and the trial history. `base`: an already
+    computed xla_default prediction (it sets the backward time the plans assume)."""
     import jax
     import optuna
 
@@ -204,7 +205,7 @@ def tune(cfg: TuneConfig, spec: ModelSpec, log=print) -> dict:
     on_gpu = jax.default_backend() == "gpu"
     target = {"device": cfg.device, "net_gbps": cfg.net_gbps, "hosts": cfg.hosts, "gpus_per_host": cfg.gpus_per_host,
               "cpu_devices": cfg.cpu_devices}
-    base = predict_variant(spec, "xla_default", None, target)
+    base = base or predict_variant(spec, "xla_default", None, target)
     backward_s = base["compute_s"] * 2 / 3
     history = []
 

@@ -206,3 +206,18 @@ def test_stale_step_with_scheduled_reduction_matches_default(mesh):
         finals.append(jax.device_get(state.params))
     for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1])):
         np.testing.assert_array_equal(a, b)
+
+
+def test_xla_flag_presets_exist_in_this_jaxlib():
+    from omnijax.parallel import xla_flags
+
+    every = {}
+    for flags in xla_flags.PRESETS.values():
+        every.update(flags)
+    every.update({k: v[-1] for k, v in xla_flags.TUNABLE.items()})
+    assert len(every) >= 8 and xla_flags.verify(every) == []
+    assert xla_flags.verify({"xla_gpu_no_such_flag_anywhere": True}) == ["xla_gpu_no_such_flag_anywhere"]
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in xla_flags.to_xla_flags(xla_flags.for_recipe("tiny_lm"))
+    assert xla_flags.for_recipe("tiny_omni", "dp2xfsdp4")["xla_gpu_enable_pipelined_all_gather"] is True
+    with pytest.raises(ConfigError):
+        xla_flags.preset("nope")
