@@ -26,6 +26,7 @@ class EvalConfig:
     items: int = 150              # held-out questions per modality
     batch_size: int = 32
     max_new_tokens: int = 14
+    ablation_items: int = 64      # re-score this many per modality with encoder outputs zeroed (0 = off)
 
 
 @dataclass
@@ -213,7 +214,8 @@ class WorldLoader:
 # ----------------------------------------------------------------------------------- decoding
 def eval_items(world, per_modality: int) -> dict[str, list]:
     """Held-out scored questions: the first `per_modality` of each media modality in index order."""
-    out: dict[str, list] = {"image": [], "video": [], "audio": []}
+    weights = world.cfg.weights
+    out: dict[str, list] = {m: [] for m in ("image", "video", "audio") if weights.get(m, 0) > 0}
     i = 0
     while any(len(v) < per_modality for v in out.values()):
         s = world.spec(i)
@@ -221,7 +223,7 @@ def eval_items(world, per_modality: int) -> dict[str, list]:
             out[s["modality"]].append(world.item(i))
         i += 1
         if i > 100 * per_modality + 1000:
-            raise ConfigError("world.weights leave a media modality with (almost) no samples to evaluate")
+            raise ConfigError("world.weights leave too few held-out samples to evaluate; raise them or lower eval.items")
     return out
 
 
@@ -236,8 +238,8 @@ class GreedyDecoder:
 
         self.packer, self.max_new = packer, max_new
 
-        def prefill(params, batch):
-            return nnx.merge(graphdef, params, rest).embed(batch)
+        def prefill(params, batch, zero_encoders):
+            return nnx.merge(graphdef, params, rest).embed(batch, zero_encoders=zero_encoders)
 
         def step(params, x, seg, pos, cur):
             model = nnx.merge(graphdef, params, rest)
@@ -248,10 +250,12 @@ class GreedyDecoder:
             safe = jnp.minimum(cur, x.shape[1] - 1)
             return x.at[rows, safe].set(emb), nxt
 
-        self._prefill, self._step = jax.jit(prefill), jax.jit(step)
+        self._prefill, self._step = jax.jit(prefill, static_argnums=2), jax.jit(step)
 
-    def answers(self, params, prompts: list[Sample]) -> list[str | None]:
-        """Decoded answer text per prompt (None: the prompt does not fit and was skipped)."""
+    def answers(self, params, prompts: list[Sample], zero_encoders: bool = False) -> list[str | None]:
+        """Decoded answer text per prompt (None: the prompt does not fit and was skipped).
+
+        zero_encoders=True replaces every encoder output by zeros (the ablation of eval.json)."""
         import jax.numpy as jnp
 
         B, L = self.packer.B, self.packer.L
@@ -271,7 +275,7 @@ class GreedyDecoder:
                     continue
                 self._place(batch, one, r, n, fill)
                 cur[r] = n
-            x = self._prefill(params, batch)
+            x = self._prefill(params, batch, zero_encoders)
             seg, pos = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"])
             cur_j = jnp.asarray(np.maximum(cur, 1))
             generated = []
@@ -309,11 +313,12 @@ class GreedyDecoder:
             fill[name] = f0 + used
 
 
-def accuracy_by_modality(decoder: GreedyDecoder, params, items: dict[str, list]) -> tuple[dict, dict]:
+def accuracy_by_modality(decoder: GreedyDecoder, params, items: dict[str, list],
+                         zero_encoders: bool = False) -> tuple[dict, dict]:
     """Exact-match accuracy of the decoded answers per modality, and per question type."""
     acc, per_q = {}, {}
     for modality, its in items.items():
-        answers = decoder.answers(params, [it.prompt() for it in its])
+        answers = decoder.answers(params, [it.prompt() for it in its], zero_encoders)
         hits = [a is not None and a.strip() == it.answer for a, it in zip(answers, its)]
         acc[f"{modality}_accuracy"] = float(np.mean(hits)) if hits else 0.0
         for it, h in zip(its, hits):
@@ -360,6 +365,9 @@ def main(argv: list[str]) -> int:
         dec = trainer_ref.setdefault("dec", GreedyDecoder(t.graphdef, t.rest, eval_packer, cfg.eval.max_new_tokens))
         acc, per_q = accuracy_by_modality(dec, params, items)
         trainer_ref["per_question"] = per_q
+        if cfg.eval.ablation_items:  # the same questions with every encoder output zeroed
+            few = {m: its[:cfg.eval.ablation_items] for m, its in items.items()}
+            trainer_ref["zeroed"], _ = accuracy_by_modality(dec, params, few, zero_encoders=True)
         return acc
 
     trainer = Trainer(cfg, model, mm_loss, WorldLoader(train_world, packer), eval_fn=evaluate)
@@ -368,17 +376,19 @@ def main(argv: list[str]) -> int:
     if result.status != "finished":
         return 0
     t_total = time.perf_counter() - t0
-    chances = {f"{m}_accuracy": round(float(chance(m)), 4) for m in ("image", "video", "audio")}
+    chances = {f"{m}_accuracy": round(float(chance(m)), 4) for m in items}
     report = {"metrics": result.eval, "chance": chances, "per_question": trainer_ref.get("per_question", {}),
+              "zeroed_encoders": trainer_ref.get("zeroed", {}), "ablation_items": cfg.eval.ablation_items,
               "eval_items_per_modality": cfg.eval.items, "steps": cfg.trainer.steps,
               "wall_s": round(t_total, 1), "skipped": dict(packer.skipped),
               "tokens": token_report(train_world, 1000, cfg.model)}
     if jax.process_index() == 0:
         (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
-    lines = [f"{'modality':<8} {'accuracy':>9} {'chance':>7}"]
-    for m in ("image", "video", "audio"):
+    lines = [f"{'modality':<8} {'accuracy':>9} {'chance':>7} {'zeroed encoders':>15}"]
+    for m in items:
         k = f"{m}_accuracy"
-        lines.append(f"{m:<8} {result.eval[k]:>9.3f} {chances[k]:>7.3f}")
+        zeroed = trainer_ref.get("zeroed", {}).get(k)
+        lines.append(f"{m:<8} {result.eval[k]:>9.3f} {chances[k]:>7.3f}" + (f" {zeroed:>15.3f}" if zeroed is not None else ""))
     print("\n".join(lines) + f"\n({cfg.trainer.steps} steps, {t_total:.0f} s) -> {trainer.run_dir}/eval.json",
           file=sys.stderr)
     return 0

@@ -132,7 +132,7 @@ def log_mel(wave: np.ndarray, sample_rate: int = 16000, n_mels: int = 32, n_fft:
             hop: int = 160, pad_to_multiple: int = 1) -> np.ndarray:
     """Log-mel features [frames, n_mels] of a mono waveform (Hann window, power spectrum).
 
-    Values are log10 power clamped to 8 decades below the clip's peak and mapped to roughly [-1, 1];
+    Values are log10 power clamped to 8 decades below the clip's peak, standardised per clip;
     frames are padded with the clip's floor value to a multiple of `pad_to_multiple`.
     """
     wave = np.asarray(wave, dtype=np.float32).reshape(-1)
@@ -145,7 +145,9 @@ def log_mel(wave: np.ndarray, sample_rate: int = 16000, n_mels: int = 32, n_fft:
     mel = power @ mel_filterbank(sample_rate, n_fft, n_mels)
     logm = np.log10(np.maximum(mel, 1e-10))
     logm = np.maximum(logm, logm.max() - 8.0)
-    feats = ((logm + 4.0) / 4.0).astype(np.float32)
+    # standardised per clip: loudness-invariant, zero-centred (a constant offset would dominate the
+    # encoder's tokens and hide what differs between clips)
+    feats = ((logm - logm.mean()) / (logm.std() + 1e-3)).astype(np.float32)
     extra = -frames % pad_to_multiple
     if extra:
         feats = np.concatenate([feats, np.full((extra, n_mels), feats.min(), np.float32)], axis=0)
@@ -194,6 +196,8 @@ def segment_inputs(modality: str, data: np.ndarray, cfg: Any) -> tuple[np.ndarra
         if modality == "image" and data.ndim != 3 or modality == "video" and data.ndim != 4:
             raise BadSample(f"{modality} of shape {data.shape}: wrong rank")
         patches, grid = image_patches(data, enc.patch, enc.temporal_patch, enc.merge, enc.max_side)
+        if enc.normalize:  # [0, 1] -> [-1, 1], the SigLIP convention (zero-centred inputs)
+            patches = patches * 2.0 - 1.0
         return patches, patch_positions(grid, enc.merge)
     if modality == "audio":
         feats = log_mel(data, enc.sample_rate, enc.n_mels, enc.n_fft, enc.hop, pad_to_multiple=enc.reduction)

@@ -22,6 +22,7 @@ class VisionConfig:
     temporal_patch: int = 1      # frames per patch (images are repeated to fill it)
     merge: int = 2               # merge x merge neighbouring patches become one LLM token (1 = no merger)
     max_side: int = 256          # images/frames larger than this are downscaled (area average) first
+    normalize: bool = True       # loader maps pixels [0, 1] -> [-1, 1]
     embed_dim: int = 64
     num_layers: int = 2
     num_heads: int = 4
