@@ -13,7 +13,7 @@ window's time is the sum over steps of the max rank cost. Phase 1 assigns items 
 steps, each to the step whose estimated time max(largest item, total / ranks) grows least (ties: the
 lighter step, then the lower index), within the step's aggregate capacity: large items gather in
 the same steps, where the other ranks get filled up to the same level. Phase 2 runs `plan_step` on
-each step (LPT over ranks, then the least-loaded microbatch of the chosen rank); an item that then fits nowhere in its step goes to the least
+each step (LPT over ranks, then the emptiest microbatch of the chosen rank); an item that then fits nowhere in its step goes to the least
 loaded bin of any step where it fits, else to `unplaced`.
 `plan_arrival`: the baseline without reordering: batch g's samples in arrival order, split into
 equal consecutive chunks per rank and microbatch (capacity not considered).
@@ -62,6 +62,15 @@ class _Bin:
         self.enc = list(cap.enc)
         self.items: list[tuple[int, int]] = []
 
+    def level(self, item: Item, cap: Capacity) -> float:
+        """Fullest buffer of this bin (tokens or any encoder) after adding item, as a fraction of capacity."""
+        used_tokens = sum(cap.row_len - f for f in self.free) + item.tokens
+        lv = used_tokens / (cap.rows * cap.row_len)
+        for left, c, e in zip(self.enc, cap.enc, item.enc):
+            if c:
+                lv = max(lv, (c - left + e) / c)
+        return lv
+
     def row_for(self, item: Item, cap: Capacity) -> int:
         """Best-fit row index for item (a new row if none fits), or -1 if the bin cannot take it."""
         if any(e > c for e, c in zip(item.enc, self.enc)):
@@ -89,8 +98,8 @@ def plan_lpt(items: list[Item], n_bins: int, cap: Capacity) -> Plan:
 
 def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -> Plan:
     """LPT over ranks (a rank's cost is the sum of its microbatches: they run one after the other),
-    then within the chosen rank the least-loaded microbatch bin where the item fits.
-    Bins are ordered (rank, microbatch)."""
+    then within the chosen rank the microbatch whose fullest buffer stays lowest (the microbatch
+    split does not change the rank's cost, only its padding). Bins are ordered (rank, microbatch)."""
     if ranks <= 0 or microbatches <= 0:
         raise ValueError(f"ranks={ranks}, microbatches={microbatches}: must be > 0")
     bins = [_Bin(cap) for _ in range(ranks * microbatches)]
@@ -104,7 +113,7 @@ def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -
             load, r = heapq.heappop(heap)
             tried.append((load, r))
             choice = None
-            for b in sorted(range(r * microbatches, (r + 1) * microbatches), key=lambda b: (loads[b], b)):
+            for b in sorted(range(r * microbatches, (r + 1) * microbatches), key=lambda b: (bins[b].level(item, cap), b)):
                 row = bins[b].row_for(item, cap)
                 if row >= 0:
                     choice = (b, row)
