@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 DESCRIPTION = "cluster executor: N real tiny_lm jobs under a scheduler on local Ray, resized via checkpoint/restart"
@@ -25,6 +26,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"jobs={cfg.jobs}: steps and arrivals_s need at least one entry per job")
     root = Path(os.environ.get("OMNIJAX_RUNS", "runs"))
     out = root / cfg.run_name
+    if (out / "jobs").exists():   # a fresh run: jobs must not resume from an earlier run's checkpoints
+        shutil.rmtree(out / "jobs")
     out.mkdir(parents=True, exist_ok=True)
     scheduler = (FittedModel(resize_penalty_s=cfg.resize_penalty_s) if cfg.scheduler == "fitted"
                  else make_scheduler(cfg.scheduler))

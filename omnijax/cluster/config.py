@@ -59,7 +59,7 @@ class BenchConfig:
     """`python -m recipes bench cluster` options; each row averages workload-1..files of a set."""
     schedulers: list[str] = field(default_factory=lambda: list(SCHEDULERS))
     workloads: list[str] = field(default_factory=lambda: ["workloads", "workloads-realistic"])
-    files: int = 2
+    files: int = 1
     limit: int = 0
     sim: SimConfig = field(default_factory=SimConfig)
     learned: LearnedConfig = field(default_factory=LearnedConfig)
@@ -74,7 +74,7 @@ class ExecConfig:
     backend: str = "ray"           # ray | local
     devices: int = 4               # fake CPU devices shared by all jobs
     jobs: int = 3
-    steps: list[int] = field(default_factory=lambda: [60, 40, 40])
+    steps: list[int] = field(default_factory=lambda: [300, 200, 200])
     arrivals_s: list[float] = field(default_factory=lambda: [0.0, 60.0, 120.0])
     slot_s: float = 15.0
     resize_penalty_s: float = 20.0   # the fitted model's resize cost: about one restart of a tiny job here

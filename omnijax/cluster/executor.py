@@ -41,7 +41,9 @@ class TinyLMRunner:
     """`python -m recipes tiny_lm` with small-model overrides so that several fit on a laptop CPU."""
     extra: Sequence[str] = ("model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=128", "model.head_dim=16",
                             "data.seq_len=64", "data.batch_size=8", "trainer.log_every=5",
-                            "trainer.checkpoint_every=10", "trainer.eval_every=0", "trainer.progress=false")
+                            # checkpoints come from preemption (SIGTERM) and the end of training: the
+                            # trainer saves twice when a preemption lands on a periodic-save step
+                            "trainer.checkpoint_every=1000000", "trainer.eval_every=0", "trainer.progress=false")
 
     def command(self, name, steps, devices):
         return [sys.executable, "-m", "recipes", "tiny_lm", f"trainer.steps={steps}", f"trainer.run_name={name}",
@@ -221,18 +223,24 @@ class Executor:
                 alloc = self.scheduler.allocate(now, others, free) if others and sum(pinned.values()) < self.cluster.gpus else {}
                 alloc = {j.name: int(pinned.get(j.name, alloc.get(j.name, 0))) for j in active}
                 check_allocation(alloc, {j.name: j for j in active}, self.cluster)
-                for j in active:
-                    n = alloc[j.name]
-                    run = running.get(j.name)
-                    if run is not None and run.devices == n:
-                        continue
+                changed = [j for j in active if (running[j.name].devices if j.name in running else 0) != alloc[j.name]]
+                for j in changed:   # stop every job that changes first, so that its devices are free
+                    run = running.pop(j.name, None)
                     if run is not None:
                         rc = self._call(run.owner, "stop", self.stop_timeout_s)
                         self._read(j, run)
-                        del running[j.name]
-                        resizes += n > 0
+                        if rc == 0 and j.progress >= steps[j.name]:   # it finished while we decided
+                            j.finished, j.allocation, j.placement = time.monotonic() - t0, 0, ()
+                            active.remove(j)
+                            self.scheduler.job_finished(j)
+                            self._event(j.finished, "finish", j.name, step=int(j.progress))
+                            continue
+                        resizes += alloc[j.name] > 0
                         self._event(time.monotonic() - t0, "stop", j.name, step=int(j.progress), rc=rc,
-                                    devices=run.devices, reason="resize" if n else "preempt")
+                                    devices=run.devices, reason="resize" if alloc[j.name] else "preempt")
+                changed = [j for j in changed if j.finished is None]
+                for j in changed:
+                    n = alloc[j.name]
                     if n > 0:
                         (self.run_root / j.name).mkdir(parents=True, exist_ok=True)
                         owner = self._owner()
