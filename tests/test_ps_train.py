@@ -119,53 +119,6 @@ def test_exploration_tries_a_spare_server_while_training(cluster, baseline):
     assert t.checksum() == baseline["checksum"]
 
 
-def test_worker_death_sync_resumes_from_last_consistent_step(cluster, baseline):
-    t = make(cluster)
-
-    def on_step(tr, s):
-        if s == 3 and not tr.events:
-            ray.kill(tr.workers[1])
-
-    t.run(STEPS, on_step=on_step)
-    died = [e for e in t.events if e["kind"] == "worker_died"]
-    assert died and died[0]["workers"] == [1] and died[0]["resumed_from"] >= 3
-    assert t.step == STEPS and t.checksum() == baseline["checksum"]
-
-
-def test_server_death_stops_with_checkpoint_and_restores(cluster, baseline, tmp_path):
-    t = make(cluster, checkpoint_every=2, checkpoint_dir=str(tmp_path))
-
-    def on_step(tr, s):
-        if s == 4:
-            ray.kill(tr.cluster.servers[1])
-
-    with pytest.raises(PSFailure, match=r"server\(s\) \[1\] died .* restore the last checkpoint") as info:
-        t.run(STEPS, on_step=on_step)
-    assert info.value.checkpoint.endswith("step_00000004")
-    cluster.replace_server(1)
-    t2 = make(cluster)
-    assert t2.restore(info.value.checkpoint) == 4
-    t2.run(STEPS - 4)
-    assert t2.checksum() == baseline["checksum"]
-
-
-def test_async_bounded_staleness_trains_and_survives_a_worker(cluster):
-    t = make(cluster, mode="async", staleness=1, staleness_mode="delay_comp")
-    killed = []
-
-    def on_step(tr, s):
-        if s == 6 and not killed:
-            killed.append(1)
-            ray.kill(tr.workers[1])
-
-    rows = t.run(24, on_step=on_step)
-    assert [e["kind"] for e in t.events] == ["worker_died"] and t.live_workers == [0]
-    by_worker = {w: [r["loss"] for r in rows if r["worker"] == w] for w in (0, 1)}
-    assert len(by_worker[0]) == 24 and len(by_worker[1]) < 24
-    assert np.mean(by_worker[0][-4:]) < np.mean(by_worker[0][:4])
-    cluster.replace_worker(1)
-
-
 def test_autotune_comm_picks_a_setting_and_changes_no_arithmetic(cluster, baseline):
     from omnijax.ps.tuning import autotune_comm
 
@@ -177,6 +130,19 @@ def test_autotune_comm_picks_a_setting_and_changes_no_arithmetic(cluster, baseli
     assert t.checksum() == baseline["checksum"]
     with pytest.raises(ConfigError, match="credit_bytes"):
         t.set_comm(1024, 512)
+
+
+def test_worker_death_sync_resumes_from_last_consistent_step(cluster, baseline):
+    t = make(cluster)
+
+    def on_step(tr, s):
+        if s == 3 and not tr.events:
+            ray.kill(tr.workers[1])
+
+    t.run(STEPS, on_step=on_step)
+    died = [e for e in t.events if e["kind"] == "worker_died"]
+    assert died and died[0]["workers"] == [1] and died[0]["resumed_from"] >= 3
+    assert t.step == STEPS and t.checksum() == baseline["checksum"]
 
 
 def test_async_weight_prediction_trains(cluster):
@@ -198,3 +164,39 @@ def test_bad_config_is_a_clear_error(cluster):
     t = make(cluster, mode="async")
     with pytest.raises(ConfigError, match="agreed step"):
         t.add_server(2)
+
+
+
+def test_server_death_stops_with_checkpoint_and_restores(cluster, baseline, tmp_path):
+    # Runs late in the module: server 2 stays dead; the restore goes onto servers 0 and 1.
+    t = make(cluster, num_servers=3, checkpoint_every=2, checkpoint_dir=str(tmp_path))
+
+    def on_step(tr, s):
+        if s == 4:
+            ray.kill(tr.cluster.servers[2])
+
+    with pytest.raises(PSFailure, match=r"server\(s\) \[2\] died .* restore the last checkpoint") as info:
+        t.run(STEPS, on_step=on_step)
+    assert info.value.checkpoint.endswith("step_00000004")
+    t2 = make(cluster, max_servers=2)
+    assert t2.restore(info.value.checkpoint) == 4
+    t2.run(STEPS - 4)
+    assert t2.checksum() == baseline["checksum"]
+
+
+def test_async_bounded_staleness_trains_and_survives_a_worker(cluster):
+    # Last in the module: worker 1 stays dead.
+    t = make(cluster, mode="async", staleness=1, staleness_mode="delay_comp", max_servers=2)  # server 2 is dead
+    killed = []
+
+    def on_step(tr, s):
+        if s == 6 and not killed:
+            killed.append(1)
+            ray.kill(tr.workers[1])
+
+    rows = t.run(24, on_step=on_step)
+    assert [e["kind"] for e in t.events] == ["worker_died"] and t.live_workers == [0]
+    by_worker = {w: [r["loss"] for r in rows if r["worker"] == w] for w in (0, 1)}
+    assert len(by_worker[0]) == 24 and len(by_worker[1]) < 24
+    assert np.mean(by_worker[0][-4:]) < np.mean(by_worker[0][:4])
+    cluster.replace_worker(1)
