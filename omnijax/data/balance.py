@@ -171,17 +171,16 @@ def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, ca
         tok[g] += it.tokens
         enc[g] += it.enc
     tokens_of = [sum(it.tokens for it in m) for m in members]
-    while True:  # lift light steps: move the cheapest item of the fullest step
+    while True:  # lift light steps: move the last (cheapest) item of the fullest step
         light = [g for g in range(steps) if tokens_of[g] < min_share * mean_tokens or not members[g]]
         donor = max(range(steps), key=lambda g: (tokens_of[g], -g))
         if not light or len(members[donor]) < 2:
             break
         g = min(light, key=lambda g: (tokens_of[g], g))
-        it = min(members[donor], key=lambda it: (it.cost, it.key))
+        it = members[donor][-1]  # its last-assigned item: the cheapest in longest-first order
         if tokens_of[donor] - it.tokens < tokens_of[g] + it.tokens and members[g]:
             break  # moving would only swap which step is light
-        members[donor].remove(it)
-        members[g].append(it)
+        members[g].append(members[donor].pop())
         tokens_of[donor] -= it.tokens
         tokens_of[g] += it.tokens
     bins: list[tuple[tuple[int, int], ...]] = []
@@ -191,7 +190,8 @@ def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, ca
         p = plan_step(members[g], ranks, microbatches, cap)
         bins += p.bins
         loads += p.loads
-        spill += [it for it in members[g] if it.key in set(p.unplaced)]
+        left = set(p.unplaced)
+        spill += [it for it in members[g] if it.key in left]
     if spill:  # place leftovers anywhere they fit, least loaded bin first
         state = [_Bin(cap) for _ in bins]
         by_key = {x.key: x for x in items}

@@ -114,9 +114,9 @@ class MetaTable:
                    np.array(loss, bool))
 
     def meta(self, i: int, source: str = "") -> SampleMeta:
-        lo, hi = self.seg_offsets[i], self.seg_offsets[i + 1]
-        segs = tuple(SegmentMeta(MODALITIES[self.modality[k]], tuple(int(d) for d in self.shape[k] if d >= 0),
-                                 bool(self.loss[k])) for k in range(lo, hi))
+        lo, hi = int(self.seg_offsets[i]), int(self.seg_offsets[i + 1])
+        mods, shapes, loss = self.modality[lo:hi].tolist(), self.shape[lo:hi].tolist(), self.loss[lo:hi].tolist()
+        segs = tuple(SegmentMeta(MODALITIES[m], tuple(d for d in sh if d >= 0), lo_) for m, sh, lo_ in zip(mods, shapes, loss))
         return SampleMeta(segs, source, int(i))
 
     def save(self, path: str | Path) -> None:
