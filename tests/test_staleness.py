@@ -160,11 +160,19 @@ def mlp_batches(n=STEPS):
              "loss_mask": np.ones(16, np.float32)} for _ in range(n)]
 
 
-def test_fsdp_layout_equals_dp():
+@pytest.fixture(scope="module")
+def dp8_mlp(dp_mesh):
+    state, step, bs = _mlp_setup(dp_mesh, fsdp=False)
+    return step, bs
+
+
+def test_fsdp_layout_equals_dp(dp8_mlp):
     devs = np.array(jax.devices())
     results = {}
     for name, mesh in {"dp8": Mesh(devs, ("dp",)), "dp2xfsdp4": Mesh(devs.reshape(2, 4), ("dp", "fsdp"))}.items():
         state, step, bs = _mlp_setup(mesh, fsdp=name != "dp8")
+        if name == "dp8":
+            step, bs = dp8_mlp
         for b in mlp_batches():
             state, _ = step(state, jax.device_put(b, bs))
         results[name] = jax.device_get(state.params)
@@ -177,12 +185,12 @@ def test_fsdp_layout_equals_dp():
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(tmp_path, dp_mesh, dp8_mlp):
     from omnijax.train.checkpoint import Checkpointer, abstract_like
 
-    mesh = Mesh(np.array(jax.devices()), ("dp",))
     batches = mlp_batches(6)
-    state, step, bs = _mlp_setup(mesh, fsdp=False)
+    state, _, _ = _mlp_setup(dp_mesh, fsdp=False)
+    step, bs = dp8_mlp
     ckpt = Checkpointer(tmp_path / "ck", async_save=False)
     for i, b in enumerate(batches):
         state, _ = step(state, jax.device_put(b, bs))

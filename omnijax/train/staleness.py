@@ -231,7 +231,7 @@ def make_stale_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimize
                 if stale:
                     g = compensate(g, state.params, extra["prev_params"], lam)
                 new_extra["prev_params"] = state.params
-            grad_norm = optax.global_norm(g)
+            grad_norm = optax.tree.norm(g)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             new_state = apply_update(state, g, optimizer, finite).replace(extra=new_extra)
             metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": jnp.sum(batch["loss_mask"]),
