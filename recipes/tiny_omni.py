@@ -308,7 +308,8 @@ class GreedyDecoder:
                 raise ConfigError(f"eval batch overflows the {name} capacity; lower eval.batch_size")
             batch[f"{name}_inputs"][f0:f0 + used] = one[f"{name}_inputs"][:used]
             batch[f"{name}_positions"][f0:f0 + used] = one[f"{name}_positions"][:used]
-            batch[f"{name}_segment_ids"][f0:f0 + used] = one[f"{name}_segment_ids"][:used] + r * 1000
+            seg = one[f"{name}_segment_ids"][:used]
+            batch[f"{name}_segment_ids"][f0:f0 + used] = seg + (batch[f"{name}_segment_ids"].max() if f0 else 0)
             batch[f"{name}_dest"][f0 // red:(f0 + used) // red] = one[f"{name}_dest"][:used // red] + r * L
             fill[name] = f0 + used
 

@@ -9,9 +9,9 @@ from omnijax.data import features
 from omnijax.data.sample import BadSample
 from omnijax.models.audio import AudioEncoder
 from omnijax.models.mm_config import AudioConfig, VisionConfig
-from omnijax.models.vision import VisionEncoder
+from omnijax.models.vision import VisionEncoder, relative_coordinate_features
 
-VCFG = VisionConfig(patch=4, temporal_patch=2, merge=2, max_side=64, embed_dim=32, num_layers=2, num_heads=4, mlp_dim=64)
+VCFG = VisionConfig(patch=4, temporal_patch=2, merge=2, max_side=64, abs_position=True, embed_dim=32, num_layers=2, num_heads=4, mlp_dim=64)
 ACFG = AudioConfig(n_mels=16, reduction=4, embed_dim=32, num_layers=2, num_heads=4, mlp_dim=64)
 
 
@@ -147,3 +147,17 @@ def test_costs_grow_with_size(vit, audio):
     assert v.cost((8, 32, 32, 3)) > 1.9 * v.cost((4, 32, 32, 3))  # frames x patches
     assert v.cost((64, 64, 3)) > 4 * v.cost((32, 32, 3))
     assert a.cost((32000,)) > 2 * a.cost((16000,))
+
+
+def test_relative_coordinates_are_per_image():
+    """Each patch's absolute-position features depend on (index + 0.5) / its own image's extent."""
+    small, big = features.patch_positions((1, 2, 4), 2), features.patch_positions((2, 8, 16), 2)
+    pos = np.concatenate([small, big, np.zeros((3, 3), np.int32)])
+    seg = np.concatenate([np.full(len(small), 1), np.full(len(big), 2), np.zeros(3)]).astype(np.int32)
+    f = np.asarray(relative_coordinate_features(pos, seg, 4)).reshape(len(pos), 3, 8)
+    expect = np.sin(np.pi * (pos + 0.5) / np.concatenate([np.tile([1, 2, 4], (len(small), 1)),
+                                                           np.tile([2, 8, 16], (len(big), 1)),
+                                                           np.ones((3, 3))]))
+    np.testing.assert_allclose(f[:, :, 0], expect, atol=1e-5)
+    # so the centre-most cells of a 2x4 and an 8x16 grid agree, whatever their packed offsets
+    assert np.isfinite(f).all()

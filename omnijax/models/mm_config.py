@@ -29,6 +29,8 @@ class VisionConfig:
     mlp_dim: int = 128
     position: Literal["rope", "learned"] = "rope"  # rope: (t, h, w) rotary, any grid; learned: table
     learned_grid: int = 16       # learned table is learned_grid x learned_grid (grids must fit in it)
+    abs_position: bool = False   # also add a learned map of (t, h, w) / grid extent: where in the image
+    abs_freqs: int = 6           # sinusoid frequencies per axis for abs_position
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     post_norm: bool = True       # layernorm after the last block (SigLIP's post_layernorm)

@@ -25,6 +25,20 @@ from omnijax.models.mm_config import VisionConfig
 from omnijax.layers.attention import dot_product_attention
 
 
+def relative_coordinate_features(positions: jax.Array, segment_ids: jax.Array, freqs: int) -> jax.Array:
+    """Sinusoids [N, 6 * freqs] of each patch's (t, h, w) divided by its own segment's grid extent.
+
+    Interpolable absolute position for any grid: the extent of every image/clip comes from a segment
+    max over the packed buffer, so "top left" means the same thing at every resolution.
+    """
+    n = positions.shape[0]
+    seg = jnp.clip(segment_ids.astype(jnp.int32), 0, n)
+    extent = jax.ops.segment_max(positions, seg, num_segments=n + 1)[seg] + 1
+    coords = (positions.astype(jnp.float32) + 0.5) / jnp.maximum(extent, 1).astype(jnp.float32)  # (0, 1)
+    angles = coords[:, :, None] * (jnp.pi * jnp.arange(1, freqs + 1, dtype=jnp.float32))
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(n, 6 * freqs)
+
+
 class PoolingHead(nnx.Module):
     """Attention pooling with a learned probe query, one vector per segment (SigLIP's head)."""
 
@@ -73,6 +87,8 @@ class VisionEncoder(nnx.Module):
         else:
             self.pos_embed = None
             self.inv_freq = as_static(rope_inv_freq(d // cfg.num_heads, 3, cfg.rope_theta))
+        self.abs_freqs = cfg.abs_freqs
+        self.abs_pos = (linear(6 * cfg.abs_freqs, d, (None, "embed"), rngs) if cfg.abs_position else None)
         self.blocks = nnx.List([EncoderBlock(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs)
                                 for _ in range(cfg.num_layers)])
         self.post_norm = layer_norm(d, cfg.norm_eps, rngs) if cfg.post_norm else None
@@ -88,6 +104,8 @@ class VisionEncoder(nnx.Module):
         if self.pos_embed is not None:
             g = self.learned_grid
             x = x + self.pos_embed[...][positions[:, 1] * g + positions[:, 2]]
+        if self.abs_pos is not None:
+            x = x + self.abs_pos(relative_coordinate_features(positions, segment_ids, self.abs_freqs))
         x, seg, pos = x[None], segment_ids[None], positions[None]
         for block in self.blocks:
             x = block(x, seg, pos, self.inv_freq)
