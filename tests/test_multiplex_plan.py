@@ -132,3 +132,22 @@ def test_esp_must_match_the_innermost_axes():
         routing.DeviceGrid((1, 2, 1, 1, 1, 4), esp=2).esp_axes()  # a tp4 group cannot hold esp2 groups
     with pytest.raises(ConfigError, match="edp4 x esp4 = 16 devices, but there are 8"):
         routing.parse_encoder_layout("edp4xesp4", 8)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([1, 2, 4]))
+def test_balance_rows_keeps_every_token_and_its_encoder_destination(seed, shards):
+    rng = np.random.default_rng(seed)
+    B, L = 8, 16
+    batch = synthetic_batch(rng, B, L, 4)
+    batch["tokens"] = rng.integers(0, 500, (B, L)).astype(np.int32)
+    batch["segment_ids"] = np.sort(rng.integers(0, 4, (B, L)), axis=1).astype(np.int32)
+    out = routing.balance_rows(batch, shards, (1.0, 0.1), tuple(RED))
+    for name in RED:
+        old, new = batch[f"{name}_dest"], out[f"{name}_dest"]
+        live = old >= 0
+        np.testing.assert_array_equal(batch["tokens"].reshape(-1)[old[live]], out["tokens"].reshape(-1)[new[live]])
+    assert sorted(map(tuple, out["tokens"])) == sorted(map(tuple, batch["tokens"]))
+    rows = routing.llm_row_costs(out, (1.0, 0.1))
+    per_shard = rows.reshape(shards, -1).sum(axis=1)
+    assert per_shard.max() <= rows.sum() / shards + rows.max() + 1e-9  # greedy bound: mean + one row

@@ -404,3 +404,51 @@ def _stats(segments, assignment, grid, caps, names, reductions, batch, pairs) ->
         "route_pairs": len(pairs),
         "route_capacity": caps["route"],
     }
+
+
+# ------------------------------------------------------------------------- LLM-side balancing
+def llm_row_costs(batch: dict, coeffs: tuple[float, float]) -> np.ndarray:
+    """LLM cost of each packed row: sum over its documents of a·n + b·n² (attention stays inside one)."""
+    a, b = coeffs
+    seg = np.asarray(batch["segment_ids"])
+    out = np.zeros(seg.shape[0])
+    for r, row in enumerate(seg):
+        n = np.bincount(row[row > 0])
+        n = n[n > 0].astype(np.float64)
+        out[r] = float((a * n + b * n * n).sum())
+    return out
+
+
+def balance_rows(batch: dict, shards: int, coeffs: tuple[float, float], encoders: tuple[str, ...]) -> dict:
+    """Permute the packed rows so every batch shard gets about the same LLM cost (independently of
+    where their encoder work runs); each shard keeps B/shards rows. Encoder destinations follow."""
+    seg = np.asarray(batch["segment_ids"])
+    B, L = seg.shape
+    if B % shards:
+        raise ConfigError(f"{B} rows do not split over {shards} batch shards")
+    per = B // shards
+    cost = llm_row_costs(batch, coeffs)
+    load, slots = np.zeros(shards), [[] for _ in range(shards)]
+    for r in sorted(range(B), key=lambda r: (-cost[r], r)):
+        open_ = [s for s in range(shards) if len(slots[s]) < per]
+        s = min(open_, key=lambda s: (load[s], s))
+        slots[s].append(r)
+        load[s] += cost[r]
+    order = np.array([r for s in range(shards) for r in slots[s]], np.int64)   # new row i <- old row order[i]
+    new_of_old = np.empty(B, np.int64)
+    new_of_old[order] = np.arange(B)
+    out = dict(batch)
+    for k in ("tokens", "targets", "loss_mask", "segment_ids", "positions"):
+        if k in batch:
+            out[k] = np.asarray(batch[k])[order]
+    for name in encoders:
+        if f"{name}_dest" in batch:
+            d = np.asarray(batch[f"{name}_dest"]).astype(np.int64)
+            moved = new_of_old[np.clip(d, 0, None) // L] * L + np.clip(d, 0, None) % L
+            out[f"{name}_dest"] = np.where(d >= 0, moved, -1).astype(np.int32)
+    return out
+
+
+def shard_cost_max_over_mean(batch: dict, shards: int, coeffs: tuple[float, float]) -> float:
+    cost = llm_row_costs(batch, coeffs).reshape(shards, -1).sum(axis=1)
+    return float(cost.max() / cost.mean()) if cost.mean() > 0 else 1.0
