@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from omnijax.data import balance as B
 from omnijax.data import packing, records, tokenizer
-from omnijax.data.loader import Loader, LoaderConfig
+from omnijax.data.loader import Loader, LoaderConfig, host_ranks
 from omnijax.data.mixing import Mixer, Schedule
 from omnijax.data.sample import Sample, Segment, text
 from omnijax.data.sources import SourceSpec
@@ -198,3 +198,20 @@ def test_mixer_epochs_cover_every_record_once(sizes, batch, seed, w):
         full = len(seq[k]) // n * n
         for e in range(0, full, n):
             assert sorted(seq[k][e: e + n]) == list(range(n))
+
+
+def test_tp_peers_share_one_dp_rank_load():
+    # 4 local devices laid out dp2 x tp2: two dp ranks, each read once for both of its tp devices
+    ranks = host_ranks([2, 2, 3, 3])
+    assert ranks == [2, 3]
+    loader = Loader(LoaderConfig(**CFG), ranks=ranks)
+    calls = []
+    original = loader._load
+    loader._load = lambda e: calls.append(e) or original(e)
+    batch = loader.host_batch(0)
+    planned = [k for m in range(CFG["microbatches"]) for r in ranks
+               for k, _ in loader.window_plan(0).plan.bins[(0 * CFG["dp"] + r) * CFG["microbatches"] + m]]
+    assert len(calls) == len(planned) == len(set(planned))  # each planned sample of these ranks read once
+    assert batch["microbatches"][0]["tokens"].shape[0] == 2 * batch["layout"].rows
+    with pytest.raises(ConfigError):
+        host_ranks([])

@@ -273,6 +273,17 @@ class Loader:
                 "distinct_shapes": len(self.shapes.shapes), "padded_fraction": self.shapes.padded_fraction}
 
 
+def host_ranks(dp_index_of_local_devices) -> list[int]:
+    """The dp ranks a process loads: one per distinct data-parallel coordinate among its devices.
+
+    Devices that differ only in tensor/pipeline/context/expert coordinates share their dp rank's
+    batch, which this host reads once (the placement code broadcasts it to those devices)."""
+    ranks = sorted({int(i) for i in dp_index_of_local_devices})
+    if not ranks or ranks[0] < 0:
+        raise ConfigError(f"dp indices {list(dp_index_of_local_devices)}: need at least one, all >= 0")
+    return ranks
+
+
 def _arrival_with_capacity(items: list[balance.Item], n_bins: int, cap: balance.Capacity) -> balance.Plan:
     """Arrival order into equal consecutive chunks, rows first-fit; what does not fit is unplaced."""
     order = sorted(items, key=lambda it: it.key)
