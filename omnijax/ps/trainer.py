@@ -137,7 +137,12 @@ class PSTrainer:
         self._opt_blob = cloudpickle.dumps(optimizer)
         self._spec_blob = cloudpickle.dumps((model_fn, loss_fn, batch_fn))
         servers = self.cluster.servers
-        ray.get([servers[s].configure.remote(self._opt_blob, self._knobs(s)) for s in self.pool])
+        try:
+            ray.get([servers[s].configure.remote(self._opt_blob, self._knobs(s)) for s in self.pool])
+        except ray.exceptions.RayActorError as exc:
+            dead = self.cluster.dead()[1]
+            raise PSFailure(f"ps: server(s) {dead} of the pool {self.pool} are dead; replace them with "
+                            "PSCluster.replace_server(sid) or lower ps.max_servers", None) from exc
         placement = plan_placement(self.block_bytes, None, {s: 1.0 for s in self.pool}, self.pool[:cfg.num_servers])
         ray.get([servers[placement[b.index]].init_block.remote(b.index, flat0[b.start:b.stop]) for b in self.blocks])
         self.workers = list(self.cluster.workers[:cfg.num_workers])

@@ -10,6 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from omnijax import config as cfglib
+from omnijax.errors import ConfigError
 from omnijax.ps.config import PSConfig
 
 DESCRIPTION = "PS samples/s with 1 of 4 servers slowed 2x/4x: static placement vs load distribution vs no straggler"
@@ -24,8 +25,9 @@ class PSBenchConfig:
     hidden: list[int] = field(default_factory=lambda: [1024, 1024])
     num_classes: int = 10
     batch_per_worker: int = 32
-    warmup_steps: int = 24        # not timed (every variant): compile, first measurements, rebalancing
-    steps: int = 30               # timed steps per variant
+    warmup_steps: int = 16        # not timed (every variant): compile, first measurements, rebalancing
+    steps: int = 24               # timed steps per variant and round
+    rounds: int = 2               # every variant is measured once per round; rounds alternate the order
     spare_server: bool = True     # also measure balanced + exploration with a 5th (spare) server in the pool
     slowdowns: list[float] = field(default_factory=lambda: [2.0, 4.0])
     slow_server: int = 3
@@ -62,7 +64,13 @@ def _measure(cluster, base: PSConfig, bench: PSBenchConfig, **changes) -> dict:
     wall = time.perf_counter() - t0
     samples = bench.steps * cfg.num_workers * bench.batch_per_worker
     slow_share = sum(b for b, s in zip(trainer.block_bytes, trainer.placement) if s == cfg.slow_server)
+    # deterministic part: the busiest server's simulated link time per step (pull + push of every worker)
+    link = {}
+    for nbytes, sid in zip(trainer.block_bytes, trainer.placement):
+        factor = cfg.slowdown if sid == cfg.slow_server else 1.0
+        link[sid] = link.get(sid, 0.0) + 2 * cfg.num_workers * nbytes * factor / (cfg.link_mb_per_s * 1e6)
     return dict(samples_per_s=round(samples / wall, 2), step_ms=round(1e3 * wall / bench.steps, 2),
+                link_ms_busiest_server=round(1e3 * max(link.values()), 1) if cfg.link_mb_per_s > 0 else None,
                 final_loss=round(rows[-1]["loss"], 4), servers=sorted(set(trainer.placement)),
                 slow_server_bytes_fraction=round(slow_share / sum(trainer.block_bytes), 4),
                 changes=[e["kind"].split(" ")[0] for e in trainer.events],
@@ -78,30 +86,42 @@ def run(overrides: list[str]) -> Iterator[dict]:
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     bench: PSBenchConfig = cfglib.build(PSBenchConfig, overrides=overrides, check=None)
     base = bench.ps
+    if bench.rounds <= 0 or bench.steps <= 0:
+        raise ConfigError(f"rounds={bench.rounds} and steps={bench.steps} must be > 0")
     started = not ray.is_initialized()
     ensure_ray(base.address)
     pool = base.max_servers or base.num_servers
     cluster = PSCluster(base.num_workers, pool + int(bench.spare_server), base.address)
     fixed = dict(max_servers=pool, explore_every=0)  # the five required variants: the same 4 servers
-    try:
-        ref = _measure(cluster, base, bench, slow_server=-1, slowdown=1.0, balance=False, **fixed)
-        yield dict(variant="no_straggler", **ref, fraction_of_no_straggler=1.0)
+    variants = {"no_straggler": dict(slow_server=-1, slowdown=1.0, balance=False, **fixed)}
+    for factor in bench.slowdowns:
+        for kind, balance in (("static", False), ("balanced", True)):
+            variants[f"{kind}_{factor:g}x"] = dict(slow_server=bench.slow_server, slowdown=factor, balance=balance,
+                                                  **fixed)
+    if bench.spare_server:  # exploration may bring in a 5th server: more resources than no_straggler
         for factor in bench.slowdowns:
-            tag = f"{factor:g}x"
-            for kind, balance in (("static", False), ("balanced", True)):
-                row = _measure(cluster, base, bench, slow_server=bench.slow_server, slowdown=factor, balance=balance,
-                               **fixed)
-                yield dict(variant=f"{kind}_{tag}", **row,
-                           fraction_of_no_straggler=round(row["samples_per_s"] / ref["samples_per_s"], 4),
-                           vs="no_straggler")
-        if bench.spare_server:  # exploration may bring in a 5th server: more resources than no_straggler
-            for factor in bench.slowdowns:
-                row = _measure(cluster, base, bench, slow_server=bench.slow_server, slowdown=factor, balance=True,
-                               max_servers=pool + 1, min_servers=pool - 1,
-                               explore_every=base.explore_every or 8)
-                yield dict(variant=f"balanced_explore_{factor:g}x", **row,
-                           fraction_of_no_straggler=round(row["samples_per_s"] / ref["samples_per_s"], 4),
-                           vs="no_straggler", note="pool of 5 servers; exploration may add the spare")
+            variants[f"balanced_explore_{factor:g}x"] = dict(
+                slow_server=bench.slow_server, slowdown=factor, balance=True, max_servers=pool + 1,
+                min_servers=pool - 1, explore_every=base.explore_every or 8)
+    names = list(variants)
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    try:
+        for r in range(bench.rounds):  # alternate the order so that drifting machine load hits all variants
+            for name in (names if r % 2 == 0 else names[::-1]):
+                results[name].append(_measure(cluster, base, bench, **variants[name]))
+        ref = float(np.mean([m["samples_per_s"] for m in results["no_straggler"]]))
+        for name in names:
+            rows = results[name]
+            rate = float(np.mean([m["samples_per_s"] for m in rows]))
+            out = dict(variant=name, samples_per_s=round(rate, 2),
+                       fraction_of_no_straggler=round(rate / ref, 4),
+                       samples_per_s_rounds=[m["samples_per_s"] for m in rows], **{
+                           k: v for k, v in rows[-1].items() if k != "samples_per_s"})
+            if name != "no_straggler":
+                out["vs"] = "no_straggler"
+            if name.startswith("balanced_explore"):
+                out["note"] = "pool of 5 servers; exploration may add the spare (more resources than no_straggler)"
+            yield out
     finally:
         cluster.shutdown()
         if started:
