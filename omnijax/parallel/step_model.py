@@ -263,22 +263,27 @@ class NetworkModel:
         return self.gpus_per_host * self.hosts
 
     def collective_s(self, kind: str, nbytes: float, ranks: int) -> float:
-        """Hierarchical ring estimates; `nbytes` is the full (unsharded) buffer size."""
+        lat, bw = self.collective_parts(kind, nbytes, ranks)
+        return lat + bw
+
+    def collective_parts(self, kind: str, nbytes: float, ranks: int) -> tuple[float, float]:
+        """(latency, bandwidth) seconds of one collective, hierarchical ring estimates; `nbytes` is
+        the full (unsharded) buffer. Concurrent collectives overlap latencies but share bandwidth."""
         g = min(ranks, self.gpus_per_host)
         h = max(1, ranks // self.gpus_per_host) if ranks > self.gpus_per_host else 1
         if ranks <= 1:
-            return 0.0
+            return 0.0, 0.0
         intra = (g - 1) / g * nbytes / self.nvlink_Bps if g > 1 else 0.0
         inter = (h - 1) / h * (nbytes / g) / self.net_Bps if h > 1 else 0.0
         # tree-like latency (NCCL picks trees for small messages), ring bandwidth terms
         lat = math.log2(g) * self.nvlink_latency_s + (math.log2(h) if h > 1 else 0.0) * self.net_latency_s
         if kind == "all-reduce":
-            return 2 * (intra + inter + lat)
+            return 2 * lat, 2 * (intra + inter)
         if kind in ("all-gather", "reduce-scatter"):
-            return intra + inter + lat
+            return lat, intra + inter
         if kind == "all-to-all":
-            return (nbytes * (ranks - 1) / ranks) / (self.net_Bps if h > 1 else self.nvlink_Bps) + lat
-        return nbytes / (self.net_Bps if h > 1 else self.nvlink_Bps) + lat
+            return lat, (nbytes * (ranks - 1) / ranks) / (self.net_Bps if h > 1 else self.nvlink_Bps)
+        return lat, nbytes / (self.net_Bps if h > 1 else self.nvlink_Bps)
 
 
 H100 = DeviceModel("H100-SXM", {"f32": 494e12, "bf16": 989e12, "f16": 989e12, "f8e4m3fn": 1979e12}, 67e12, 3.35e12)
@@ -321,15 +326,26 @@ def _collective_bytes(ins: Instr, table: dict[str, Instr]) -> float:
 @dataclass
 class _Totals:
     compute_s: float = 0.0
-    comm_s: float = 0.0
+    comm_lat_s: float = 0.0
+    comm_bw_s: float = 0.0
     flops: float = 0.0
     collectives: list = field(default_factory=list)
 
     def add(self, other: "_Totals", times: int = 1) -> None:
         self.compute_s += other.compute_s * times
-        self.comm_s += other.comm_s * times
+        self.comm_lat_s += other.comm_lat_s * times
+        self.comm_bw_s += other.comm_bw_s * times
         self.flops += other.flops * times
         self.collectives += other.collectives
+
+    def comm_s(self, streams: int) -> float:
+        """Least time the collectives need: bandwidth is shared, latencies overlap over `streams`."""
+        return max(self.comm_bw_s, (self.comm_bw_s + self.comm_lat_s) / max(1, streams))
+
+    def collective(self, ins: Instr, kind: str, nbytes: float, ranks: int, lat: float, bw: float) -> None:
+        self.comm_lat_s += lat
+        self.comm_bw_s += bw
+        self.collectives.append({"op": kind, "bytes": int(nbytes), "ranks": ranks, "s": lat + bw})
 
 
 class _Sim:
@@ -413,7 +429,7 @@ class _Sim:
         done = [math.nan] * len(instrs)
         missing = [len(d) for d in ops]
         ready_at = [0.0] * len(instrs)
-        compute_free, comm_free = 0.0, [0.0] * self.streams
+        compute_free, comm_free, link_free = 0.0, [0.0] * self.streams, [0.0]
         pending: list = []      # (ready, order key, i) for ops that need the compute stream
 
         def key(i):
@@ -436,13 +452,13 @@ class _Sim:
             elif is_coll[i] and self.overlap:
                 base = ins.opcode.removesuffix("-start")
                 nbytes = _collective_bytes(ins, table)
-                t = self.net.collective_s(base, nbytes, self.ranks(ins))
-                tot.comm_s += t
-                tot.collectives.append({"op": base, "bytes": int(nbytes), "ranks": self.ranks(ins), "s": t})
+                lat, bw = self.net.collective_parts(base, nbytes, self.ranks(ins))
+                tot.collective(ins, base, nbytes, self.ranks(ins), lat, bw)
                 k = int(np.argmin(comm_free))
                 start = max(r, comm_free[k])
-                comm_free[k] = start + t
-                finish(i, start + t)
+                end = max(start + lat, link_free[0]) + bw    # one network: bandwidth is not additive
+                link_free[0] = comm_free[k] = end
+                finish(i, end)
             else:
                 heapq.heappush(pending, (r, key(i), i))
 
@@ -466,9 +482,9 @@ class _Sim:
             if is_coll[i]:           # overlap=False: the collective blocks the stream
                 base = ins.opcode.removesuffix("-start")
                 nbytes = _collective_bytes(ins, table)
-                t = self.net.collective_s(base, nbytes, self.ranks(ins))
-                tot.comm_s += t
-                tot.collectives.append({"op": base, "bytes": int(nbytes), "ranks": self.ranks(ins), "s": t})
+                lat, bw = self.net.collective_parts(base, nbytes, self.ranks(ins))
+                tot.collective(ins, base, nbytes, self.ranks(ins), lat, bw)
+                t = lat + bw
             elif ins.opcode in ("while", "conditional", "call"):
                 t, sub = self._nested(ins)
                 tot.add(sub)
@@ -493,7 +509,7 @@ def predict(hlo_text: str, device: DeviceModel = H100, net: NetworkModel | None 
     comps = parse_hlo(hlo_text)
     sim = _Sim(comps, device, net or network(), program_devices, comm_streams, overlap)
     step, tot = sim.run(entry(comps).name)
-    return Prediction(step, tot.compute_s, tot.comm_s, tot.flops, tot.collectives)
+    return Prediction(step, tot.compute_s, tot.comm_s(comm_streams if overlap else 1), tot.flops, tot.collectives)
 
 
 def check_flops(compiled: Any) -> dict[str, float]:

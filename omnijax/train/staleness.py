@@ -19,7 +19,10 @@ branch, both inside one program). The first stale step applies the last warm-up 
 every stale update uses the gradient of the previous step, with no special case.
 All of it (local gradients, w_{t-1}, v) lives in ``TrainState.extra`` so checkpoints resume exactly.
 Layouts: any mesh whose parameters are sharded only over ``dp``/``fsdp`` (other axes of size 1);
-under FSDP the stale reduction is a reduce-scatter over ``fsdp`` plus an all-reduce over ``dp``.
+under FSDP the stale reduction is a reduce-scatter over ``fsdp`` plus an all-reduce over ``dp``, and
+each device keeps its full-size local gradient for one step (inherent to delaying the reduction).
+The loss runs inside this module's own ``shard_map`` on whole local rows, so placements whose loss
+needs TP/CP/PP/EP collectives are rejected (``data_axes``), not silently mis-run.
 """
 from __future__ import annotations
 
