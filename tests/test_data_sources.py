@@ -140,3 +140,23 @@ def test_missing_inputs_fail_at_open(tmp_path):
     (tmp_path / "a.arrayrecord.meta.npz").unlink()
     with pytest.raises(UserError, match="missing metadata sidecar"):
         sources.open_sources([sources.SourceSpec("a", path=str(tmp_path / "a.arrayrecord"))])
+
+
+def test_loader_mixes_jsonl_parquet_and_world(jsonl, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from omnijax.data.loader import Loader, LoaderConfig
+    pq.write_table(pa.table({"text": [f"document {i} " * 3 for i in range(20)]}), tmp_path / "t.parquet")
+    cfg = LoaderConfig(sources=[sources.SourceSpec("j", path=str(jsonl)), sources.SourceSpec("p", path=str(tmp_path / "t.parquet")),
+                                sources.SourceSpec("world")],
+                       mix=[{"step": 0, "weights": {"j": 1, "p": 1}}, {"step": 3, "weights": {"j": 1, "p": 1}},
+                            {"step": 4, "weights": {"world": 1}}],
+                       samples_per_step=6, dp=2, window=2, row_len=128, max_rows=4)
+    loader = Loader(cfg)
+    names = [{loader.names[e.source] for e in loader.window_plan(w).entries} for w in (0, 2)]
+    assert names[0] <= {"j", "p"} and names[1] == {"world"}
+    for s in range(5):
+        batch = loader.host_batch(s)
+        assert batch["microbatches"][0]["tokens"].shape[1] == batch["layout"].row_len
+    m = loader.metrics(0)
+    assert m["skipped_bad_records"] > 0 or m["dropped_total"] > 0  # the JSONL file's bad lines were counted
