@@ -66,10 +66,15 @@ class ProcessOwner:
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
+        self.log = None
 
     def start(self, cmd: list[str], env: dict, log_path: str) -> int:
-        log = open(log_path, "a")
-        self.proc = subprocess.Popen(cmd, env=env, cwd=str(_REPO), stdout=log, stderr=subprocess.STDOUT,
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("a process owner runs one job process at a time; stop it first")
+        if self.log is not None:
+            self.log.close()
+        self.log = open(log_path, "a")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=str(_REPO), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self.proc.pid
 
@@ -183,6 +188,7 @@ class Executor:
                 for s in specs}
         steps = {s.name: s.steps for s in specs}
         running: dict[str, _Running] = {}
+        owners: dict[str, object] = {}
         pending = sorted(specs, key=lambda s: s.arrival_s)
         active: list[Job] = []
         t0 = time.monotonic()
@@ -218,7 +224,10 @@ class Executor:
                 # a job still starting (no metrics yet) is pinned: stopping it would only waste its startup
                 pinned = {j.name: running[j.name].devices for j in active
                           if j.name in running and running[j.name].rows_seen == 0}
-                free = Cluster(1, max(self.cluster.gpus - sum(pinned.values()), 1), self.cluster.cpus_per_node)
+                # what is free, rounded down to a power of two so every size the scheduler picks divides
+                # a power-of-two batch
+                left = max(self.cluster.gpus - sum(pinned.values()), 1)
+                free = Cluster(1, 1 << (left.bit_length() - 1), self.cluster.cpus_per_node)
                 others = [j for j in active if j.name not in pinned]
                 alloc = self.scheduler.allocate(now, others, free) if others and sum(pinned.values()) < self.cluster.gpus else {}
                 alloc = {j.name: int(pinned.get(j.name, alloc.get(j.name, 0))) for j in active}
@@ -243,7 +252,7 @@ class Executor:
                     n = alloc[j.name]
                     if n > 0:
                         (self.run_root / j.name).mkdir(parents=True, exist_ok=True)
-                        owner = self._owner()
+                        owner = owners.get(j.name) or owners.setdefault(j.name, self._owner())   # reused on restarts
                         pid = self._call(owner, "start", self.runner.command(j.name, steps[j.name], n), self._env(),
                                          str(self.run_root / j.name / "executor.log"))
                         running[j.name] = _Running(owner, n, time.monotonic() - t0)
