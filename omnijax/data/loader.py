@@ -13,7 +13,6 @@ and logged with its source and index. A missing shard fails at start (sources.op
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
@@ -111,6 +110,7 @@ class Loader:
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
         self._planned: dict[int, tuple[int, int]] = {}
+        self._plans: dict[int, WindowPlan] = {}
         self.skipped = Counter()            # this host's decode failures per source
         self.shapes = packing.ShapeCounter()
         self.step = 0
@@ -153,11 +153,14 @@ class Loader:
 
         Computed once per window even when several prefetch threads ask at the same time."""
         with self._plan_lock:
-            wp = self._window_plan(window)
+            wp = self._plans.get(window)
+            if wp is None:
+                wp = self._plans[window] = self._window_plan(window)
+                while len(self._plans) > 4:  # keep the few windows that prefetch threads may still read
+                    self._plans.pop(next(iter(self._plans)))
             self._planned[window] = (len(wp.dropped), wp.split)  # once per window, even if recomputed
             return wp
 
-    @functools.lru_cache(maxsize=4)
     def _window_plan(self, window: int) -> WindowPlan:
         cfg = self.cfg
         step0 = window * cfg.window
