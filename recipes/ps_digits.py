@@ -20,6 +20,9 @@ from omnijax.ps.config import validate as validate_ps
 DESCRIPTION = "MLP classifier on load_digits (real 8x8 digits) trained by the Ray parameter-server backend"
 
 
+PS_DEFAULTS = dict(num_workers=2, num_servers=2, num_blocks=8)  # applied under command-line overrides
+
+
 @dataclass
 class PSTrainerSection:
     steps: int = 300
@@ -31,7 +34,7 @@ class PSTrainerSection:
 
 @dataclass
 class PSDigitsConfig:
-    ps: PSConfig = field(default_factory=lambda: PSConfig(num_workers=2, num_servers=2, num_blocks=8))
+    ps: PSConfig = field(default_factory=lambda: PSConfig(**PS_DEFAULTS))
     model: ClassifierConfig = field(default_factory=lambda: ClassifierConfig(in_dim=64, hidden=[64, 64], num_classes=10))
     trainer: PSTrainerSection = field(default_factory=PSTrainerSection)
     optimizer: Literal["adam", "sgd"] = "adam"   # element-wise: servers update 1-D blocks independently
@@ -71,7 +74,7 @@ def main(argv: list[str]) -> int:
     from omnijax.ps.trainer import PSTrainer, ensure_ray
     from omnijax.train.metrics import MetricsWriter
 
-    cfg: PSDigitsConfig = cfglib.build(PSDigitsConfig, overrides=argv, check=None)
+    cfg: PSDigitsConfig = cfglib.build(PSDigitsConfig, overrides=argv, defaults={"ps": PS_DEFAULTS}, check=None)
     t = cfg.trainer
     if t.steps <= 0 or cfg.batch_per_worker <= 0 or not 0 < cfg.lr < 10:
         raise ConfigError("trainer.steps and batch_per_worker must be > 0 and lr in (0, 10)")

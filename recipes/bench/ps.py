@@ -12,15 +12,19 @@ import numpy as np
 from omnijax import config as cfglib
 from omnijax.errors import ConfigError
 from omnijax.ps.config import PSConfig
+from omnijax.ps.config import validate as validate_ps
 
 DESCRIPTION = "PS samples/s with 1 of 4 servers slowed 2x/4x: static placement vs load distribution vs no straggler"
 
 
+# Applied under the command-line overrides (`ps.link_mb_per_s=10` keeps the other bench defaults).
+PS_DEFAULTS = dict(num_workers=2, num_servers=4, num_blocks=32, chunk_bytes=1 << 20, credit_bytes=4 << 20,
+                   link_mb_per_s=25.0, rebalance_every=4, min_gain=0.05, explore_every=8, trial_steps=4)
+
+
 @dataclass
 class PSBenchConfig:
-    ps: PSConfig = field(default_factory=lambda: PSConfig(
-        num_workers=2, num_servers=4, num_blocks=32, chunk_bytes=1 << 20, credit_bytes=4 << 20,
-        link_mb_per_s=25.0, rebalance_every=4, min_gain=0.05, explore_every=8, trial_steps=4))
+    ps: PSConfig = field(default_factory=lambda: PSConfig(**PS_DEFAULTS))
     in_dim: int = 256
     hidden: list[int] = field(default_factory=lambda: [1024, 1024])
     num_classes: int = 10
@@ -84,8 +88,10 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from omnijax.ps.trainer import PSCluster, ensure_ray
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    bench: PSBenchConfig = cfglib.build(PSBenchConfig, overrides=overrides, check=None)
-    base = bench.ps
+    bench: PSBenchConfig = cfglib.build(PSBenchConfig, overrides=overrides, defaults={"ps": PS_DEFAULTS}, check=None)
+    base = validate_ps(bench.ps)
+    if bench.slow_server >= (base.max_servers or base.num_servers):
+        raise ConfigError(f"slow_server={bench.slow_server}: only servers 0..{(base.max_servers or base.num_servers) - 1}")
     if bench.rounds <= 0 or bench.steps <= 0:
         raise ConfigError(f"rounds={bench.rounds} and steps={bench.steps} must be > 0")
     started = not ray.is_initialized()
