@@ -133,8 +133,34 @@ def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -
 
 
 def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
-                fill: float = 0.9, max_share: float = 2.0, min_share: float = 0.5) -> Plan:
+                fill: float = 0.9, max_share: float = 2.0, min_share: float = 0.5,
+                splits: tuple[int, ...] = (1, 2, 4)) -> Plan:
     """Grouped reordering of a window of `steps` global batches; bins ordered (step, rank, microbatch).
+
+    The greedy step assignment is a heuristic, so it also runs on the window cut into `splits`
+    equal parts (items in arrival order); the plan with the smallest window time (sum over steps of
+    the slowest rank) wins, ties to fewer parts. Still a pure function of the items.
+    """
+    best, best_time = None, None
+    for parts in splits:
+        if steps % parts or (parts > 1 and len(items) < parts):
+            continue
+        ordered = sorted(items, key=lambda it: it.key)
+        chunks = [ordered[i * len(ordered) // parts:(i + 1) * len(ordered) // parts] for i in range(parts)]
+        sub = [_plan_window(c, steps // parts, ranks, microbatches, cap, fill, max_share, min_share) for c in chunks]
+        plan = Plan(tuple(b for p in sub for b in p.bins), tuple(x for p in sub for x in p.loads),
+                    tuple(sorted(k for p in sub for k in p.unplaced)))
+        t = (rank_costs(plan, steps, ranks, microbatches).max(-1).sum(), len(plan.unplaced))
+        if best_time is None or (t[1], t[0]) < (best_time[1], best_time[0]):
+            best, best_time = plan, t
+    if best is None:
+        return _plan_window(items, steps, ranks, microbatches, cap, fill, max_share, min_share)
+    return best
+
+
+def _plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
+                 fill: float, max_share: float, min_share: float) -> Plan:
+    """One greedy pass of `plan_window` over the whole window.
 
     A step takes at most `fill` of its capacity and at most `max_share` times the window's mean LLM
     tokens per step; then steps under `min_share` times the mean receive the cheapest items of the
