@@ -13,8 +13,10 @@ window's time is the sum over steps of the max rank cost. Phase 1 assigns items 
 steps, each to the step whose estimated time max(largest item, total / ranks) grows least (ties: the
 lighter step, then the lower index), within the step's aggregate capacity: large items gather in
 the same steps, where the other ranks get filled up to the same level. Phase 2 runs `plan_step` on
-each step (LPT over ranks, then the emptiest microbatch of the chosen rank); an item that then fits nowhere in its step goes to the least
-loaded bin of any step where it fits, else to `unplaced`.
+each step (LPT over ranks, then the emptiest microbatch of the chosen rank); an item that then
+fits nowhere in its step goes to the least loaded bin of any step where it fits, else to
+`unplaced`. The greedy also runs on the window cut into 2 and 4 parts; the plan with the shortest
+window time wins.
 `plan_arrival`: the baseline without reordering: batch g's samples in arrival order, split into
 equal consecutive chunks per rank and microbatch (capacity not considered).
 """
