@@ -244,9 +244,17 @@ class LLMParallel:
         aux = {kk: aux[i] if kk == "moe_dropped_tokens" else aux[i] / m for i, kk in enumerate(AUX_KEYS)}
         return y, aux
 
+    def embed(self, model: nnx.Module, tokens: jax.Array) -> jax.Array:
+        """``model.embed`` with the table gathered over its ``embed`` split first (as FSDP gathers any
+        weight before use), so the row lookup lands directly in the batch/seq layout."""
+        table = model.embedding[...]
+        spec = self.rules.spec(("vocab", None), table.shape, self.mesh, "params")
+        table = jax.lax.with_sharding_constraint(table, NamedSharding(self.mesh, spec))
+        return self.constrain(jnp.take(table, tokens, axis=0), "batch", "seq", "embed")
+
     def loss_fn(self, model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
         """``LossFn`` for ``omnijax.train.step``: (loss_sum, token_count, aux) of the next-token loss."""
-        x = model.embed(batch["tokens"])
+        x = self.embed(model, batch["tokens"])
         logits, aux = self.forward_embeddings(model, x, batch["segment_ids"], batch["positions"])
         loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
         return loss_sum, count, aux
