@@ -209,6 +209,11 @@ def test_bad_layouts_fail_at_start_with_the_mismatch():
         LLMParallel("pp8", DENSE)
     with pytest.raises(ConfigError, match="uses 4 devices"):
         LLMParallel("dp2xtp2", DENSE)
+    six_rows = {k: v[:6] for k, v in BATCH.items()}
+    with pytest.raises(ConfigError, match="data.batch_size=6: layout fsdp4xcp2 splits the batch 4 ways"):
+        LLMParallel("fsdp4xcp2", DENSE).put_batch(six_rows)
+    with pytest.raises(ConfigError, match="data.seq_len=12: context parallelism cp=8 needs a multiple of 2\\*cp=16"):
+        LLMParallel("cp8", DENSE).put_batch({k: v[:, :12] for k, v in BATCH.items()})
     with pytest.raises(ConfigError, match="identical blocks"):
         LLMParallel("pp2xdp4", LLMConfig(num_layers=2, moe=MoEConfig(every=2))).prepare(
             LLM(LLMConfig(num_layers=2, moe=MoEConfig(every=2)), rngs=nnx.Rngs(0)))

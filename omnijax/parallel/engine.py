@@ -166,6 +166,10 @@ class LLMParallel:
         return out
 
     def put_batch(self, batch: dict) -> dict:
+        rows = len(np.asarray(batch["tokens"])) * jax.process_count()
+        if rows % self.layout.batch_shards:
+            raise ConfigError(f"data.batch_size={rows}: layout {self.layout} splits the batch {self.layout.batch_shards} "
+                              f"ways (dp x fsdp x ep); use a multiple of {self.layout.batch_shards}")
         batch = self.layout_batch(batch)
         sh = self.batch_sharding(batch)
         return {k: jax.make_array_from_process_local_data(sh[k], np.asarray(v)) for k, v in batch.items()}
