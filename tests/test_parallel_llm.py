@@ -9,12 +9,10 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
 
 import omnijax  # noqa: F401
 from omnijax.config import LLMConfig, MoEConfig

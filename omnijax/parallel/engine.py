@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from omnijax.errors import ConfigError
 from omnijax.layers.attention import dot_product_attention
