@@ -57,12 +57,15 @@ def test_token_counts_match_payload(h, w, frames, kind):
     except BadSample:
         with pytest.raises(BadSample):
             features.image_patches(np.zeros(shape, np.float32), VCFG.patch, VCFG.temporal_patch, VCFG.merge, VCFG.max_side)
-        assert min(h, w) * 2 < VCFG.patch * VCFG.merge or kind == "video" and frames == 0 or max(h, w) > VCFG.max_side
+        assert min(h, w) * 2 < VCFG.patch * VCFG.merge or kind == "video" and frames == 0
         return
     patches, (t, gh, gw) = features.image_patches(np.zeros(shape, np.float32), VCFG.patch, VCFG.temporal_patch,
                                                   VCFG.merge, VCFG.max_side)
     assert patches.shape == (n_in, 2 * 4 * 4 * 3) and n_llm * 4 == n_in
     assert gh % 2 == 0 and gw % 2 == 0 and gh * 4 <= VCFG.max_side and gw * 4 <= VCFG.max_side
+    scale = min(1.0, VCFG.max_side / max(h, w))  # aspect kept up to half a unit per side, no crop
+    assert abs(gh * 4 - h * scale) <= 4 or gh == 2 and h * scale < 8
+    assert abs(gw * 4 - w * scale) <= 4 or gw == 2 and w * scale < 8
     assert t == (1 if kind == "image" else -(-frames // 2))
 
 
@@ -73,6 +76,17 @@ def test_audio_frames_match_log_mel(n):
     feats = features.log_mel(wave, n_mels=16, pad_to_multiple=4)
     n_in, n_llm = features.encoder_tokens("audio", (n,), ACFG)
     assert feats.shape == (n_in, 16) and n_in == 4 * n_llm and np.all(np.isfinite(feats))
+
+
+def test_resize_keeps_content():
+    img = np.zeros((48, 96, 3), np.float32)
+    img[:24, :48] = 1.0  # top-left quadrant lit
+    patches, grid = features.image_patches(img, patch=4, temporal_patch=1, merge=2, max_side=32)
+    assert grid == (1, 4, 8)  # 48x96 -> 16x32: aspect kept, nothing cropped
+    pos = features.patch_positions(grid, 2)
+    lit = patches.reshape(len(patches), -1).mean(1)
+    np.testing.assert_allclose(lit[(pos[:, 1] < 2) & (pos[:, 2] < 4)], 1.0)
+    np.testing.assert_allclose(lit[(pos[:, 1] >= 2) | (pos[:, 2] >= 4)], 0.0)
 
 
 def test_log_mel_resolves_pitch():

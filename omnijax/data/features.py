@@ -2,11 +2,11 @@
 
 Resolution rule for images and video frames (`vision_grid`), applied identically by `image_patches`
 and by the metadata-only `encoder_tokens`, so the packer and the cost model agree with the payload:
-1. if the longer side exceeds `max_side`, downscale by the smallest integer factor k that fits
-   (area average over k x k blocks; sides become floor(side / k));
-2. each side is then centre-cropped DOWN to a multiple of unit = patch * merge; a side shorter than
-   one unit is nearest-upscaled to one unit if that needs at most 2x, else the sample is rejected
-   (`BadSample`): up-scaling beyond 2x would invent detail.
+with unit = patch * merge and s = min(1, max_side / longer side), each side becomes
+round(side * s / unit) * unit, at least one unit and at most floor(max_side / unit) units; pixels
+are resampled to that size with a box filter (area average when shrinking). The aspect ratio is kept
+up to half a unit per side; nothing is cropped. A side that would need more than 2x up-scaling
+(shorter than half a unit) is rejected (`BadSample`): it would invent detail.
 Frames of a video are grouped by `temporal_patch` (the last frame is repeated to fill the last
 group); an image is one frame repeated `temporal_patch` times.
 """
@@ -22,18 +22,18 @@ from omnijax.models.mm_config import AudioConfig, MMConfig, VisionConfig, encode
 
 
 # ------------------------------------------------------------------------------------ vision
-def _side(side: int, unit: int, k: int) -> int:
-    side = side // k
-    if side >= unit:
-        return side // unit * unit
-    if 2 * side >= unit:
-        return unit
-    raise BadSample(f"image side of {side} px is too small: needs >= {(unit + 1) // 2} px "
-                    f"(patch*merge={unit}, at most 2x up-scaling)")
-
-
-def _downscale_factor(h: int, w: int, max_side: int) -> int:
-    return max(1, math.ceil(max(h, w) / max_side))
+def _target_sides(h: int, w: int, unit: int, max_side: int | None) -> tuple[int, int]:
+    scale = min(1.0, max_side / max(h, w)) if max_side else 1.0
+    top = max(1, max_side // unit) if max_side else None
+    out = []
+    for side in (h, w):
+        units = max(1, math.floor(side * scale / unit + 0.5))
+        target = (min(units, top) if top else units) * unit
+        if target > 2 * side:
+            raise BadSample(f"image side of {side} px is too small: needs >= {(unit + 1) // 2} px "
+                            f"(patch*merge={unit}, at most 2x up-scaling)")
+        out.append(target)
+    return out[0], out[1]
 
 
 def vision_grid(shape: tuple[int, ...], patch: int, temporal_patch: int = 1, merge: int = 2,
@@ -52,18 +52,24 @@ def vision_grid(shape: tuple[int, ...], patch: int, temporal_patch: int = 1, mer
         raise BadSample(f"video with zero frames (shape {shape})")
     if h <= 0 or w <= 0:
         raise BadSample(f"empty image (shape {shape})")
-    unit = patch * merge
-    k = _downscale_factor(h, w, max_side) if max_side else 1
-    return (math.ceil(frames / temporal_patch), _side(h, unit, k) // patch, _side(w, unit, k) // patch)
+    th, tw = _target_sides(h, w, patch * merge, max_side)
+    return math.ceil(frames / temporal_patch), th // patch, tw // patch
+
+
+def _box_weights(n: int, target: int) -> np.ndarray:
+    """[target, n] weights: output cell i averages the input span [i*n/target, (i+1)*n/target)."""
+    edges = np.arange(target + 1) * (n / target)
+    lo, hi = edges[:-1, None], edges[1:, None]
+    j = np.arange(n)[None]
+    overlap = np.clip(np.minimum(hi, j + 1) - np.maximum(lo, j), 0, None)
+    return (overlap / overlap.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
 def _resize_side(x: np.ndarray, axis: int, target: int) -> np.ndarray:
     n = x.shape[axis]
-    if n >= target:  # centre crop
-        start = (n - target) // 2
-        return np.take(x, np.arange(start, start + target), axis=axis)
-    idx = (np.arange(target) * n) // target  # nearest up-scale (<= 2x by construction)
-    return np.take(x, idx, axis=axis)
+    if n == target:
+        return x
+    return np.moveaxis(np.tensordot(_box_weights(n, target), np.moveaxis(x, axis, 0), axes=1), 0, axis)
 
 
 def image_patches(pixels: np.ndarray, patch: int, temporal_patch: int = 1, merge: int = 2,
@@ -81,11 +87,6 @@ def image_patches(pixels: np.ndarray, patch: int, temporal_patch: int = 1, merge
     elif frames.shape[0] % temporal_patch:
         fill = temporal_patch - frames.shape[0] % temporal_patch
         frames = np.concatenate([frames, np.repeat(frames[-1:], fill, axis=0)], axis=0)
-    h, w = frames.shape[1:3]
-    k = _downscale_factor(h, w, max_side) if max_side else 1
-    if k > 1:
-        hk, wk = h // k, w // k
-        frames = frames[:, : hk * k, : wk * k].reshape(frames.shape[0], hk, k, wk, k, 3).mean(axis=(2, 4))
     frames = _resize_side(_resize_side(frames, 1, gh * patch), 2, gw * patch)
     m, p, tp = merge, patch, temporal_patch
     x = frames.reshape(t, tp, gh // m, m, p, gw // m, m, p, 3)
