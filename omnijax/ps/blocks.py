@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from omnijax.errors import ConfigError
@@ -138,4 +137,4 @@ def join_blocks(parts: list[np.ndarray], blocks: tuple[Block, ...], total: int) 
 
 
 __all__ = ["Entry", "Block", "ParamLayout", "forward_order", "param_layout", "make_blocks", "chunk_ranges",
-           "checksum", "split_blocks", "join_blocks", "jnp"]
+           "checksum", "split_blocks", "join_blocks"]
