@@ -67,6 +67,7 @@ class ParallelConfig:
     encoder: str = ""        # such as "edp4xesp2"; "" = all devices on edp
     cpu_devices: int = 0     # fake N CPU devices when no accelerator is present (0 = leave alone)
     rules: str = "llm_5d"    # shardings/<rules>.yaml
+    encoder_rules: str = "encoder_dp"  # shardings/<encoder_rules>.yaml: encoders on the (edp, esp) view
     microbatches: int = 0    # pipeline microbatches (0 = 2 x pp)
     pipeline_schedule: Literal["gpipe", "circular"] = "gpipe"
     remat: bool = False

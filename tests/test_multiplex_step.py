@@ -51,7 +51,11 @@ def _check(setup, layout, encoder_layout, mode="balanced"):
     engine = LLMParallel(layout, cfg.llm)
     mx = Multiplexer(engine, cfg, encoder_layout=encoder_layout, mode=mode)
     g, params, rest = nnx.split(mx.prepare(model), nnx.Param, ...)
-    params = engine.put_state(params)
+    params = mx.put_state(params)
+    for enc_leaf in jax.tree.leaves(params["encoders"]):  # encoder rules (encoder_dp): replicated
+        assert enc_leaf.sharding.is_fully_replicated
+    if "fsdp" in layout:  # LLM rules: the embedding table is split over fsdp
+        assert not params["llm"]["embedding"].get_value().sharding.is_fully_replicated
     loss, grads, _ = jax.jit(lambda p, b: loss_and_grads(g, rest, mx.loss_fn, p, b))(params, mx.put_batch(batch))
     assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss), (float(loss), ref_loss)
     got = nnx.to_pure_dict(grads)

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from omnijax.errors import ConfigError
 from omnijax.layers import attention as attention_lib
 from omnijax.models.mllm import MultimodalModel
-from omnijax.parallel import context, routing
+from omnijax.parallel import context, routing, rules as rules_lib
 from omnijax.parallel.engine import LLMParallel
 from omnijax.train.losses import masked_cross_entropy
 
@@ -64,6 +64,10 @@ def ulysses_attention(axes: tuple[str, ...]):
     return attend
 
 
+def _encoder_path(path) -> bool:
+    return any(getattr(k, "key", getattr(k, "name", None)) in ("encoders", "projectors") for k in path)
+
+
 class Multiplexer:
     """Placement + loss for the joint multimodal step (the trainer's placement interface).
 
@@ -72,9 +76,14 @@ class Multiplexer:
     """
 
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
-                 mode: routing.Mode = "balanced", long_short: bool = True, cost_fn=None,
-                 capacities: dict | None = None):
+                 encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
+                 cost_fn=None, capacities: dict | None = None):
         self.engine, self.mesh, self.mm_cfg = engine, engine.mesh, mm_cfg
+        self.encoder_rules = rules_lib.load_rules(encoder_rules)
+        rows = self.encoder_rules.activations.get("rows", ())
+        if tuple(rows) != ALL:
+            raise ConfigError(f"shardings/{encoder_rules}.yaml: activations.rows must list every mesh axis in order "
+                              f"{list(ALL)} (every device encodes), got {list(rows)}")
         devices = int(np.prod(list(self.mesh.shape.values())))
         edp, esp = routing.parse_encoder_layout(encoder_layout, devices)
         self.grid = routing.DeviceGrid.from_layout(engine.layout, esp)
@@ -116,10 +125,15 @@ class Multiplexer:
         return MultiplexedModel(model, self.engine)
 
     def state_shardings(self, state: Any) -> Any:
-        return self.engine.state_shardings(state)
+        """LLM variables by the LLM rules, encoder and projector variables by the encoder rules."""
+        llm = self.engine.state_shardings(state)
+        enc = rules_lib.state_shardings(state, self.encoder_rules, self.mesh)
+        is_leaf = lambda x: isinstance(x, (nnx.Variable, NamedSharding))  # noqa: E731
+        return jax.tree_util.tree_map_with_path(lambda path, a, b: b if _encoder_path(path) else a, llm, enc,
+                                                is_leaf=is_leaf)
 
     def put_state(self, state: Any) -> Any:
-        return self.engine.put_state(state)
+        return jax.device_put(state, self.state_shardings(state))
 
     def plan(self, host_batch: dict) -> routing.Plan:
         return routing.build_plan(host_batch, self.grid, self.reductions, self.dims, self.cost_fn,

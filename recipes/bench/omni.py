@@ -102,7 +102,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         step = jax.jit(make_train_step(g, rest, mx.loss_fn, opt), donate_argnums=0)
         shards = engine.layout.batch_shards
         prep = [routing.balance_rows(b, shards, coeffs, ("vision", "audio")) if balance else b for b in host]
-        runs[name] = {"mx": mx, "step": step, "state": engine.put_state(init_state(params, opt)), "batches": prep,
+        runs[name] = {"mx": mx, "step": step, "state": mx.put_state(init_state(params, opt)), "batches": prep,
                       "time": 0.0, "plan_s": 0.0, "tokens": 0, "stats": [], "llm_imb": [], "losses": [],
                       "shards": shards}
     for i in range(opts["steps"] + 1):
