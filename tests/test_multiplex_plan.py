@@ -151,3 +151,14 @@ def test_balance_rows_keeps_every_token_and_its_encoder_destination(seed, shards
     rows = routing.llm_row_costs(out, (1.0, 0.1))
     per_shard = rows.reshape(shards, -1).sum(axis=1)
     assert per_shard.max() <= rows.sum() / shards + rows.max() + 1e-9  # greedy bound: mean + one row
+
+
+def test_route_traffic_counts_every_delivered_token():
+    rng = np.random.default_rng(3)
+    grid = routing.DeviceGrid((2, 2, 1, 1, 1, 2), esp=2)  # 2 hosts x 4 devices: pp crosses hosts
+    batch = synthetic_batch(rng, 8, 64, 12)
+    plan = routing.build_plan(batch, grid, RED, DIMS, lambda n, r: float(r), order=balanced_order)
+    t = routing.route_traffic(plan, hosts=2, bytes_per_token=10)
+    delivered = sum(int((batch[f"{n}_dest"] >= 0).sum()) for n in RED) * grid.size("pp") * grid.size("tp")
+    assert t["intra_host_bytes"] + t["inter_host_bytes"] == 10 * delivered
+    assert t["inter_host_bytes"] > 0  # every token goes to both pipeline stages, one per host

@@ -452,3 +452,21 @@ def balance_rows(batch: dict, shards: int, coeffs: tuple[float, float], encoders
 def shard_cost_max_over_mean(batch: dict, shards: int, coeffs: tuple[float, float]) -> float:
     cost = llm_row_costs(batch, coeffs).reshape(shards, -1).sum(axis=1)
     return float(cost.max() / cost.mean()) if cost.mean() > 0 else 1.0
+
+
+def route_traffic(plan: Plan, hosts: int, bytes_per_token: int) -> dict[str, int]:
+    """Bytes the resharding all-to-all moves inside a host and between hosts (real tokens only).
+
+    Hosts own contiguous runs of the flattened device order (the outer mesh axes cross hosts, as
+    `omnijax.parallel.mesh.make_mesh` lays out multi-host meshes)."""
+    recv = plan.arrays["route_recv"]
+    D = recv.shape[0]
+    if D % hosts:
+        raise ConfigError(f"{D} devices do not split over {hosts} hosts")
+    drop = recv.max()
+    counts = (recv != drop).sum(axis=2)          # [dst, src]
+    host = np.arange(D) // (D // hosts)
+    same = host[:, None] == host[None, :]
+    return {"intra_host_bytes": int(counts[same].sum() * bytes_per_token),
+            "inter_host_bytes": int(counts[~same].sum() * bytes_per_token),
+            "self_bytes": int(np.trace(counts) * bytes_per_token)}

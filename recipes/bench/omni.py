@@ -120,7 +120,9 @@ def run(overrides: list[str]) -> Iterator[dict]:
             r["plan_s"] += t1 - t0
             r["time"] += t2 - t1
             r["tokens"] += int((np.asarray(r["batches"][i]["segment_ids"]) > 0).sum())
-            r["stats"].append(r["mx"].last_plan.stats)
+            plan = r["mx"].last_plan
+            traffic = routing.route_traffic(plan, hosts=2, bytes_per_token=4 * cfg.llm.embed_dim)
+            r["stats"].append({**plan.stats, **traffic})
             r["llm_imb"].append(routing.shard_cost_max_over_mean(r["batches"][i], r["shards"], coeffs))
             r["losses"].append(float(m["loss"]))
     rows = {}
@@ -133,7 +135,9 @@ def run(overrides: list[str]) -> Iterator[dict]:
                       "llm_cost_max_over_mean": round(float(np.mean(r["llm_imb"])), 3),
                       "compiled_programs": int(r["step"]._cache_size()),
                       "step_s": round(r["time"] / opts["steps"], 3), "plan_ms": round(1e3 * r["plan_s"] / opts["steps"], 1),
-                      "compile_s": round(r["compile_s"], 1), "long_segments": mean("long_segments"),
+                      "compile_s": round(r["compile_s"], 1),
+                      "reshard_kb_intra_host": round(mean("intra_host_bytes") / 1024, 1),  # as 2 hosts x 4 devices
+                      "reshard_kb_inter_host": round(mean("inter_host_bytes") / 1024, 1), "long_segments": mean("long_segments"),
                       "final_loss": round(r["losses"][-1], 4), "layout": f"{opts['llm']}+{opts['encoder']}",
                       "devices": jax.device_count(), "steps": opts["steps"]}
     base = rows.get("coupled")
