@@ -145,7 +145,7 @@ def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, ca
     """
     best, best_time = None, None
     for parts in splits:
-        if steps % parts or (parts > 1 and len(items) < parts):
+        if steps % parts or (parts > 1 and (len(items) < parts or steps // parts < 2)):
             continue
         ordered = sorted(items, key=lambda it: it.key)
         chunks = [ordered[i * len(ordered) // parts:(i + 1) * len(ordered) // parts] for i in range(parts)]
