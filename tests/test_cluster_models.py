@@ -82,3 +82,17 @@ def test_workload_and_profile_loading(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIJAX_SHARED_DATA", str(tmp_path))
     with pytest.raises(UserError, match="row 2"):
         load_workload("workload-1")
+
+
+def test_cluster_recipes_reject_bad_config():
+    from omnijax.errors import ConfigError
+    from recipes import cluster_exec, cluster_sim
+    from recipes.bench import cluster as bench_cluster
+    with pytest.raises(ConfigError, match="scheduler"):
+        cluster_sim.main(["scheduler=lottery"])
+    with pytest.raises(ConfigError, match="unknown config key"):
+        cluster_sim.main(["sim.gpus=8"])
+    with pytest.raises(ConfigError, match="schedulers"):
+        next(bench_cluster.run(["schedulers=[fifo,lottery]"]))
+    with pytest.raises(ConfigError, match="runner"):
+        cluster_exec.main(["runner=slurm"])
