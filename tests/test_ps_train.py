@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import ray
 from flax import nnx
 
 from omnijax.errors import ConfigError
@@ -17,7 +18,7 @@ from omnijax.ps.blocks import checksum
 from omnijax.ps.config import PSConfig
 from omnijax.ps.trainer import PSCluster, PSFailure, PSTrainer
 
-ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.xdist_group("ps_ray")  # one xdist worker, one local Ray, shared actors
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors get these functions by value
 
 STEPS = 8
