@@ -260,3 +260,17 @@ def test_xla_flag_presets_exist_in_this_jaxlib():
     assert xla_flags.for_recipe("tiny_omni", "dp2xfsdp4")["xla_gpu_enable_pipelined_all_gather"] is True
     with pytest.raises(ConfigError):
         xla_flags.preset("nope")
+
+
+def test_load_tuned_settings(tmp_path):
+    path = tmp_path / "comm_tuned.yaml"
+    path.write_text("comm: {bucket_bytes: 1024, partition_bytes: 4096, in_flight: 2}\n"
+                    "xla_flags: {xla_gpu_enable_latency_hiding_scheduler: true}\n")
+    cc, flags = comm.load_tuned(str(path))
+    assert cc == comm.CommConfig(bucket_bytes=1024, partition_bytes=4096, in_flight=2)
+    assert flags == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    path.write_text("comm: {bucket_bytes: 1024, buckets: 3}\n")
+    with pytest.raises(ConfigError, match="comm.buckets"):
+        comm.load_tuned(str(path))
+    with pytest.raises(ConfigError, match="tune_comm"):
+        comm.load_tuned(str(tmp_path / "missing.yaml"))

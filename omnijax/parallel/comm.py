@@ -300,3 +300,20 @@ def make_reduce_fn(plan: CommPlan, axes: str | tuple[str, ...]) -> Callable[[Any
 
 CPU_INSPECT_OPTIONS = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 """Compiler options that keep XLA:CPU from merging our buckets (for HLO inspection in tests)."""
+
+
+def load_tuned(path: str) -> tuple[CommConfig, dict]:
+    """(CommConfig, XLA flags) from a `comm_tuned.yaml` written by `python -m recipes tune_comm`."""
+    from pathlib import Path
+
+    import yaml
+
+    from omnijax.config import from_dict
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"comm settings file {path} not found: run `python -m recipes tune_comm` first")
+    raw = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(raw.get("comm"), dict):
+        raise ConfigError(f"{path}: expected a 'comm:' mapping (bucket_bytes, partition_bytes, in_flight)")
+    return from_dict(CommConfig, raw["comm"], prefix="comm."), dict(raw.get("xla_flags") or {})
