@@ -55,19 +55,25 @@ def main(argv: list[str]) -> int:
                     for i in range(0, len(eval_rows), cfg.data.batch_size)]
 
     model = LLM(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))
+    placement, loss_fn = None, lm_loss
+    if cfg.parallel.llm:  # a 5D layout; otherwise plain data parallelism over every device
+        from omnijax.parallel.engine import LLMParallel
+
+        placement = LLMParallel.from_config(cfg)
+        model, loss_fn = placement.prepare(model), placement.loss_fn
     loader = IndexedLoader(train, cfg.data.batch_size, jax.process_index(), jax.process_count(), cfg.trainer.seed)
     trainer_ref = {}
 
     def evaluate(params) -> dict:
         t = trainer_ref["t"]
-        eval_step = trainer_ref.setdefault("eval_step", jax.jit(make_eval_step(t.graphdef, t.rest, lm_loss)))
+        eval_step = trainer_ref.setdefault("eval_step", jax.jit(make_eval_step(t.graphdef, t.rest, loss_fn)))
         total = count = 0.0
         for b in eval_batches:
             loss_sum, n = eval_step(params, t.placement.put_batch(b))
             total, count = total + float(loss_sum), count + float(n)
         return {"eval_loss": total / max(count, 1.0)}
 
-    trainer = Trainer(cfg, model, lm_loss, loader, eval_fn=evaluate,
+    trainer = Trainer(cfg, model, loss_fn, loader, placement=placement, eval_fn=evaluate,
                       flops_per_token=llm_flops_per_token(cfg.model, cfg.data.seq_len),
                       aux_weights={"moe_aux_loss": 1.0})  # already weighted by model.moe.aux_loss_weight
     trainer_ref["t"] = trainer
