@@ -166,7 +166,7 @@ class LLMParallel:
         return out
 
     def put_batch(self, batch: dict) -> dict:
-        rows = len(np.asarray(batch["tokens"])) * jax.process_count()
+        rows = len(np.asarray(next(iter(batch.values())))) * jax.process_count() if batch else 0
         if rows % self.layout.batch_shards:
             raise ConfigError(f"data.batch_size={rows}: layout {self.layout} splits the batch {self.layout.batch_shards} "
                               f"ways (dp x fsdp x ep); use a multiple of {self.layout.batch_shards}")
