@@ -260,37 +260,44 @@ class GreedyDecoder:
 
         B, L = self.packer.B, self.packer.L
         out: list[str | None] = [None] * len(prompts)
-        for start in range(0, len(prompts), B):
-            chunk = prompts[start:start + B]
-            batch = self.packer.empty()
-            cur = np.zeros(B, np.int32)
-            fill = {name: 0 for name in self.packer.reduction}
-            for r, prompt in enumerate(chunk):  # one prompt per row, room left for the answer
-                if self.packer.sizes(prompt) is None:
-                    continue
-                one, used = self.packer.pack([prompt])
-                n = int((one["segment_ids"][0] > 0).sum())
-                if not used or n + self.max_new > L:
-                    self.packer._skip("eval_prompt_too_long")
-                    continue
-                self._place(batch, one, r, n, fill)
-                cur[r] = n
-            x = self._prefill(params, batch, zero_encoders)
-            seg, pos = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"])
-            cur_j = jnp.asarray(np.maximum(cur, 1))
-            generated = []
-            for _ in range(self.max_new):
-                x, nxt = self._step(params, x, seg, pos, cur_j)
-                generated.append(np.asarray(nxt))
-                cur_j = cur_j + 1
-            gen = np.stack(generated, axis=1)
-            for r in range(len(chunk)):
-                if cur[r] == 0:
-                    continue
-                ids = list(gen[r])
-                ids = ids[:ids.index(tokenizer.EOS)] if tokenizer.EOS in ids else ids
-                out[start + r] = tokenizer.decode([i for i in ids if i < 256])
+        batch, rows, fill = self.packer.empty(), [], {name: 0 for name in self.packer.reduction}
+        for k, prompt in enumerate(prompts):  # one prompt per row, room left for the answer
+            if self.packer.sizes(prompt) is None:
+                continue
+            one, used = self.packer.pack([prompt])
+            n = int((one["segment_ids"][0] > 0).sum())
+            if not used or n + self.max_new > L:
+                self.packer._skip("eval_prompt_too_long")
+                continue
+            need = {name: int((one[f"{name}_segment_ids"] > 0).sum()) for name in fill}
+            if len(rows) == B or any(fill[e] + need[e] > self.packer.capacity[e] for e in fill):
+                self._decode(params, batch, rows, out, zero_encoders)  # full: decode and start a new batch
+                batch, rows, fill = self.packer.empty(), [], {name: 0 for name in self.packer.reduction}
+            self._place(batch, one, len(rows), n, fill)
+            rows.append((k, n))
+        if rows:
+            self._decode(params, batch, rows, out, zero_encoders)
         return out
+
+    def _decode(self, params, batch: dict, rows: list[tuple[int, int]], out: list, zero_encoders: bool) -> None:
+        import jax.numpy as jnp
+
+        cur = np.ones(self.packer.B, np.int32)
+        for r, (_, n) in enumerate(rows):
+            cur[r] = n
+        x = self._prefill(params, batch, zero_encoders)
+        seg, pos = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"])
+        cur_j = jnp.asarray(cur)
+        generated = []
+        for _ in range(self.max_new):
+            x, nxt = self._step(params, x, seg, pos, cur_j)
+            generated.append(np.asarray(nxt))
+            cur_j = cur_j + 1
+        gen = np.stack(generated, axis=1)
+        for r, (k, _) in enumerate(rows):
+            ids = list(gen[r])
+            ids = ids[:ids.index(tokenizer.EOS)] if tokenizer.EOS in ids else ids
+            out[k] = tokenizer.decode([i for i in ids if i < 256])
 
     def _place(self, batch: dict, one: dict, r: int, n: int, fill: dict[str, int]) -> None:
         """Copy a single-prompt batch (in row 0) into row r of `batch`, appending to encoder buffers."""
@@ -304,8 +311,6 @@ class GreedyDecoder:
             if not used:
                 continue
             f0 = fill[name]
-            if f0 + used > self.packer.capacity[name]:
-                raise ConfigError(f"eval batch overflows the {name} capacity; lower eval.batch_size")
             batch[f"{name}_inputs"][f0:f0 + used] = one[f"{name}_inputs"][:used]
             batch[f"{name}_positions"][f0:f0 + used] = one[f"{name}_positions"][:used]
             seg = one[f"{name}_segment_ids"][:used]
