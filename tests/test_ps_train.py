@@ -108,6 +108,8 @@ def test_balancer_moves_blocks_off_a_straggler(cluster, baseline):
     end = sum(b for b, s in zip(t.block_bytes, t.placement) if s == 0)
     assert any(e["kind"].startswith("rebalance") for e in t.events)
     assert end <= 0.75 * start, (start, end)
+    report = ray.get(cluster.servers[0].stats.remote())  # per-step processing and transfer time
+    assert report["steps"] >= 1 and report["transfer_s_per_step"] > 0 and report["processing_s_per_step"] > 0
     assert t.checksum() == checksum(baseline["flat"])  # different block sizes, same math: same bits
 
 

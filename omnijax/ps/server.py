@@ -68,6 +68,7 @@ class ParameterServer:
         self.retired: set[int] = set()
         self.aborted = False
         self._stats = dict(bytes_in=0, bytes_out=0, transfer_s=0.0, processing_s=0.0, updates=0)
+        self._steps_seen: set[int] = set()
         self._changed: asyncio.Condition | None = None
         self._link: asyncio.Lock | None = None
 
@@ -241,6 +242,7 @@ class ParameterServer:
         state.param, state.opt = self._apply(state.param, state.opt, grad)
         state.version += 1
         self._stats["updates"] += 1
+        self._steps_seen.add(state.version)
 
     # ---------------------------------------------------------------------------- requests
     def _ready(self, index: int, version: int) -> bool:
@@ -347,7 +349,12 @@ class ParameterServer:
             cond.notify_all()
 
     def stats(self) -> dict:
-        """Counters since the last call: bytes in/out, link (transfer) time, processing time, updates."""
-        out = dict(self._stats, sid=self.sid, blocks=sorted(self.blocks))
+        """Counters since the last call: bytes in/out, link (transfer) time, processing time, updates,
+        and the same times per step (steps = distinct versions this server's blocks advanced through)."""
+        steps = max(1, len(self._steps_seen))
+        out = dict(self._stats, sid=self.sid, blocks=sorted(self.blocks), steps=len(self._steps_seen),
+                   transfer_s_per_step=self._stats["transfer_s"] / steps,
+                   processing_s_per_step=self._stats["processing_s"] / steps)
         self._stats = dict(bytes_in=0, bytes_out=0, transfer_s=0.0, processing_s=0.0, updates=0)
+        self._steps_seen = set()
         return out
