@@ -114,3 +114,28 @@ def test_ps_digits_recipe_rejects_bad_config_before_starting_ray():
         ps_digits.main(["ps.min_servers=3"])
     with pytest.raises(ConfigError, match="model.in_dim"):
         ps_digits.main(["model.in_dim=10"])
+
+
+def test_layout_is_generic_over_the_llm():
+    """The PS flat-vector gradient of omnijax's LLM equals its pytree gradient (forward order, bf16-free)."""
+    import jax
+    import optax
+
+    from omnijax.config import LLMConfig
+    from omnijax.models.llm import LLM
+
+    model = LLM(LLMConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                          mlp_dim=64), rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 64
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p, rest)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    layout = param_layout(params, forward_order(loss, params))
+    assert layout.entries[0].path.startswith("['embedding']")
+    flat = jnp.asarray(layout.flatten(params))
+    g_flat = jax.grad(lambda f: loss(layout.unflatten(f)))(flat)
+    g_tree = layout.flatten(jax.grad(loss)(params))
+    np.testing.assert_allclose(np.asarray(g_flat), g_tree, rtol=1e-5, atol=1e-6)
