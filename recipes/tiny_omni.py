@@ -320,15 +320,19 @@ class GreedyDecoder:
 
 
 def accuracy_by_modality(decoder: GreedyDecoder, params, items: dict[str, list],
-                         zero_encoders: bool = False) -> tuple[dict, dict]:
+                         zero_encoders: bool = False, examples: dict | None = None) -> tuple[dict, dict]:
     """Exact-match accuracy of the decoded answers per modality, and per question type."""
     acc, per_q = {}, {}
+    examples = {} if examples is None else examples
     for modality, its in items.items():
         answers = decoder.answers(params, [it.prompt() for it in its], zero_encoders)
         hits = [a is not None and a.strip() == it.answer for a, it in zip(answers, its)]
         acc[f"{modality}_accuracy"] = float(np.mean(hits)) if hits else 0.0
-        for it, h in zip(its, hits):
+        for it, a, h in zip(its, answers, hits):
             per_q.setdefault(it.qtype, []).append(h)
+            examples.setdefault(it.qtype, [])
+            if len(examples[it.qtype]) < 4:
+                examples[it.qtype].append({"expected": it.answer, "decoded": a})
     return acc, {q: round(float(np.mean(v)), 3) for q, v in sorted(per_q.items())}
 
 
@@ -369,7 +373,7 @@ def main(argv: list[str]) -> int:
     def evaluate(params) -> dict:
         t = trainer_ref["t"]
         dec = trainer_ref.setdefault("dec", GreedyDecoder(t.graphdef, t.rest, eval_packer, cfg.eval.max_new_tokens))
-        acc, per_q = accuracy_by_modality(dec, params, items)
+        acc, per_q = accuracy_by_modality(dec, params, items, examples=trainer_ref.setdefault("examples", {}))
         trainer_ref["per_question"] = per_q
         if cfg.eval.ablation_items:  # the same questions with every encoder output zeroed
             few = {m: its[:cfg.eval.ablation_items] for m, its in items.items()}
@@ -385,6 +389,7 @@ def main(argv: list[str]) -> int:
     chances = {f"{m}_accuracy": round(float(chance(m)), 4) for m in items}
     report = {"metrics": result.eval, "chance": chances, "per_question": trainer_ref.get("per_question", {}),
               "zeroed_encoders": trainer_ref.get("zeroed", {}), "ablation_items": cfg.eval.ablation_items,
+              "examples": trainer_ref.get("examples", {}),
               "eval_items_per_modality": cfg.eval.items, "steps": cfg.trainer.steps,
               "wall_s": round(t_total, 1), "skipped": dict(packer.skipped),
               "tokens": token_report(train_world, 1000, cfg.model)}
