@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
         print(f"test accuracy {acc:.4f} (chance 0.10) -> {run_dir}/eval.json")
     finally:
         writer.close()
-        trainer.cluster.shutdown()
+        trainer.close()
         if started:
             ray.shutdown()
     return 0

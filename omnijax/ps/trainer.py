@@ -123,6 +123,7 @@ class PSTrainer:
         self.cfg = validate(cfg)
         self.log = log or (lambda msg: print(f"[ps] {msg}", flush=True))
         pool = cfg.max_servers or cfg.num_servers
+        self._own_cluster = cluster is None
         self.cluster = cluster or PSCluster(cfg.num_workers, pool, cfg.address)
         self.cluster.ensure(cfg.num_workers, pool)
         self.pool = list(range(pool))
@@ -470,5 +471,6 @@ class PSTrainer:
         return self.metrics[first:]
 
     def close(self) -> None:
-        """Forget the blocks on the servers (the actors stay in the cluster for reuse)."""
-        self.schedule = {}
+        """Stop the actors if this trainer started them (a cluster passed in stays up for reuse)."""
+        if self._own_cluster:
+            self.cluster.shutdown()
