@@ -138,9 +138,12 @@ def test_balanced_order_is_a_permutation_with_equal_causal_work(cp, chunk):
     assert sorted(order.tolist()) == list(range(seq))
     work = context.causal_work(order, cp)
     assert work.min() == work.max()
+    tiles = context.ring_tiles(order, cp)
+    assert tiles.tolist() == [2 * cp + 1] * cp  # every rank skips the same number of ring tiles
     if cp > 1:  # a contiguous split would give the last rank the most work
         naive = context.causal_work(np.arange(seq), cp)
         assert naive.max() > naive.min()
+        assert context.ring_tiles(np.arange(seq), cp).max() > context.ring_tiles(np.arange(seq), cp).min()
 
 
 def test_balanced_order_needs_2cp_chunks():
@@ -183,7 +186,10 @@ def test_cp_attention_matches_reference_with_grads(attn_inputs, impl, expect):
     assert abs(float(p) - float(r)) <= 1e-5 * abs(float(r))
     for a, b in zip(gr, gp):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-4)
-    assert count_collectives(fn.lower(q, k, v).compile().as_text()).get(expect, 0) >= 1
+    hlo = fn.lower(q, k, v).compile().as_text()
+    assert count_collectives(hlo).get(expect, 0) >= 1
+    if impl == "ring":  # empty tiles are skipped at run time
+        assert "conditional(" in hlo
 
 
 # ---------------------------------------------------------------------------------- pipeline

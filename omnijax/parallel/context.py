@@ -7,7 +7,9 @@ so every rank does the same amount of causal work. Two exchange strategies:
 
 - ``allgather``: gather K/V (and their segment ids/positions) over ``cp``, attend locally;
 - ``ring``: pass K/V blocks around the ring with ``ppermute``, merging blocks with an online softmax,
-  so no rank ever holds the whole sequence's K/V.
+  so no rank ever holds the whole sequence's K/V. Each block is split into tiles matching the two
+  chunks a rank holds, and tiles with an empty mask are skipped (``lax.cond``): under the balanced
+  layout every rank computes 2*cp+1 of its 4*cp tiles.
 """
 from __future__ import annotations
 
@@ -46,6 +48,15 @@ def causal_work(order: np.ndarray, cp: int) -> np.ndarray:
     per_rank = pos.reshape(cp, -1)
     # query at position p attends p + 1 keys (itself and everything earlier)
     return (per_rank + 1).sum(axis=1)
+
+
+def ring_tiles(order: np.ndarray, cp: int, splits: int = 2) -> np.ndarray:
+    """Tiles each rank computes in the ring (non-empty causal masks; one document stored in ``order``)."""
+    tiles = np.asarray(order).reshape(cp, splits, -1)
+    first, last = tiles.min(axis=2), tiles.max(axis=2)  # per rank, per tile
+    # a (q tile, kv tile) pair is non-empty when some query position >= some key position
+    return np.array([sum(int(last[r, a] >= first[o, b]) for o in range(cp) for a in range(splits)
+                         for b in range(splits)) for r in range(cp)])
 
 
 # -------------------------------------------------------------------------- local block attention
@@ -94,15 +105,44 @@ def local_attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, causal: bool = Tru
 
 
 # ------------------------------------------------------------------------------ sharded attention
-def _ring_body(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, axis, size, causal):
+def _empty(q, k, v):
+    b, sq, h, d = q.shape
+    kvh = k.shape[2]
+    return (jnp.zeros((b, sq, kvh, h // kvh, d), jnp.float32), jnp.full((b, kvh, h // kvh, sq), _NEG, jnp.float32),
+            jnp.zeros((b, kvh, h // kvh, sq), jnp.float32))
+
+
+def _tiles(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, causal, scale, splits):
+    """Online-softmax state of q against one K/V block, computed per (q tile, kv tile) and skipping tiles
+    whose mask is empty (the causal upper triangle, other documents): this is where the load-balanced
+    layout pays off, every rank skips the same number of tiles."""
+    cut = lambda a, n: jnp.split(a, n, axis=1)
+    qs, qsegs, qposs = cut(q, splits), cut(q_seg, splits), cut(q_pos, splits)
+    ks, vs, ksegs, kposs = cut(k, splits), cut(v, splits), cut(kv_seg, splits), cut(kv_pos, splits)
+    rows = []
+    for qt, qsg, qps in zip(qs, qsegs, qposs):
+        acc = None
+        for kt, vt, ksg, kps in zip(ks, vs, ksegs, kposs):
+            mask = _mask(qsg, ksg, qps, kps, causal)
+            tile = lax.cond(jnp.any(mask), lambda a: _block(*a, scale), lambda a: _empty(*a[:3]),
+                            (qt, kt, vt, mask))
+            acc = tile if acc is None else _merge(acc, tile)
+        rows.append(acc)
+    return (jnp.concatenate([r[0] for r in rows], axis=1), jnp.concatenate([r[1] for r in rows], axis=-1),
+            jnp.concatenate([r[2] for r in rows], axis=-1))
+
+
+def _ring_body(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, axis, size, causal, splits=2):
     scale = q.shape[-1] ** -0.5
+    splits = splits if q.shape[1] % splits == 0 and k.shape[1] % splits == 0 else 1
     perm = [(j, (j + 1) % size) for j in range(size)]
-    acc = _block(q, k, v, _mask(q_seg, kv_seg, q_pos, kv_pos, causal), scale)
+    attend = partial(_tiles, causal=causal, scale=scale, splits=splits)
+    acc = attend(q, k, v, q_seg, kv_seg, q_pos, kv_pos)
     kv = (k, v, kv_seg, kv_pos)
     for _ in range(size - 1):  # static and small: unrolled so XLA can overlap permute with compute
         kv = tuple(lax.ppermute(t, axis, perm) for t in kv)
         k2, v2, s2, p2 = kv
-        acc = _merge(acc, _block(q, k2, v2, _mask(q_seg, s2, q_pos, p2, causal), scale))
+        acc = _merge(acc, attend(q, k2, v2, q_seg, s2, q_pos, p2))
     o, _, l = acc
     return _finish(o, l, q.shape, q.dtype)
 
