@@ -336,20 +336,33 @@ def accuracy_by_modality(decoder: GreedyDecoder, params, items: dict[str, list],
     return acc, {q: round(float(np.mean(v)), 3) for q, v in sorted(per_q.items())}
 
 
-def load(argv: list[str]) -> OmniConfig:
-    """recipes/configs/tiny_omni.yaml <- key=value overrides, checked."""
+def load(argv: list[str], name: str = "tiny_omni") -> OmniConfig:
+    """recipes/configs/<name>.yaml <- key=value overrides, checked."""
     from recipes.common import CONFIGS
 
     named = any(o.startswith("trainer.run_name=") for o in argv)
-    return build(OmniConfig, CONFIGS / "tiny_omni.yaml", argv,
-                 defaults=None if named else {"trainer": {"run_name": "tiny_omni"}}, check=check)
+    return build(OmniConfig, CONFIGS / f"{name}.yaml", argv,
+                 defaults=None if named else {"trainer": {"run_name": name}}, check=check)
 
 
-def main(argv: list[str]) -> int:
+def multiplexed(cfg: OmniConfig):
+    """The joint-step placement for `parallel.llm`/`parallel.encoder` layouts (None: plain DP)."""
+    p = cfg.parallel
+    if not (p.llm or p.encoder):
+        return None
+    from omnijax.parallel.engine import LLMParallel
+    from omnijax.parallel.multiplex import Multiplexer
+
+    engine = LLMParallel(p.llm, cfg.model.llm, rules=p.rules, microbatches=p.microbatches,
+                         schedule=p.pipeline_schedule, remat=p.remat)
+    return Multiplexer(engine, cfg.model, encoder_layout=p.encoder, encoder_rules=p.encoder_rules)
+
+
+def main(argv: list[str], name: str = "tiny_omni") -> int:
     from recipes.common import CONFIGS, setup_devices
 
     setup_devices(argv)
-    cfg = load(argv)
+    cfg = load(argv, name)
     t0 = time.perf_counter()
 
     import jax
@@ -366,13 +379,29 @@ def main(argv: list[str]) -> int:
     eval_packer = Packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len,
                          {k: v * scale for k, v in cfg.capacity.items()})
     model = MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))
-    print(f"tiny_omni: params {describe(model)}", file=sys.stderr)
+    print(f"{name}: params {describe(model)}", file=sys.stderr)
+    # Evaluation decodes with the single-device model; a parallel layout's params are mapped back to it.
+    eval_graph, eval_params, eval_rest = nnx.split(model, nnx.Param, ...)
+    placement = multiplexed(cfg)
+    train_model, loss_fn = (model, mm_loss) if placement is None else (placement.prepare(model), placement.loss_fn)
+
+    def single_device(params):
+        if placement is None:
+            return params
+        from omnijax.parallel.engine import unstack_params
+
+        pure = nnx.to_pure_dict(params)
+        if placement.engine.schedule is not None:
+            pure["llm"] = unstack_params(params["llm"], placement.engine.schedule)
+        nnx.replace_by_pure_dict(eval_params, jax.device_get(pure))
+        return eval_params
     items = eval_items(eval_world, cfg.eval.items)
     trainer_ref: dict[str, Any] = {}
 
     def evaluate(params) -> dict:
         t = trainer_ref["t"]
-        dec = trainer_ref.setdefault("dec", GreedyDecoder(t.graphdef, t.rest, eval_packer, cfg.eval.max_new_tokens))
+        dec = trainer_ref.setdefault("dec", GreedyDecoder(eval_graph, eval_rest, eval_packer, cfg.eval.max_new_tokens))
+        params = single_device(params)
         acc, per_q = accuracy_by_modality(dec, params, items, examples=trainer_ref.setdefault("examples", {}))
         trainer_ref["per_question"] = per_q
         if cfg.eval.ablation_items:  # the same questions with every encoder output zeroed
@@ -380,7 +409,8 @@ def main(argv: list[str]) -> int:
             trainer_ref["zeroed"], _ = accuracy_by_modality(dec, params, few, zero_encoders=True)
         return acc
 
-    trainer = Trainer(cfg, model, mm_loss, WorldLoader(train_world, packer), eval_fn=evaluate)
+    trainer = Trainer(cfg, train_model, loss_fn, WorldLoader(train_world, packer), placement=placement,
+                      eval_fn=evaluate)
     trainer_ref["t"] = trainer
     result = trainer.fit()
     if result.status != "finished":

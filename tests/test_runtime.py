@@ -46,14 +46,15 @@ def reference(tmp_path_factory):
 
 
 def test_preemption_then_resume_reproduces_the_loss_curve(tmp_path, reference):
-    def preempt_at_5(trainer, step, row):
-        if step == 5:
+    def preempt_at_6(trainer, step, row):
+        if step == 6:
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled between steps
 
-    first = _trainer(tmp_path, 8, ["trainer.checkpoint_every=3"], hooks=(preempt_at_5,)).fit()
-    assert first.status == "preempted" and int(first.state.step) == 5
+    # SIGTERM arrives on a step that is also a periodic checkpoint (6): saved once, then stop
+    first = _trainer(tmp_path, 8, ["trainer.checkpoint_every=3"], hooks=(preempt_at_6,)).fit()
+    assert first.status == "preempted" and int(first.state.step) == 6
     ckpt = Checkpointer(tmp_path / "checkpoints")
-    assert ckpt.latest_step() == 5 and 3 in ckpt.all_steps()
+    assert ckpt.latest_step() == 6 and 3 in ckpt.all_steps()
     ckpt.close()
     second = _trainer(tmp_path, 8, ["trainer.checkpoint_every=3"]).fit()
     assert second.status == "finished" and int(second.state.step) == 8

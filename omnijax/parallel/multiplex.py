@@ -77,7 +77,7 @@ class Multiplexer:
 
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
                  encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
-                 cost_fn=None, capacities: dict | None = None):
+                 balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None):
         self.engine, self.mesh, self.mm_cfg = engine, engine.mesh, mm_cfg
         self.encoder_rules = rules_lib.load_rules(encoder_rules)
         rows = self.encoder_rules.activations.get("rows", ())
@@ -103,6 +103,11 @@ class Multiplexer:
                     raise ConfigError(f"parallel.encoder: esp={esp} must divide model.encoders.{name}.num_heads="
                                       f"{c.num_heads} (sequence parallelism splits heads)")
         self.cost_fn = cost_fn or self._default_cost
+        self.balance_rows = mode == "balanced" if balance_rows is None else balance_rows
+        from omnijax.data.cost import CostModel
+
+        llm = CostModel.from_flops(mm_cfg).llm
+        self.llm_coeffs = (llm.a, llm.b)
         self.last_plan: routing.Plan | None = None
 
     def _default_cost(self, name: str, rows: int) -> float:
@@ -141,8 +146,16 @@ class Multiplexer:
                                   capacities=self.capacities)
 
     def put_batch(self, host_batch: dict) -> dict:
-        """LLM arrays in the LLM layout; encoder buffers and routing tables one row per device."""
+        """LLM arrays in the LLM layout; encoder buffers and routing tables one row per device.
+
+        With `balance_rows`, packed rows are first spread over the batch shards by LLM cost
+        (independently of where their encoder work runs)."""
+        if self.balance_rows:
+            host_batch = routing.balance_rows(host_batch, self.grid.batch_shards, self.llm_coeffs,
+                                              tuple(self.reductions))
         plan = self.plan(host_batch)
+        plan.stats["llm_cost_max_over_mean"] = routing.shard_cost_max_over_mean(
+            host_batch, self.grid.batch_shards, self.llm_coeffs)
         self.last_plan = plan
         llm_keys = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
         out = self.engine.put_batch({k: host_batch[k] for k in llm_keys})

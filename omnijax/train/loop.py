@@ -196,10 +196,13 @@ class Trainer:
                         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
                         window_tokens = window_samples = 0
                         window_start = time.perf_counter()
+                    saved = False
                     if self.checkpointer and (step % tcfg.checkpoint_every == 0 or last):
                         self._save(step, force=last)
+                        saved = True
                     if preempt.requested and not last:
-                        self._save(step, force=True)
+                        if not saved:  # a periodic save of this very step is already under way
+                            self._save(step, force=True)
                         result.status = "preempted"
                         print(f"\npreempted: saved step {step} to {self.checkpointer.directory if self.checkpointer else '(checkpointing off)'}; "
                               "run the same command again to resume", file=sys.stderr)

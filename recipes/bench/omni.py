@@ -76,7 +76,6 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from flax import nnx
 
     from omnijax.config import OptimizerConfig, from_dict
-    from omnijax.data.cost import CostModel
     from omnijax.models import mllm
     from omnijax.models.mm_config import MMConfig
     from omnijax.parallel import routing
@@ -88,23 +87,19 @@ def run(overrides: list[str]) -> Iterator[dict]:
 
     cfg = from_dict(MMConfig, MM)
     host = batches(cfg, opts["steps"] + 1, opts["batch_size"], opts["seq_len"])  # +1: compile step
-    llm_coeffs = CostModel.from_flops(cfg).llm
-    coeffs = (llm_coeffs.a, llm_coeffs.b)
     opt = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), opts["steps"] + 1)
     names = [v for v in opts["variants"].split(",") if v]
     runs = {}
     for name in names:
         mode, long_short, balance = VARIANTS[name]
         engine = LLMParallel(opts["llm"], cfg.llm)
-        mx = Multiplexer(engine, cfg, encoder_layout=opts["encoder"], mode=mode, long_short=long_short)
+        mx = Multiplexer(engine, cfg, encoder_layout=opts["encoder"], mode=mode, long_short=long_short,
+                         balance_rows=balance)
         model = mx.prepare(mllm.MultimodalModel(cfg, rngs=nnx.Rngs(0)))
         g, params, rest = nnx.split(model, nnx.Param, ...)
         step = jax.jit(make_train_step(g, rest, mx.loss_fn, opt), donate_argnums=0)
-        shards = engine.layout.batch_shards
-        prep = [routing.balance_rows(b, shards, coeffs, ("vision", "audio")) if balance else b for b in host]
-        runs[name] = {"mx": mx, "step": step, "state": mx.put_state(init_state(params, opt)), "batches": prep,
-                      "time": 0.0, "plan_s": 0.0, "tokens": 0, "stats": [], "llm_imb": [], "losses": [],
-                      "shards": shards}
+        runs[name] = {"mx": mx, "step": step, "state": mx.put_state(init_state(params, opt)), "batches": host,
+                      "time": 0.0, "plan_s": 0.0, "tokens": 0, "stats": [], "losses": []}
     for i in range(opts["steps"] + 1):
         for name in names:  # interleaved: the same noise for every variant
             r = runs[name]
@@ -123,7 +118,6 @@ def run(overrides: list[str]) -> Iterator[dict]:
             plan = r["mx"].last_plan
             traffic = routing.route_traffic(plan, hosts=2, bytes_per_token=4 * cfg.llm.embed_dim)
             r["stats"].append({**plan.stats, **traffic})
-            r["llm_imb"].append(routing.shard_cost_max_over_mean(r["batches"][i], r["shards"], coeffs))
             r["losses"].append(float(m["loss"]))
     rows = {}
     for name in names:
@@ -132,7 +126,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         rows[name] = {"variant": name, "tokens_per_s": round(r["tokens"] / r["time"], 1),
                       "padded_fraction": round(mean("padded_fraction"), 4),
                       "enc_cost_max_over_mean": round(mean("enc_cost_max_over_mean"), 3),
-                      "llm_cost_max_over_mean": round(float(np.mean(r["llm_imb"])), 3),
+                      "llm_cost_max_over_mean": round(mean("llm_cost_max_over_mean"), 3),
                       "compiled_programs": int(r["step"]._cache_size()),
                       "step_s": round(r["time"] / opts["steps"], 3), "plan_ms": round(1e3 * r["plan_s"] / opts["steps"], 1),
                       "compile_s": round(r["compile_s"], 1),
