@@ -162,3 +162,18 @@ def test_route_traffic_counts_every_delivered_token():
     delivered = sum(int((batch[f"{n}_dest"] >= 0).sum()) for n in RED) * grid.size("pp") * grid.size("tp")
     assert t["intra_host_bytes"] + t["inter_host_bytes"] == 10 * delivered
     assert t["inter_host_bytes"] > 0  # every token goes to both pipeline stages, one per host
+
+
+def test_capacities_only_grow_so_programs_stay_bounded():
+    from omnijax.parallel.multiplex import Multiplexer
+
+    mx = Multiplexer.__new__(Multiplexer)  # the planning half only: no mesh or model needed
+    mx.grid, mx.reductions, mx.dims = routing.DeviceGrid((1, 4, 1, 1, 1, 2), esp=2), RED, DIMS
+    mx.cost_fn, mx.mode, mx.long_short, mx.capacities = (lambda n, r: float(r * r)), "balanced", True, None
+    seen = set()
+    for seed in range(12):
+        batch = synthetic_batch(np.random.default_rng(seed), 8, 16, 1 + seed % 7)
+        plan = mx.plan(batch)
+        seen.add(plan.capacities)
+        assert all(v >= dict(prev).get(k, 0) for prev in seen for k, v in plan.capacities)
+    assert len(seen) <= 6  # a handful of programs for 12 differently shaped steps

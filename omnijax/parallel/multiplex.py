@@ -141,9 +141,20 @@ class Multiplexer:
         return jax.device_put(state, self.state_shardings(state))
 
     def plan(self, host_batch: dict) -> routing.Plan:
-        return routing.build_plan(host_batch, self.grid, self.reductions, self.dims, self.cost_fn,
-                                  order=context.balanced_order, mode=self.mode, long_short=self.long_short,
-                                  capacities=self.capacities)
+        """The step's plan. Capacities come from power-of-two buckets and only ever grow during a run,
+        so the number of compiled step programs is bounded by the bucket growths, not the steps."""
+        build = lambda caps: routing.build_plan(  # noqa: E731
+            host_batch, self.grid, self.reductions, self.dims, self.cost_fn, order=context.balanced_order,
+            mode=self.mode, long_short=self.long_short, capacities=caps)
+        try:
+            plan = build(self.capacities)
+        except ConfigError:  # this batch needs more than the current capacities: grow them
+            plan = build(None)
+        grown = {k: max(v, (self.capacities or {}).get(k, 0)) for k, v in plan.capacities}
+        if grown != dict(plan.capacities):
+            plan = build(grown)
+        self.capacities = dict(plan.capacities)
+        return plan
 
     def put_batch(self, host_batch: dict) -> dict:
         """LLM arrays in the LLM layout; encoder buffers and routing tables one row per device.
