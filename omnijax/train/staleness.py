@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from omnijax.errors import ConfigError
 from omnijax.train.state import TrainState
-from omnijax.train.step import LossFn, apply_update, cast_floating, split_microbatches
+from omnijax.train.step import LossFn, apply_update, loss_and_grads
 
 MODES = ("sync", "stale1", "stale1+dc", "stale1+wp", "stale1+dc+wp")
 DATA_AXES = ("dp", "fsdp")
@@ -170,31 +170,8 @@ def make_stale_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimize
     def local_grads(w, batch):
         """Local gradient of this device's rows of the global-mean loss (sums over devices to ḡ)."""
         total = jnp.maximum(jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), axes), 1.0)
-
-        def objective(p, mb):
-            model = nnx.merge(graphdef, cast_floating(p, compute_dtype), rest)
-            loss_sum, _, aux = loss_fn(model, mb)
-            obj = loss_sum / total
-            for name, weight in aux_weights.items():
-                if name in aux and weight:
-                    obj = obj + weight * aux[name].astype(jnp.float32) / (grad_accum * replicas)
-            return obj, (loss_sum / total, aux)
-
-        grad_fn = jax.value_and_grad(objective, has_aux=True)
-        if grad_accum == 1:
-            (_, (loss, aux)), g = grad_fn(w, batch)
-            return loss, g, aux
-        micro = split_microbatches(batch, grad_accum)
-
-        def body(carry, mb):
-            (_, (loss, aux)), g = grad_fn(w, mb)
-            return jax.tree.map(jnp.add, carry, (loss, g, aux)), None
-
-        first = jax.tree.map(lambda x: x[0], micro)
-        shape = jax.eval_shape(lambda: (grad_fn(w, first)[0][1][0], w, grad_fn(w, first)[0][1][1]))
-        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
-        (loss, g, aux), _ = jax.lax.scan(body, init, micro)
-        return loss, g, aux
+        return loss_and_grads(graphdef, rest, loss_fn, w, batch, grad_accum=grad_accum, compute_dtype=compute_dtype,
+                              aux_weights={k: v / replicas for k, v in aux_weights.items()}, total=total)
 
     def body(stale: bool):
         def run(params, opt_state, prev_local, batch):

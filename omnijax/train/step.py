@@ -36,10 +36,15 @@ def split_microbatches(batch: dict, count: int) -> dict:
 
 def loss_and_grads(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, params: Any, batch: dict, *,
                    grad_accum: int = 1, compute_dtype: jnp.dtype = jnp.float32,
-                   aux_weights: dict[str, float] | None = None) -> tuple[jax.Array, Any, dict]:
-    """Global-mean loss, its gradient w.r.t. `params`, and summed aux metrics."""
+                   aux_weights: dict[str, float] | None = None,
+                   total: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
+    """Global-mean loss, its gradient w.r.t. `params`, and summed aux metrics.
+
+    `total` is the loss denominator (default: this batch's target tokens); code that sees only its
+    own rows of the global batch (inside shard_map) passes the global count so the parts sum up."""
     aux_weights = aux_weights or {}
-    total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+    if total is None:
+        total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
 
     def objective(p, mb):
         model = nnx.merge(graphdef, cast_floating(p, compute_dtype), rest)
