@@ -177,6 +177,13 @@ class Multiplexer:
             out[k] = jax.make_array_from_process_local_data(sharding, v[local[0]:local[-1] + 1], v.shape)
         return out
 
+    def metrics(self) -> dict[str, float]:
+        """The last step's plan figures for the trainer's log (imbalance, padding, long segments)."""
+        if self.last_plan is None:
+            return {}
+        keys = ("enc_cost_max_over_mean", "llm_cost_max_over_mean", "padded_fraction", "long_segments")
+        return {k: float(self.last_plan.stats[k]) for k in keys if k in self.last_plan.stats}
+
     # --------------------------------------------------------------------------- the step
     def _encode_local(self, part: EncoderPart, arrays: dict) -> jax.Array:
         """This device's projected encoder outputs [M, D_llm] (short then long, per encoder) + a zero pad row."""

@@ -184,8 +184,9 @@ class Trainer:
                         }
                         row.update({k: float(v) for k, v in m.items()
                                     if k not in {"loss", "grad_norm", "tokens", "update_skipped", "nonfinite_in_row"}})
-                        if hasattr(self.loader, "metrics"):
-                            row.update(self.loader.metrics())
+                        for source in (self.loader, self.placement):  # padding, imbalance, skipped records
+                            if hasattr(source, "metrics"):
+                                row.update(source.metrics())
                         if self.eval_fn and tcfg.eval_every and step % tcfg.eval_every == 0 and not last:
                             row.update(self.eval_fn(self.state.params))
                         writer.write(step, row)
