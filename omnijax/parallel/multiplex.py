@@ -156,17 +156,29 @@ class Multiplexer:
         self.capacities = dict(plan.capacities)
         return plan
 
-    def put_batch(self, host_batch: dict) -> dict:
-        """LLM arrays in the LLM layout; encoder buffers and routing tables one row per device.
-
-        With `balance_rows`, packed rows are first spread over the batch shards by LLM cost
-        (independently of where their encoder work runs)."""
+    def host_plan(self, host_batch: dict) -> tuple[dict, routing.Plan]:
+        """Host half of `put_batch`: (rows balanced by LLM cost if enabled, the step's plan)."""
         if self.balance_rows:
             host_batch = routing.balance_rows(host_batch, self.grid.batch_shards, self.llm_coeffs,
                                               tuple(self.reductions))
         plan = self.plan(host_batch)
         plan.stats["llm_cost_max_over_mean"] = routing.shard_cost_max_over_mean(
             host_batch, self.grid.batch_shards, self.llm_coeffs)
+        return host_batch, plan
+
+    def reserve(self, host_batches) -> dict:
+        """Grow the capacities to fit these batches now (e.g. a window ahead), so that the steps that
+        follow reuse one compiled program; returns the capacities."""
+        for batch in host_batches:
+            self.host_plan(batch)
+        return dict(self.capacities or {})
+
+    def put_batch(self, host_batch: dict) -> dict:
+        """LLM arrays in the LLM layout; encoder buffers and routing tables one row per device.
+
+        With `balance_rows`, packed rows are first spread over the batch shards by LLM cost
+        (independently of where their encoder work runs)."""
+        host_batch, plan = self.host_plan(host_batch)
         self.last_plan = plan
         llm_keys = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
         out = self.engine.put_batch({k: host_batch[k] for k in llm_keys})
