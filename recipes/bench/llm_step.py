@@ -57,4 +57,5 @@ def run(overrides: list[str]) -> Iterator[dict]:
            "peak_flops_per_device": peak, "step_s": round(step_s, 4), "compile_s": round(compile_s, 2),
            "params": total, "active_params": active, "seq_len": cfg.data.seq_len,
            "batch_size": cfg.data.batch_size, "loss": float(np.asarray(m["loss"])),
-           "flops_formula": "6*N_active + 12*layers*heads*head_dim*seq_len"}
+           "flops_formula": "6*N_active + 12*layers*heads*head_dim*seq_len",
+           **({} if peak else {"mfu_note": f"no datasheet peak FLOP/s for device kind '{kind}'; MFU not computed"})}
