@@ -120,21 +120,13 @@ def place(alloc: Mapping[str, int], current: Mapping[str, tuple[int, ...]], clus
     for n, name in todo:
         counts = [0] * cluster.num_nodes
         left = n
-        if pack:
-            fits = [i for i in range(cluster.num_nodes) if free[i] >= left]
-            if fits:
-                i = min(fits, key=lambda i: (free[i], i))
-                counts[i], free[i], left = left, free[i] - left, 0
-            else:
-                for i in sorted(range(cluster.num_nodes), key=lambda i: (-free[i], i)):
-                    take = min(free[i], left)
-                    counts[i] += take
-                    free[i] -= take
-                    left -= take
-                    if not left:
-                        break
-        else:
-            for i in range(cluster.num_nodes):
+        fits = [i for i in range(cluster.num_nodes) if free[i] >= left] if pack else []
+        if fits:  # packing: the tightest single node that holds the whole job
+            i = min(fits, key=lambda i: (free[i], i))
+            counts[i], free[i], left = left, free[i] - left, 0
+        else:  # spread: emptiest nodes first when packing, node order otherwise (first fit)
+            order = sorted(range(cluster.num_nodes), key=lambda i: (-free[i], i)) if pack else range(cluster.num_nodes)
+            for i in order:
                 take = min(free[i], left)
                 counts[i] += take
                 free[i] -= take
