@@ -141,7 +141,7 @@ class Multiplexer:
         return jax.device_put(state, self.state_shardings(state))
 
     def plan(self, host_batch: dict) -> routing.Plan:
-        """The step's plan. Capacities come from power-of-two buckets and only ever grow during a run,
+        """The step's plan. Capacities come from geometric buckets and only ever grow during a run,
         so the number of compiled step programs is bounded by the bucket growths, not the steps."""
         build = lambda caps: routing.build_plan(  # noqa: E731
             host_batch, self.grid, self.reductions, self.dims, self.cost_fn, order=context.balanced_order,

@@ -227,11 +227,14 @@ class Plan:
     capacities: tuple = ()
 
 
+BUCKET_GROWTH = 1.25  # geometric bucket steps: at most ~20% padding from rounding, few distinct shapes
+
+
 def _bucket(need: int, multiple: int, smallest: int) -> int:
-    """Smallest capacity multiple * 2^k >= need (at least `smallest`): a bounded set of shapes."""
-    c = max(multiple, smallest)
+    """Smallest capacity of the geometric set smallest * 1.25^k (rounded up to `multiple`) >= need."""
+    c = math.ceil(max(multiple, smallest) / multiple) * multiple
     while c < need:
-        c *= 2
+        c = math.ceil(c * BUCKET_GROWTH / multiple) * multiple
     return c
 
 
@@ -263,7 +266,7 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
     Arrays (leading axis D = devices): `<enc>_short_{inputs,segment_ids,positions}` [D, Ns, ...],
     `<enc>_long_{...}` [D, Nl, ...], `route_send` [D, D, C] (local output row or the pad row),
     `route_recv` [D, D, C] (local flat LLM index or the drop index). Capacities come from
-    power-of-two buckets (or `capacities` to pin them).
+    geometric buckets (`_bucket`), or `capacities` to pin them.
     """
     D = grid.num_devices
     tokens = np.asarray(batch["tokens"])
