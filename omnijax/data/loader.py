@@ -46,6 +46,7 @@ class LoaderConfig:
     max_encoder_rows: dict[str, int] = field(default_factory=dict)  # per encoder per bin; default rows*len*group
     window: int = 4                 # G: global batches balanced together
     reorder: bool = True            # False: arrival order (baseline)
+    fixed_shapes: bool = False      # every step at the largest buckets: one compiled training program
     threads: int = 2                # grain prefetch threads
     prefetch: int = 2               # batches prefetched
 
@@ -194,6 +195,9 @@ class Loader:
                 len_need = max([len_need, *fill.values()])
                 for n_i, n in enumerate(self.enc_names):
                     enc_need[n] = max(enc_need[n], sum(by_key[k].enc[n_i] for k, _ in b))
+            if cfg.fixed_shapes:
+                rows_need, len_need = cfg.max_rows, cfg.row_len
+                enc_need = {n: self.enc_cap[n] for n in self.enc_names}
             layouts.append(packing.Layout(packing.pick(self.row_buckets, rows_need), packing.pick(self.len_buckets, len_need),
                                           tuple((n, packing.pick(self.enc_buckets[n], enc_need[n])) for n in self.enc_names)))
         for name, rec, why in dropped:
@@ -274,6 +278,37 @@ class Loader:
                 "dropped_total": sum(d for d, _ in self._planned.values()),
                 "split_total": sum(x for _, x in self._planned.values()),
                 "distinct_shapes": len(self.shapes.shapes), "padded_fraction": self.shapes.padded_fraction}
+
+
+class TrainerBatches:
+    """The trainer's loader protocol over a `Loader`: each step's host batch (this host's ranks'
+    rows concatenated) as one dict, and the loader's small state for the checkpoint."""
+
+    def __init__(self, loader: Loader):
+        if loader.cfg.microbatches != 1:
+            raise ConfigError(f"data.microbatches={loader.cfg.microbatches}: the trainer splits a step into "
+                              "microbatches itself (trainer.grad_accum); use data.microbatches=1")
+        self.loader = loader
+        self._batches: Iterator[dict[str, Any]] | None = None
+
+    def __iter__(self) -> "TrainerBatches":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        return next(self._batches)["microbatches"][0]
+
+    def get_state(self) -> dict[str, Any]:
+        return self.loader.state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.loader.restore(state)
+        self._batches = None  # restart the prefetching iterator at the restored step
+
+    def metrics(self) -> dict[str, Any]:
+        m = self.loader.metrics()
+        return {k: v for k, v in m.items() if not isinstance(v, dict)}
 
 
 def host_ranks(dp_index_of_local_devices) -> list[int]:
