@@ -40,6 +40,9 @@ class OmniConfig:
     # encoder name -> input-row capacity of one global batch (multiples of its reduction)
     capacity: dict[str, Any] = field(default_factory=lambda: {"vision": 2048, "audio": 1024})
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # "packer": samples in index order, first-fit; "plane": omnijax's data plane (mixing, grouped
+    # reordering by cost, per-rank packing) with fixed shapes
+    loader: str = "packer"
 
 
 def check(cfg: OmniConfig) -> OmniConfig:
@@ -345,6 +348,26 @@ def load(argv: list[str], name: str = "tiny_omni") -> OmniConfig:
                  defaults=None if named else {"trainer": {"run_name": name}}, check=check)
 
 
+def make_loader(cfg: OmniConfig, world, packer: Packer):
+    """The training loader `cfg.loader` names (both keep their state in the checkpoint)."""
+    if cfg.loader == "packer":
+        return WorldLoader(world, packer)
+    if cfg.loader != "plane":
+        raise ConfigError(f"loader={cfg.loader!r}: must be 'packer' or 'plane'")
+    import jax
+
+    from omnijax.data.loader import Loader, LoaderConfig, TrainerBatches
+
+    ranks = jax.device_count()
+    if cfg.data.batch_size % ranks or any(c % ranks for c in cfg.capacity.values()):
+        raise ConfigError(f"loader=plane: data.batch_size={cfg.data.batch_size} and capacity {cfg.capacity} must "
+                          f"split over {ranks} data-parallel ranks")
+    plane = LoaderConfig(samples_per_step=4 * cfg.data.batch_size, dp=ranks, microbatches=1, window=4,
+                         row_len=cfg.data.seq_len, max_rows=cfg.data.batch_size // ranks, fixed_shapes=True,
+                         max_encoder_rows={k: v // ranks for k, v in cfg.capacity.items()}, seed=cfg.trainer.seed)
+    return TrainerBatches(Loader(plane, mm_cfg=cfg.model, world_cfg=cfg.world))
+
+
 def multiplexed(cfg: OmniConfig):
     """The joint-step placement for `parallel.llm`/`parallel.encoder` layouts (None: plain DP)."""
     p = cfg.parallel
@@ -409,7 +432,7 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
             trainer_ref["zeroed"], _ = accuracy_by_modality(dec, params, few, zero_encoders=True)
         return acc
 
-    trainer = Trainer(cfg, train_model, loss_fn, WorldLoader(train_world, packer), placement=placement,
+    trainer = Trainer(cfg, train_model, loss_fn, make_loader(cfg, train_world, packer), placement=placement,
                       eval_fn=evaluate)
     trainer_ref["t"] = trainer
     result = trainer.fit()
