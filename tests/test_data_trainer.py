@@ -8,19 +8,11 @@ from flax import nnx
 
 from omnijax.config import Config, from_dict
 from omnijax.data.loader import Loader, LoaderConfig, TrainerBatches
-from omnijax.data.world import Tail, WorldConfig
 from omnijax.models import mllm
 from omnijax.models.mm_config import MMConfig
 from omnijax.train.loop import Trainer
+from test_mllm import MM, WORLD  # the tiny multimodal config shared by these tests
 
-MM = {"llm": {"vocab_size": 512, "embed_dim": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
-              "mlp_dim": 64, "max_seq_len": 64},
-      "encoders": {"vision": {"kind": "vit", "patch": 4, "temporal_patch": 2, "merge": 2, "max_side": 32,
-                              "embed_dim": 32, "num_layers": 1, "num_heads": 2, "mlp_dim": 64},
-                   "audio": {"kind": "audio", "n_mels": 16, "reduction": 4, "embed_dim": 32, "num_layers": 1,
-                             "num_heads": 2, "mlp_dim": 64}}}
-WORLD = WorldConfig(image_side=Tail(16, 32, 1.3), video_side=Tail(16, 24, 1.5), video_frames=Tail(2, 4, 1.2),
-                    audio_items=Tail(1, 3, 1.2), text_words=Tail(2, 8, 1.0))
 LOADER = dict(samples_per_step=16, dp=8, microbatches=1, window=2, row_len=64, max_rows=1, fixed_shapes=True,
               max_encoder_rows={"vision": 256, "audio": 128}, threads=1)
 
