@@ -78,10 +78,12 @@ class DeviceGrid:
     def axis(self, name: str) -> np.ndarray:
         return self.coords()[:, MESH_AXES.index(name)]
 
-    def receivers(self) -> dict[tuple[int, int], np.ndarray]:
-        """(batch shard, cp rank) -> devices holding that LLM block (all its pp and tp replicas)."""
-        shard, cp = self.batch_shard(), self.axis("cp")
-        return {(s, c): np.flatnonzero((shard == s) & (cp == c))
+    def receivers(self, first_stage_only: bool = False) -> dict[tuple[int, int], np.ndarray]:
+        """(batch shard, cp rank) -> devices holding that LLM block (all its pp and tp replicas, or
+        only the pp=0 ones when the encoder outputs feed the first pipeline stage directly)."""
+        shard, cp, pp = self.batch_shard(), self.axis("cp"), self.axis("pp")
+        stage = (pp == 0) if first_stage_only else np.ones_like(pp, bool)
+        return {(s, c): np.flatnonzero((shard == s) & (cp == c) & stage)
                 for s in range(self.batch_shards) for c in range(self.size("cp"))}
 
     def esp_axes(self) -> tuple[str, ...]:
@@ -260,19 +262,21 @@ def llm_geometry(batch_rows: int, row_len: int, grid: DeviceGrid,
 def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: dict[str, int],
                cost_fn: Callable[[str, int], float], *, order: Callable[[int, int], np.ndarray],
                mode: Mode = "balanced", long_short: bool = True, long_factor: float = 1.0,
-               min_rows: int = 16, min_route: int = 8, capacities: dict | None = None) -> Plan:
+               min_rows: int = 16, min_route: int = 8, capacities: dict | None = None,
+               first_stage_only: bool = False) -> Plan:
     """Encoder buffers per device and the routing tables of the encoder -> LLM all-to-all.
 
     Arrays (leading axis D = devices): `<enc>_short_{inputs,segment_ids,positions}` [D, Ns, ...],
     `<enc>_long_{...}` [D, Nl, ...], `route_send` [D, D, C] (local output row or the pad row),
     `route_recv` [D, D, C] (local flat LLM index or the drop index). Capacities come from
-    geometric buckets (`_bucket`), or `capacities` to pin them.
+    geometric buckets (`_bucket`), or `capacities` to pin them. `first_stage_only` routes outputs to
+    the pp=0 replicas only (the pipeline's input stage), for plans executed inside the pipeline.
     """
     D = grid.num_devices
     tokens = np.asarray(batch["tokens"])
     B, L = tokens.shape
     shard_of, cp_of, local_of = llm_geometry(B, L, grid, order)
-    receivers = grid.receivers()
+    receivers = grid.receivers(first_stage_only)
     segments = segments_of(batch, reductions, cost_fn)
     names = sorted(n for n in reductions if f"{n}_segment_ids" in batch)
 
