@@ -170,6 +170,7 @@ def test_capacities_only_grow_so_programs_stay_bounded():
     mx = Multiplexer.__new__(Multiplexer)  # the planning half only: no mesh or model needed
     mx.grid, mx.reductions, mx.dims = routing.DeviceGrid((1, 4, 1, 1, 1, 2), esp=2), RED, DIMS
     mx.cost_fn, mx.mode, mx.long_short, mx.capacities = (lambda n, r: float(r * r)), "balanced", True, None
+    mx.interleave = False  # one plan per step (no pipeline here)
     seen = set()
     for seed in range(12):
         batch = synthetic_batch(np.random.default_rng(seed), 8, 16, 1 + seed % 7)

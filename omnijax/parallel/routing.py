@@ -168,14 +168,17 @@ def segments_of(batch: dict, reductions: dict[str, int], cost_fn: Callable[[str,
 # -------------------------------------------------------------------------------- assignment
 @dataclass
 class Assignment:
-    """Which device encodes what: `short[d]` = segment indices encoded whole on device d, `long[g]` =
-    segments sharded over esp group g; `device_cost` = encoder cost per device; `redundant_cost` =
-    cost spent on replicas (coupled baseline)."""
+    """Which device encodes what: `short[d]` = segment indices encoded whole in device d's short
+    buffer, `long[g]` = segments sharded over esp group g, `long_whole[d]` = short segments encoded
+    whole in the room left in device d's long (sequence-parallel) buffer (their segment ids keep
+    attention inside them; they only attend through the group's all-to-all); `device_cost` = encoder
+    cost per device; `redundant_cost` = cost spent on replicas (coupled baseline)."""
 
     short: list[list[int]]
     long: list[list[int]]
     device_cost: np.ndarray
     redundant_cost: float = 0.0
+    long_whole: list[list[int]] | None = None
 
 
 def _lpt(order: list[int], costs: np.ndarray, load: np.ndarray, bins: int) -> list[list[int]]:
@@ -219,6 +222,187 @@ def assign(segments: list[Segment], grid: DeviceGrid, mode: Mode = "balanced", l
     return Assignment(short, long, load)
 
 
+# ------------------------------------------------------------------- capacity-aware placement
+def _chunks(rows: int, reduction: int, esp: int) -> list[int]:
+    """Rows of each esp rank's chunk of a segment sharded over a group (whole output tokens each)."""
+    per = math.ceil(rows // reduction / esp) * reduction
+    return [max(0, min(rows, (k + 1) * per) - k * per) for k in range(esp)]
+
+
+def _bucket_set(multiple: int, smallest: int, growth: float, largest: int) -> list[int]:
+    """0 and the geometric capacities smallest * growth^k (multiples of `multiple`) up to the first >= largest."""
+    out, c = [0], math.ceil(max(multiple, smallest) / multiple) * multiple
+    while True:
+        out.append(c)
+        if c >= largest:
+            return out
+        c = max(c + multiple, math.ceil(c * growth / multiple) * multiple)
+
+
+@dataclass
+class _Fit:
+    short: list[list[int]]
+    whole: list[list[int]]
+    split: list[list[int]]
+    load: np.ndarray
+
+
+def _fit_encoder(ids: list[int], must: set[int], segments: list[Segment], grid: DeviceGrid, L: int, S: int,
+                 load: np.ndarray, splittable: bool, best_fit: bool) -> _Fit | None:
+    """Place one encoder's segments into per-device buffers of `S` short and `L` long rows, or None.
+
+    `must` segments are sharded over an esp group (their chunks go into the long buffers). The others,
+    largest first, go whole into a short buffer or into the room left in a long buffer, on the device
+    with the least encoder cost so far (`best_fit`: the tightest room instead, for tight capacities);
+    one that fits nowhere whole is sharded over a group if `splittable`. Deterministic."""
+    D, esp = grid.num_devices, grid.esp
+    room_l, room_s = [L] * D, [S] * D
+    load = load.copy()
+    out = _Fit([[] for _ in range(D)], [[] for _ in range(D)], [[] for _ in range(grid.edp)], load)
+
+    def split(i: int) -> bool:
+        s = segments[i]
+        ch = _chunks(s.rows, s.reduction, esp)
+        ok = [g for g in range(grid.edp) if all(room_l[g * esp + k] >= ch[k] for k in range(esp))]
+        if not ok:
+            return False
+        if best_fit:
+            g = min(ok, key=lambda g: (min(room_l[g * esp + k] - ch[k] for k in range(esp)), g))
+        else:
+            g = min(ok, key=lambda g: (float(load[g * esp:(g + 1) * esp].sum()), g))
+        for k in range(esp):
+            room_l[g * esp + k] -= ch[k]
+            load[g * esp + k] += s.cost / esp
+        out.split[g].append(i)
+        return True
+
+    for i in sorted(must, key=lambda i: (-segments[i].rows, i)):
+        if not split(i):
+            return None
+    for i in sorted((i for i in ids if i not in must), key=lambda i: (-segments[i].rows, i)):
+        n = segments[i].rows
+        opts = [(d, 0, room_s) for d in range(D) if room_s[d] >= n] + [(d, 1, room_l) for d in range(D) if room_l[d] >= n]
+        if opts:
+            if best_fit:
+                d, kind, room = min(opts, key=lambda o: (o[2][o[0]] - n, o[1], o[0]))
+            else:
+                d, kind, room = min(opts, key=lambda o: (load[o[0]], o[1], o[0]))
+            room[d] -= n
+            load[d] += segments[i].cost
+            (out.whole if kind else out.short)[d].append(i)
+        elif not (splittable and split(i)):
+            return None
+    return out
+
+
+def _fit_any(ids, must, segments, grid, L, S, load, splittable) -> _Fit | None:
+    """Cost-balancing placement first; if the capacities are too tight for it, best fit."""
+    return (_fit_encoder(ids, must, segments, grid, L, S, load, splittable, False)
+            or _fit_encoder(ids, must, segments, grid, L, S, load, splittable, True))
+
+
+def _search_caps(rows: list[list[int]], chunks: list[list[int]], reduction: int, D: int, splittable: bool,
+                 min_rows: int, growth: float, fits: Callable[[int, int], bool],
+                 fixed: tuple[int | None, int | None] = (None, None)) -> tuple[int, int]:
+    """Smallest (long, short) capacities, by total rows per device (then the smaller long buffer),
+    from the bucket set, for which `fits(L, S)` holds. `rows`/`chunks`: per part (batch or microbatch),
+    the rows of every segment / the largest chunk each must-split segment puts on one device."""
+    total = max((sum(r) for r in rows), default=0)
+    biggest = max((max(r) for r in rows if r), default=0)
+    lb = math.ceil(total / D / reduction) * reduction
+    top = max(total, 1)
+    Ls = _bucket_set(reduction, min_rows, growth, top) if splittable else [0]
+    Ss = _bucket_set(reduction, min_rows, growth, top)
+    need_l = max((max(c) for c in chunks if c), default=0)
+    if fixed[0] is not None:
+        Ls = [fixed[0]]
+    if fixed[1] is not None:
+        Ss = [fixed[1]]
+    best = None
+    for L in Ls:
+        if L < need_l:
+            continue
+        if best is not None and L >= best[0]:
+            break
+        for S in Ss:
+            if best is not None and L + S >= best[0]:
+                break
+            if L + S < lb or (not splittable and S < biggest):
+                continue
+            if fits(L, S):
+                best = (L + S, L, S)
+                break
+    if best is None:
+        raise ConfigError(f"no {fixed} capacities hold these encoder segments (largest {biggest} rows)")
+    return best[1], best[2]
+
+
+def _must_split(segments: list[Segment], grid: DeviceGrid, long_short: bool, long_factor: float) -> set[int]:
+    """Segments whose cost is above one device's fair share of the step's encoder cost (long ones)."""
+    if not (long_short and grid.esp > 1 and segments):
+        return set()
+    costs = np.array([s.cost for s in segments], np.float64)
+    share = costs.sum() / grid.num_devices * long_factor
+    return {i for i in range(len(segments)) if costs[i] > share}
+
+
+def _place_balanced(parts: list[list[Segment]], grid: DeviceGrid, names: list[str], long_short: bool,
+                    long_factor: float, caps: dict, min_rows: int, growth: float,
+                    reductions: dict[str, int]) -> tuple[list[Assignment], dict]:
+    """Capacity-aware balanced placement of one or more parts (a batch, or the microbatches of a
+    window) that share capacities. Per encoder (sorted by name): the (long, short) capacities are
+    the pinned ones, else the smallest in the bucket set that every part fits; then each part is
+    placed by `_fit_any` (cost carried over from the encoders placed before). Returns one
+    Assignment per part and the capacities."""
+    D = grid.num_devices
+    splittable = long_short and grid.esp > 1
+    loads = [np.zeros(D) for _ in parts]
+    musts = [_must_split(segs, grid, long_short, long_factor) for segs in parts]
+    out = [Assignment([[] for _ in range(D)], [[] for _ in range(grid.edp)], np.zeros(D),
+                      long_whole=[[] for _ in range(D)]) for _ in parts]
+    caps = dict(caps)
+    for n in names:
+        r = reductions[n]
+        ids = [[i for i, s in enumerate(segs) if s.encoder == n] for segs in parts]
+        must = [{i for i in m if parts[p][i].encoder == n} for p, m in enumerate(musts)]
+
+        def fit_all(L: int, S: int) -> list[_Fit] | None:
+            fits = []
+            for p, segs in enumerate(parts):
+                f = _fit_any(ids[p], must[p], segs, grid, L, S, loads[p], splittable)
+                if f is None:
+                    return None
+                fits.append(f)
+            return fits
+
+        rows = [[parts[p][i].rows for i in ids[p]] for p in range(len(parts))]
+        chunks = [[max(_chunks(parts[p][i].rows, r, grid.esp)) for i in must[p]] for p in range(len(parts))]
+        pinned = (caps.get(f"{n}_long"), caps.get(f"{n}_short"))
+        if not splittable and pinned[0] is None:
+            pinned = (0, pinned[1])
+        if None not in pinned:
+            L, S = pinned
+            fits = fit_all(L, S)
+            if fits is None:
+                raise ConfigError(f"pinned capacity for {n} is too small: its segments do not fit {L} long / {S} short rows")
+        else:
+            L, S = _search_caps(rows, chunks, r, D, splittable, min_rows, growth,
+                                lambda L, S: fit_all(L, S) is not None, pinned)
+            fits = fit_all(L, S)
+        caps[f"{n}_long"], caps[f"{n}_short"] = L, S
+        for p, f in enumerate(fits):
+            loads[p] = f.load
+            a = out[p]
+            for d in range(D):
+                a.short[d] += f.short[d]
+                a.long_whole[d] += f.whole[d]
+            for g in range(grid.edp):
+                a.long[g] += f.split[g]
+    for p, a in enumerate(out):
+        a.device_cost = loads[p]
+    return out, caps
+
+
 # -------------------------------------------------------------------------------------- plan
 @dataclass
 class Plan:
@@ -232,11 +416,13 @@ class Plan:
 BUCKET_GROWTH = 1.25  # geometric bucket steps: at most ~20% padding from rounding, few distinct shapes
 
 
-def _bucket(need: int, multiple: int, smallest: int) -> int:
-    """Smallest capacity of the geometric set smallest * 1.25^k (rounded up to `multiple`) >= need."""
+def _bucket(need: int, multiple: int, smallest: int, growth: float = BUCKET_GROWTH) -> int:
+    """Smallest capacity of the set {0} + smallest * growth^k (rounded up to `multiple`) >= need."""
+    if need <= 0:
+        return 0
     c = math.ceil(max(multiple, smallest) / multiple) * multiple
     while c < need:
-        c = math.ceil(c * BUCKET_GROWTH / multiple) * multiple
+        c = max(c + multiple, math.ceil(c * growth / multiple) * multiple)
     return c
 
 
@@ -263,29 +449,64 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
                cost_fn: Callable[[str, int], float], *, order: Callable[[int, int], np.ndarray],
                mode: Mode = "balanced", long_short: bool = True, long_factor: float = 1.0,
                min_rows: int = 16, min_route: int = 8, capacities: dict | None = None,
-               first_stage_only: bool = False) -> Plan:
+               first_stage_only: bool = False, growth: float = BUCKET_GROWTH) -> Plan:
     """Encoder buffers per device and the routing tables of the encoder -> LLM all-to-all.
 
     Arrays (leading axis D = devices): `<enc>_short_{inputs,segment_ids,positions}` [D, Ns, ...],
     `<enc>_long_{...}` [D, Nl, ...], `route_send` [D, D, C] (local output row or the pad row),
     `route_recv` [D, D, C] (local flat LLM index or the drop index). Capacities come from
-    geometric buckets (`_bucket`), or `capacities` to pin them. `first_stage_only` routes outputs to
-    the pp=0 replicas only (the pipeline's input stage), for plans executed inside the pipeline.
+    geometric buckets (`growth`; 0 for a buffer nothing uses), or `capacities` to pin them (a
+    partial dict pins those keys only). `first_stage_only` routes outputs to the pp=0 replicas only
+    (the pipeline's input stage), for plans executed inside the pipeline.
+
+    mode "balanced" places capacity-aware (`_place_balanced`): per encoder the smallest (long,
+    short) capacities that hold the step, short segments also filling the room long chunks leave in
+    the long buffers, cost balanced per device. "arrival" and "coupled" keep their placement and
+    size the buffers to it.
     """
-    D = grid.num_devices
     tokens = np.asarray(batch["tokens"])
     B, L = tokens.shape
     shard_of, cp_of, local_of = llm_geometry(B, L, grid, order)
     receivers = grid.receivers(first_stage_only)
     segments = segments_of(batch, reductions, cost_fn)
     names = sorted(n for n in reductions if f"{n}_segment_ids" in batch)
+    pinned = dict(capacities or {})
+    geometry = (shard_of, cp_of, local_of, receivers)
 
-    if mode == "coupled":
-        assignment, source_of = _coupled(segments, grid, shard_of)
-    else:
-        assignment = assign(segments, grid, mode, long_short, long_factor)
-        source_of = None
+    if mode != "balanced":
+        if mode == "coupled":
+            assignment, source_of = _coupled(segments, grid, shard_of)
+        else:
+            assignment, source_of = assign(segments, grid, mode, long_short, long_factor), None
+        return _materialize(batch, grid, reductions, dims, segments, names, assignment, source_of, pinned,
+                            geometry, long_short, min_rows, min_route, growth)
+    try:
+        (assignment,), caps = _place_balanced([segments], grid, names, long_short, long_factor, pinned, min_rows,
+                                              growth, reductions)
+        return _materialize(batch, grid, reductions, dims, segments, names, assignment, None, caps, geometry,
+                            long_short, min_rows, min_route, growth)
+    except ConfigError:
+        if not pinned:
+            raise
+    # The pinned capacities are too tight for the placement made inside them (a heuristic), or its
+    # routes need more than the pinned route capacity: the unpinned placement still fits if its own
+    # capacities lie inside the pins (so capacities that grew to cover it always work).
+    enc_pins = {k: v for k, v in pinned.items() if k != "route"}
+    (assignment,), caps = _place_balanced([segments], grid, names, long_short, long_factor, {}, min_rows, growth,
+                                          reductions)
+    too_small = [k for k, v in caps.items() if v > enc_pins.get(k, v)]
+    if too_small:
+        raise ConfigError(f"pinned capacities too small for this batch: {', '.join(f'{k} needs {caps[k]} > {pinned[k]}' for k in too_small)}")
+    return _materialize(batch, grid, reductions, dims, segments, names, assignment, None, {**caps, **pinned},
+                        geometry, long_short, min_rows, min_route, growth)
 
+
+def _materialize(batch, grid, reductions, dims, segments, names, assignment, source_of, caps, geometry,
+                 long_short, min_rows, min_route, growth) -> Plan:
+    """Buffers and routing tables of an assignment; capacities not in `caps` are bucketed to the need."""
+    D = grid.num_devices
+    shard_of, cp_of, local_of, receivers = geometry
+    B, L = np.asarray(batch["tokens"]).shape
     # --- encoder buffers: rows per device and encoder
     seg_rows = {n: [[] for _ in range(D)] for n in names}       # short
     long_rows = {n: [[] for _ in range(D)] for n in names}      # (segment, chunk lo, chunk hi)
@@ -300,13 +521,16 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
                 lo, hi = k * per, min(s.rows, (k + 1) * per)
                 if lo < hi:
                     long_rows[s.encoder][g * grid.esp + k].append((i, lo, hi))
-    caps = dict(capacities or {})
+    for d, ids in enumerate(assignment.long_whole or []):
+        for i in ids:
+            long_rows[segments[i].encoder][d].append((i, 0, segments[i].rows))
+    caps = dict(caps)
     for n in names:
         r = reductions[n]
         need_s = max(sum(segments[i].rows for i in seg_rows[n][d]) for d in range(D))
         need_l = max(sum(hi - lo for _, lo, hi in long_rows[n][d]) for d in range(D))
-        caps.setdefault(f"{n}_short", _bucket(need_s, r, min_rows))
-        caps.setdefault(f"{n}_long", _bucket(need_l, r, min_rows) if (long_short and grid.esp > 1) else 0)
+        caps.setdefault(f"{n}_short", _bucket(need_s, r, min_rows, growth))
+        caps.setdefault(f"{n}_long", _bucket(need_l, r, min_rows, growth) if (long_short and grid.esp > 1) else 0)
         if need_s > caps[f"{n}_short"] or need_l > caps[f"{n}_long"]:
             raise ConfigError(f"pinned capacity for {n} is too small: needs {need_s} short / {need_l} long rows")
 
@@ -352,7 +576,7 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
                 src = holder[(i, j)] if source_of is None else source_of(i, int(dst))
                 pairs.setdefault((src, int(dst)), []).append((out_row[(i, j, src)], int(local_of[f])))
     need = max((len(v) for v in pairs.values()), default=0)
-    C = caps.setdefault("route", _bucket(need, 1, min_route))
+    C = caps.setdefault("route", _bucket(max(need, 1), 1, min_route))
     if need > C:
         raise ConfigError(f"pinned route capacity {C} is too small: a device pair exchanges {need} tokens")
     drop = (B // grid.batch_shards) * (L // grid.size("cp"))
@@ -393,6 +617,10 @@ def _coupled(segments: list[Segment], grid: DeviceGrid, shard_of: np.ndarray):
 
 
 def _stats(segments, assignment, grid, caps, names, reductions, batch, pairs) -> dict[str, float]:
+    """Plan figures. Counts (rows, tokens, segments) add up over the plans of one step's microbatches.
+
+    padded_fraction = 1 - (real encoder input rows + real LLM tokens) / (encoder rows the step
+    computes + LLM tokens), with computed encoder rows = devices x the capacities actually used."""
     D = grid.num_devices
     cost = assignment.device_cost
     real_rows = sum(s.rows for s in segments)
@@ -400,12 +628,20 @@ def _stats(segments, assignment, grid, caps, names, reductions, batch, pairs) ->
     seg = np.asarray(batch["segment_ids"])
     llm_real, llm_total = int((seg > 0).sum()), int(seg.size)
     mean = cost.mean() if cost.size else 0.0
+    per_encoder = {}
+    for n in names:
+        per_encoder[f"enc_rows_real_{n}"] = sum(s.rows for s in segments if s.encoder == n)
+        per_encoder[f"enc_rows_computed_{n}"] = D * (caps[f"{n}_short"] + caps[f"{n}_long"])
     return {
         "segments": len(segments),
         "long_segments": sum(len(g) for g in assignment.long),
+        "short_in_long_segments": sum(len(d) for d in (assignment.long_whole or [])),
         "enc_cost_max_over_mean": float(cost.max() / mean) if mean > 0 else 1.0,
         "enc_rows_real": real_rows,
         "enc_rows_computed": computed,
+        **per_encoder,
+        "llm_tokens_real": llm_real,
+        "llm_tokens_computed": llm_total,
         "redundant_enc_cost": assignment.redundant_cost,
         "padded_fraction": 1.0 - (real_rows + llm_real) / max(computed + llm_total, 1),
         "route_pairs": len(pairs),
@@ -477,3 +713,31 @@ def route_traffic(plan: Plan, hosts: int, bytes_per_token: int) -> dict[str, int
     return {"intra_host_bytes": int(counts[same].sum() * bytes_per_token),
             "inter_host_bytes": int(counts[~same].sum() * bytes_per_token),
             "self_bytes": int(np.trace(counts) * bytes_per_token)}
+
+
+# --------------------------------------------------------------------------- window capacities
+def fit_capacities(parts: list[dict], grid: DeviceGrid, reductions: dict[str, int], dims: dict[str, int],
+                   cost_fn: Callable[[str, int], float], *, order: Callable[[int, int], np.ndarray],
+                   mode: Mode = "balanced", long_short: bool = True, long_factor: float = 1.0,
+                   min_rows: int = 16, min_route: int = 8, first_stage_only: bool = False,
+                   growth: float = BUCKET_GROWTH) -> dict:
+    """Capacities for a window of upcoming plans (`parts`: batches, or their pipeline microbatches)
+    that every one of them fits, so the window runs one compiled program.
+
+    "balanced": per encoder the smallest (long, short) pair from the bucket set that holds every part
+    (the same search as one plan, over all parts at once: better than the elementwise max of each
+    part's own choice); other modes: the elementwise max of each part's capacities. The route
+    capacity is the max need of the parts' plans under these buffer capacities."""
+    kw = dict(order=order, mode=mode, long_short=long_short, long_factor=long_factor, min_rows=min_rows,
+              min_route=min_route, first_stage_only=first_stage_only, growth=growth)
+    caps: dict[str, int] = {}
+    if mode == "balanced" and parts:
+        segs = [segments_of(p, reductions, cost_fn) for p in parts]
+        names = sorted({n for p in parts for n in reductions if f"{n}_segment_ids" in p})
+        _, caps = _place_balanced(segs, grid, names, long_short, long_factor, {}, min_rows, growth, reductions)
+    out = dict(caps)
+    for p in parts:
+        plan = build_plan(p, grid, reductions, dims, cost_fn, capacities=caps or None, **kw)
+        for k, v in plan.capacities:
+            out[k] = max(v, out.get(k, 0))
+    return out
