@@ -677,7 +677,16 @@ def balance_rows(batch: dict, shards: int, coeffs: tuple[float, float], encoders
         s = min(open_, key=lambda s: (load[s], s))
         slots[s].append(r)
         load[s] += cost[r]
-    order = np.array([r for s in range(shards) for r in slots[s]], np.int64)   # new row i <- old row order[i]
+    # Inside a shard, order rows so that every strided split (pipeline microbatch j = rows j, j+M, ...
+    # for M = 2, 4, 8, ...) gets about the same encoder rows of each encoder and LLM cost.
+    weights = [cost]
+    for name in encoders:
+        if f"{name}_dest" in batch:
+            d = np.asarray(batch[f"{name}_dest"]).astype(np.int64)
+            weights.append(np.bincount(d[d >= 0] // L, minlength=B).astype(np.float64))
+    w = np.stack(weights, axis=1)
+    w = w / np.where(w.sum(axis=0) > 0, w.sum(axis=0), 1.0)
+    order = np.array([r for s in range(shards) for r in _strided_balance(sorted(slots[s]), w)], np.int64)
     new_of_old = np.empty(B, np.int64)
     new_of_old[order] = np.arange(B)
     out = dict(batch)
@@ -689,6 +698,26 @@ def balance_rows(batch: dict, shards: int, coeffs: tuple[float, float], encoders
             d = np.asarray(batch[f"{name}_dest"]).astype(np.int64)
             moved = new_of_old[np.clip(d, 0, None) // L] * L + np.clip(d, 0, None) % L
             out[f"{name}_dest"] = np.where(d >= 0, moved, -1).astype(np.int32)
+    return out
+
+
+def _strided_balance(rows: list[int], w: np.ndarray) -> list[int]:
+    """Order `rows` so that positions k and k + 2^j fall into balanced halves at every level: rows
+    are split (heaviest first, each to the half whose worst dimension of `w` stays lower) into the
+    even and the odd positions, recursively; so any power-of-two stride gives balanced classes."""
+    if len(rows) <= 1:
+        return list(rows)
+    size = [(len(rows) + 1) // 2, len(rows) // 2]
+    halves: list[list[int]] = [[], []]
+    load = np.zeros((2, w.shape[1]))
+    for r in sorted(rows, key=lambda r: (-float(w[r].sum()), r)):
+        open_ = [h for h in (0, 1) if len(halves[h]) < size[h]]
+        h = min(open_, key=lambda h: (float((load[h] + w[r]).max()), float(load[h].sum()), h))
+        halves[h].append(r)
+        load[h] += w[r]
+    out = [0] * len(rows)
+    out[0::2] = _strided_balance(sorted(halves[0]), w)
+    out[1::2] = _strided_balance(sorted(halves[1]), w)
     return out
 
 
