@@ -178,3 +178,102 @@ def test_capacities_only_grow_so_programs_stay_bounded():
         seen.add(plan.capacities)
         assert all(v >= dict(prev).get(k, 0) for prev in seen for k, v in plan.capacities)
     assert len(seen) <= 6  # a handful of programs for 12 differently shaped steps
+
+
+def _big_and_small_batch(rng, B=8, L=64):
+    """One encoder segment far above a device's share (sharded over an esp group) plus small ones:
+    the smallest capacities put small segments into the room its chunks leave in the long buffers."""
+    batch = synthetic_batch(rng, B, L, 1)
+    name, r = "vision", RED["vision"]
+    sizes = [40 * r] + [int(rng.integers(1, 4)) * r for _ in range(10)]
+    n = sum(sizes)
+    seg = np.repeat(np.arange(1, len(sizes) + 1), sizes).astype(np.int32)
+    taken = {int(f) for k in RED if k != name for f in batch[f"{k}_dest"] if f >= 0}
+    free = np.array([f for f in rng.permutation(B * L) if f not in taken][:n // r], np.int32)
+    batch[f"{name}_inputs"] = np.zeros((n, DIMS[name]), np.float32)
+    batch[f"{name}_inputs"][:, 0] = np.arange(n)
+    batch[f"{name}_segment_ids"] = seg
+    batch[f"{name}_positions"] = np.zeros((n, 3), np.int32)
+    batch[f"{name}_dest"] = free
+    return batch
+
+
+def _expected(batch, grid, B, L, first_stage_only=False):
+    shard, cp, local = routing.llm_geometry(B, L, grid, balanced_order)
+    expected = [dict() for _ in range(grid.num_devices)]
+    receivers = grid.receivers(first_stage_only)
+    for name in RED:
+        for t, f in enumerate(batch[f"{name}_dest"]):
+            if f >= 0:
+                for d in receivers[(int(shard[f]), int(cp[f]))]:
+                    expected[d][int(local[f])] = (name, t)
+    return expected
+
+
+def test_short_segments_fill_the_room_of_long_buffers_and_still_arrive_once():
+    grid = routing.DeviceGrid((1, 4, 1, 1, 1, 2), esp=2)
+    cost = lambda name, rows: float(rows) + 0.01 * rows * rows  # noqa: E731
+    hits = 0
+    for seed in range(6):
+        batch = _big_and_small_batch(np.random.default_rng(seed))
+        plan = routing.build_plan(batch, grid, RED, DIMS, cost, order=balanced_order, mode="balanced")
+        caps = dict(plan.capacities)
+        hits += plan.stats["short_in_long_segments"] > 0
+        assert plan.stats["long_segments"] >= 1
+        # capacities hold: every device's rows fit, and no buffer is larger than the largest device needs
+        for part in ("short", "long"):
+            used = (plan.arrays[f"vision_{part}_segment_ids"] > 0).sum(axis=1)
+            assert used.max() <= caps[f"vision_{part}"]
+        assert plan.stats["enc_rows_computed_vision"] == 8 * (caps["vision_long"] + caps["vision_short"])
+        assert simulate(plan, batch, grid, 8, 64) == _expected(batch, grid, 8, 64)
+        # a segment sits in one buffer of one device, or in chunks over exactly one esp group
+        ids = set(np.unique(np.concatenate([plan.arrays[f"vision_{p}_segment_ids"].ravel() for p in ("short", "long")])))
+        assert len(ids - {0}) == 11
+        for i in ids - {0}:
+            where = {(d, part) for part in ("short", "long") for d in range(8)
+                     if (plan.arrays[f"vision_{part}_segment_ids"][d] == i).any()}
+            parts = {p for _, p in where}
+            assert len(parts) == 1 and (len(where) == 1 or {d // 2 for d, _ in where} == {min(where)[0] // 2})
+    assert hits >= 3  # the placement really uses the long buffers' room for short segments
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([(1, 4, 1, 1, 1, 2), (2, 2, 1, 1, 1, 2), (1, 2, 1, 1, 2, 2)]),
+       st.booleans(), st.integers(1, 3))
+def test_window_capacities_hold_every_plan_of_the_window(seed, sizes, first_stage_only, n):
+    rng = np.random.default_rng(seed)
+    grid = routing.DeviceGrid(sizes, esp=2)
+    B, L = 2 * grid.batch_shards, 8 * grid.size("cp")
+    window = [synthetic_batch(rng, B, L, int(rng.integers(1, 9))) for _ in range(n)]
+    cost = lambda name, rows: float(rows * rows)  # noqa: E731
+    kw = dict(order=balanced_order, mode="balanced", first_stage_only=first_stage_only, growth=1.0625)
+    caps = routing.fit_capacities(window, grid, RED, DIMS, cost, **kw)
+    own = [dict(routing.build_plan(b, grid, RED, DIMS, cost, **kw).capacities) for b in window]
+    for b in window:
+        plan = routing.build_plan(b, grid, RED, DIMS, cost, capacities=caps, **kw)
+        assert dict(plan.capacities) == caps  # fits without growing: one program for the window
+        assert simulate(plan, b, grid, B, L) == _expected(b, grid, B, L, first_stage_only)
+    for name in RED:  # the window's buffers are those of its most demanding plan, not more
+        total = caps[f"{name}_long"] + caps[f"{name}_short"]
+        assert total >= max(c[f"{name}_long"] + c[f"{name}_short"] for c in own)
+        assert total <= max(max(c[f"{name}_long"] for c in own) + max(c[f"{name}_short"] for c in own), 1)
+
+
+def test_pinned_capacities_too_small_raise_and_grown_ones_always_fit():
+    import pytest
+
+    from omnijax.errors import ConfigError
+
+    grid = routing.DeviceGrid((1, 4, 1, 1, 1, 2), esp=2)
+    cost = lambda name, rows: float(rows)  # noqa: E731
+    batch = _big_and_small_batch(np.random.default_rng(7))
+    free = dict(routing.build_plan(batch, grid, RED, DIMS, cost, order=balanced_order).capacities)
+    assert free["vision_long"] >= 80  # the 160-row segment is long: 80-row chunks on both devices of a group
+    tight = {**free, "vision_long": 76, "vision_short": free["vision_short"] + 400}
+    with pytest.raises(ConfigError, match="too small"):
+        routing.build_plan(batch, grid, RED, DIMS, cost, order=balanced_order, capacities=tight)
+    for extra in (0, 4, 40):  # any capacities at or above the batch's own fit hold it, exactly as pinned
+        pinned = {k: v + extra for k, v in free.items()}
+        plan = routing.build_plan(batch, grid, RED, DIMS, cost, order=balanced_order, capacities=pinned)
+        assert dict(plan.capacities) == pinned
+        assert simulate(plan, batch, grid, 8, 64) == _expected(batch, grid, 8, 64)

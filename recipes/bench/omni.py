@@ -37,8 +37,9 @@ PHASES = [{"image": 0.5, "video": 0.2, "audio": 0.2, "text": 0.1},
 
 
 def _options(overrides: list[str]) -> dict:
-    opts = {"steps": 6, "llm": "pp2xdp2xtp2", "encoder": "edp4xesp2", "batch_size": 16, "seq_len": 128,
-            "cpu_devices": 8, "variants": ",".join(VARIANTS)}
+    opts = {"steps": 6, "llm": "pp2xdp2xtp2", "encoder": "edp4xesp2", "batch_size": 32, "seq_len": 128,
+            "cpu_devices": 8, "variants": ",".join(VARIANTS), "lookahead": 256, "window": 3,
+            "bucket_growth": 1.0625, "interleave": "auto"}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.").removeprefix("parallel.")
@@ -50,20 +51,113 @@ def _options(overrides: list[str]) -> dict:
     return opts
 
 
-def batches(cfg, steps: int, batch_size: int, seq_len: int) -> list[dict]:
+def _best_subset(sizes: list[int], room: int) -> list[int]:
+    """Indices of a subset of `sizes` with the largest sum <= room (subset-sum DP; earlier items
+    preferred on ties)."""
+    best = {0: []}  # reachable sum -> the items that reach it (first found)
+    for i, n in enumerate(sizes):
+        for total, items in list(best.items()):
+            if total + n <= room and total + n not in best:
+                best[total + n] = items + [i]
+        if room in best:
+            break
+    return best[max(best)]
+
+
+def pack_lookahead(packer, stream: Iterator, deferred: list, lookahead: int) -> tuple[dict, list]:
+    """One batch, filled row by row from a look-ahead pool of candidate samples (`deferred` first,
+    topped up from `stream` to `lookahead`): each row takes the oldest pending sample, then the
+    subset of the pool that fills the rest of the row best, within the encoder buffers. Samples left
+    in the pool are deferred to the next batch (returned), never dropped; the oldest go first, so none
+    waits forever."""
+    B, L = packer.B, packer.L
+    enc = {n: 0 for n in packer.capacity}
+    pool: list = []  # (sample, llm tokens, encoder rows)
+    pending = list(deferred)
+
+    def top_up():
+        while len(pool) < max(lookahead, 1):
+            sample = pending.pop(0) if pending else next(stream)
+            sizes = packer.sizes(sample)
+            if sizes is not None:  # None: can never fit (Packer counts it in `skipped`)
+                pool.append((sample, *sizes))
+
+    def fits(rows: dict) -> bool:
+        return all(enc[n] + k <= packer.capacity[n] for n, k in rows.items())
+
+    rows_of: list[list] = []
+    for _ in range(B):
+        top_up()
+        row, room = [], L
+        if fits(pool[0][2]):
+            first = pool.pop(0)
+            row.append(first[0])
+            room -= first[1]
+            for n, k in first[2].items():
+                enc[n] += k
+        if lookahead > 1:
+            ok = [j for j, (_, llm, rows) in enumerate(pool) if llm <= room and fits(rows)]
+            while True:
+                pick = [ok[j] for j in _best_subset([pool[j][1] for j in ok], room)]
+                total = {n: sum(pool[j][2].get(n, 0) for j in pick) for n in enc}
+                if fits(total):
+                    break
+                ok.remove(max(pick, key=lambda j: max(pool[j][2].values(), default=0)))  # over an encoder buffer
+            for j in sorted(pick, reverse=True):
+                sample, llm, rows = pool.pop(j)
+                row.insert(1, sample)
+                room -= llm
+                for n, k in rows.items():
+                    enc[n] += k
+        rows_of.append(row)
+    chosen = [x for row in rows_of for x in row]  # row by row: Packer's first fit keeps every one
+    batch, consumed = packer.pack(iter(chosen))
+    if len(consumed) != len(chosen):
+        raise RuntimeError(f"look-ahead packing: Packer took {len(consumed)} of {len(chosen)} chosen samples")
+    return batch, [x[0] for x in pool] + pending
+
+
+def batches(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 64) -> list[dict]:
+    """`steps` packed batches of one sample stream per mix phase (deferred samples go first into the
+    next batch). lookahead=1 packs like the plain Packer: the batch closes at the first misfit."""
     from omnijax.data.world import Tail, World, WorldConfig
     from recipes.tiny_omni import Packer
 
-    packer = Packer(cfg, batch_size, seq_len, {"vision": 4096, "audio": 1024})
-    out = []
+    scale = max(1, batch_size // 16)
+    packer = Packer(cfg, batch_size, seq_len, {"vision": 8192 * scale, "audio": 4096 * scale})  # host staging only
+    streams, out, deferred = {}, [], []
     for step in range(steps):
-        world = World(WorldConfig(seed=step, weights=PHASES[step * len(PHASES) // steps],
-                                  image_side=Tail(16, 64, 1.2), video_side=Tail(16, 32, 1.3),
-                                  video_frames=Tail(2, 24, 1.1), audio_items=Tail(1, 12, 1.1),
-                                  text_words=Tail(2, 48, 1.0)))
-        batch, _ = packer.pack(world.sample(i) for i in range(10_000))
+        phase = step * len(PHASES) // steps
+        if phase not in streams:
+            world = World(WorldConfig(seed=phase, weights=PHASES[phase],
+                                      image_side=Tail(16, 64, 1.2), video_side=Tail(16, 32, 1.3),
+                                      video_frames=Tail(2, 24, 1.1), audio_items=Tail(1, 12, 1.1),
+                                      text_words=Tail(2, 48, 1.0)))
+            streams[phase] = (world.sample(i) for i in range(10**9))
+        batch, deferred = pack_lookahead(packer, streams[phase], deferred, lookahead)
         out.append(batch)
     return out
+
+
+def window_capacities(mx, window: list[dict], growth: float) -> dict:
+    """Capacities that every plan of these upcoming batches fits (one compiled program for the
+    window): the batches as the multiplexer plans them (rows balanced if it balances them; one part
+    per pipeline microbatch if it interleaves encoder work with the pipeline)."""
+    from omnijax.parallel import context, routing
+
+    interleave = bool(getattr(mx, "interleave", False))
+    parts = []
+    for b in window:
+        if mx.balance_rows:
+            b = routing.balance_rows(b, mx.grid.batch_shards, mx.llm_coeffs, tuple(mx.reductions))
+        if interleave:
+            from omnijax.parallel.multiplex import microbatch_views
+
+            parts += microbatch_views(b, mx.engine.schedule.microbatches, tuple(mx.reductions))
+        else:
+            parts.append(b)
+    return routing.fit_capacities(parts, mx.grid, mx.reductions, mx.dims, mx.cost_fn, order=context.balanced_order,
+                                  mode=mx.mode, long_short=mx.long_short, first_stage_only=interleave, growth=growth)
 
 
 def run(overrides: list[str]) -> Iterator[dict]:
@@ -86,37 +180,58 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from omnijax.train.step import make_train_step
 
     cfg = from_dict(MMConfig, MM)
-    host = batches(cfg, opts["steps"] + 1, opts["batch_size"], opts["seq_len"])  # +1: compile step
-    opt = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), opts["steps"] + 1)
+    steps, w = opts["steps"], max(1, opts["window"])
+    t0 = time.perf_counter()
+    host = batches(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"])
+    pack_s = time.perf_counter() - t0
+    windows = [list(range(i, min(i + w, steps))) for i in range(0, steps, w)]
+    window_of = {i: k for k, win in enumerate(windows) for i in win}
+    opt = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), steps)
     names = [v for v in opts["variants"].split(",") if v]
     runs = {}
     for name in names:
         mode, long_short, balance = VARIANTS[name]
         engine = LLMParallel(opts["llm"], cfg.llm)
+        extra = {} if opts["interleave"] == "auto" else {"interleave": opts["interleave"] in ("1", "true")}
         mx = Multiplexer(engine, cfg, encoder_layout=opts["encoder"], mode=mode, long_short=long_short,
-                         balance_rows=balance)
+                         balance_rows=balance, **extra)
         model = mx.prepare(mllm.MultimodalModel(cfg, rngs=nnx.Rngs(0)))
         g, params, rest = nnx.split(model, nnx.Param, ...)
-        mx.reserve(host)  # capacities for the whole run up front: timed steps reuse one program
+        t0 = time.perf_counter()
+        caps = [window_capacities(mx, [host[i] for i in win], opts["bucket_growth"]) for win in windows]
+        fit_s = time.perf_counter() - t0
         step = jax.jit(make_train_step(g, rest, mx.loss_fn, opt), donate_argnums=0)
-        runs[name] = {"mx": mx, "step": step, "state": mx.put_state(init_state(params, opt)), "batches": host,
-                      "time": 0.0, "plan_s": 0.0, "tokens": 0, "stats": [], "losses": []}
-    for i in range(opts["steps"] + 1):
+        runs[name] = {"mx": mx, "step": step, "state": mx.put_state(init_state(params, opt)), "caps": caps,
+                      "fit_s": fit_s, "time": 0.0, "plan_s": 0.0, "tokens": 0, "stats": [], "losses": [],
+                      "compile_s": 0.0, "grew": 0}
+    # Warm-up: compile every window's program once, on a throwaway copy of the state (steady-state timing).
+    for name in names:
+        r = runs[name]
+        for k, win in enumerate(windows):
+            r["mx"].capacities = dict(r["caps"][k])
+            dev = r["mx"].put_batch(host[win[0]])
+            before = r["step"]._cache_size()
+            t0 = time.perf_counter()
+            _, m = r["step"](jax.tree.map(lambda x: x.copy(), r["state"]), dev)
+            jax.block_until_ready(m["loss"])
+            if r["step"]._cache_size() > before:
+                r["compile_s"] += time.perf_counter() - t0
+    for i in range(steps):
         for name in names:  # interleaved: the same noise for every variant
             r = runs[name]
+            mx = r["mx"]
+            mx.capacities = dict(r["caps"][window_of[i]])
             t0 = time.perf_counter()
-            dev = r["mx"].put_batch(r["batches"][i])
+            dev = mx.put_batch(host[i])
             t1 = time.perf_counter()
+            r["grew"] += int(mx.capacities != r["caps"][window_of[i]])  # a plan outgrew its window's capacities
             r["state"], m = r["step"](r["state"], dev)
             jax.block_until_ready(m["loss"])
             t2 = time.perf_counter()
-            if i == 0:
-                r["compile_s"] = t2 - t1
-                continue
             r["plan_s"] += t1 - t0
             r["time"] += t2 - t1
-            r["tokens"] += int((np.asarray(r["batches"][i]["segment_ids"]) > 0).sum())
-            plan = r["mx"].last_plan
+            r["tokens"] += int((np.asarray(host[i]["segment_ids"]) > 0).sum())
+            plan = mx.last_plan
             traffic = routing.route_traffic(plan, hosts=2, bytes_per_token=4 * cfg.llm.embed_dim)
             r["stats"].append({**plan.stats, **traffic})
             r["losses"].append(float(m["loss"]))
@@ -126,38 +241,48 @@ def run(overrides: list[str]) -> Iterator[dict]:
     if "omnijax" in runs:
         r = runs["omnijax"]
         programs = int(r["step"]._cache_size())
-        bare = []
-        for b in host[1:]:
+        t_bare = 0.0
+        for i, b in enumerate(host):
             b = dict(b)
             for enc in ("vision", "audio"):
                 b[f"{enc}_segment_ids"] = np.zeros_like(b[f"{enc}_segment_ids"])
                 b[f"{enc}_dest"] = np.full_like(b[f"{enc}_dest"], -1)
-            bare.append(b)
-        t_bare = 0.0
-        for b in bare:
+            r["mx"].capacities = dict(r["caps"][window_of[i]])
             dev = r["mx"].put_batch(b)
             t0 = time.perf_counter()
             r["state"], m = r["step"](r["state"], dev)
             jax.block_until_ready(m["loss"])
             t_bare += time.perf_counter() - t0
         share = {"encoder_share_of_step": round(1.0 - t_bare / r["time"], 3),
-                 "step_s_without_encoder_work": round(t_bare / len(bare), 3),
+                 "step_s_without_encoder_work": round(t_bare / len(host), 3),
                  "recompiled_for_text_only": int(r["step"]._cache_size()) - programs}
     rows = {}
     for name in names:
         r = runs[name]
         mean = lambda key: float(np.mean([s[key] for s in r["stats"]]))  # noqa: E731
+        total = lambda key: float(np.sum([s.get(key, 0) for s in r["stats"]]))  # noqa: E731
         rows[name] = {"variant": name, "tokens_per_s": round(r["tokens"] / r["time"], 1),
                       "padded_fraction": round(mean("padded_fraction"), 4),
                       "enc_cost_max_over_mean": round(mean("enc_cost_max_over_mean"), 3),
                       "llm_cost_max_over_mean": round(mean("llm_cost_max_over_mean"), 3),
-                      "compiled_programs": int(r["step"]._cache_size()),
-                      "step_s": round(r["time"] / opts["steps"], 3), "plan_ms": round(1e3 * r["plan_s"] / opts["steps"], 1),
+                      "bubble_fraction": round(float(r["mx"].bubble_fraction), 4),
+                      "compiled_programs": int(r["step"]._cache_size()), "windows": len(windows),
+                      "capacities_grew": r["grew"],
+                      "step_s": round(r["time"] / steps, 3), "plan_ms": round(1e3 * r["plan_s"] / steps, 1),
+                      "fit_capacities_ms": round(1e3 * r["fit_s"] / len(windows), 1),
                       "compile_s": round(r["compile_s"], 1),
                       "reshard_kb_intra_host": round(mean("intra_host_bytes") / 1024, 1),  # as 2 hosts x 4 devices
                       "reshard_kb_inter_host": round(mean("inter_host_bytes") / 1024, 1), "long_segments": mean("long_segments"),
+                      "short_in_long_segments": mean("short_in_long_segments"),
                       "final_loss": round(r["losses"][-1], 4), "layout": f"{opts['llm']}+{opts['encoder']}",
-                      "devices": jax.device_count(), "steps": opts["steps"]}
+                      "interleaved": bool(getattr(r["mx"], "interleave", False)),
+                      "devices": jax.device_count(), "steps": steps, "batch_size": opts["batch_size"],
+                      "pack_s": round(pack_s, 1)}
+        for enc in ("vision", "audio"):
+            rows[name][f"padded_fraction_{enc}"] = round(
+                1 - total(f"enc_rows_real_{enc}") / max(total(f"enc_rows_computed_{enc}"), 1), 4)
+        rows[name]["padded_fraction_llm"] = round(
+            1 - total("llm_tokens_real") / max(total("llm_tokens_computed"), 1), 4)
     base = rows.get("coupled")
     for name in names:
         row = rows[name]
