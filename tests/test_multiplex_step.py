@@ -46,10 +46,10 @@ def moe():
     return _setup(moe=True)
 
 
-def _check(setup, layout, encoder_layout, mode="balanced"):
+def _check(setup, layout, encoder_layout, mode="balanced", interleave=None, **engine_kw):
     cfg, batch, model, ref_loss, ref_grads = setup
-    engine = LLMParallel(layout, cfg.llm)
-    mx = Multiplexer(engine, cfg, encoder_layout=encoder_layout, mode=mode)
+    engine = LLMParallel(layout, cfg.llm, **engine_kw)
+    mx = Multiplexer(engine, cfg, encoder_layout=encoder_layout, mode=mode, interleave=interleave)
     g, params, rest = nnx.split(mx.prepare(model), nnx.Param, ...)
     params = mx.put_state(params)
     for enc_leaf in jax.tree.leaves(params["encoders"]):  # encoder rules (encoder_dp): replicated
@@ -71,8 +71,10 @@ def _check(setup, layout, encoder_layout, mode="balanced"):
 
 
 def test_pp2_dp2_tp2_with_long_short_encoders(dense):
+    """Pipelined LLM: encoders run inside the pipeline loop, one microbatch ahead (interleaved)."""
     plan = _check(dense, "pp2xdp2xtp2", "edp4xesp2")
     assert plan.stats["long_segments"] > 0  # sequence-parallel path exercised
+    assert plan.arrays["route_send"].ndim == 4  # [devices, microbatches, devices, capacity]
 
 
 def test_fsdp4_cp2_with_edp8(dense):
@@ -80,8 +82,10 @@ def test_fsdp4_cp2_with_edp8(dense):
 
 
 def test_coupled_baseline_is_also_exact(dense):
-    plan = _check(dense, "pp2xdp2xtp2", "edp4xesp2", mode="coupled")
+    """Coupled placement, with the encoders as a phase before the pipeline (interleave off)."""
+    plan = _check(dense, "pp2xdp2xtp2", "edp4xesp2", mode="coupled", interleave=False)
     assert plan.stats["redundant_enc_cost"] > 0
+    assert plan.arrays["route_send"].ndim == 3
 
 
 def test_moe_layout_dp2_tp2_ep2(moe):
@@ -97,7 +101,7 @@ def test_encoder_flops_per_device_spread_vs_coupled(dense):
     flops, stats = {}, {}
     for mode in ("balanced", "coupled"):
         engine = LLMParallel("pp2xdp2xtp2", cfg.llm)
-        mx = Multiplexer(engine, cfg, encoder_layout="edp4xesp2", mode=mode, long_short=False)
+        mx = Multiplexer(engine, cfg, encoder_layout="edp4xesp2", mode=mode, long_short=False, interleave=False)
         dev = mx.put_batch(batch)
         part = EncoderPart(model.encoders, model.projectors)
         x = jax.device_put(jnp.zeros((8, 256, cfg.llm.embed_dim)), engine.activation("batch", "seq", "embed"))

@@ -207,13 +207,18 @@ class LLMParallel:
         return x, aux
 
     def forward_embeddings(self, model: nnx.Module, x: jax.Array, seg: jax.Array | None = None,
-                           pos: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """Parallel counterpart of ``LLM.forward_embeddings``: ``x [B, L, D] -> (logits, aux)``."""
+                           pos: jax.Array | None = None, feed: tuple | None = None) -> tuple[jax.Array, dict]:
+        """Parallel counterpart of ``LLM.forward_embeddings``: ``x [B, L, D] -> (logits, aux)``.
+
+        ``feed`` (pipelined layouts only): completes each microbatch's input inside the pipeline loop,
+        see :func:`omnijax.parallel.pipeline.spmd_pipeline`."""
         seg, pos = default_packing(x.shape, seg, pos)
         x = self.constrain(x, "batch", "seq", "embed")
         if isinstance(model, PipelinedLLM):
-            x, aux = self._pipeline(model, x, seg, pos)
+            x, aux = self._pipeline(model, x, seg, pos, feed)
         else:
+            if feed is not None:
+                raise ConfigError("feeding microbatches inside the pipeline needs a pipelined layout (pp > 1)")
             aux = zero_aux()
             for blk in model.blocks:
                 x, a = self.block(blk, x, seg, pos)
@@ -221,7 +226,7 @@ class LLMParallel:
         logits = model.logits(model.final_norm(x))
         return self.constrain(logits, "batch", "seq", "vocab"), aux
 
-    def _pipeline(self, model: PipelinedLLM, x, seg, pos):
+    def _pipeline(self, model: PipelinedLLM, x, seg, pos, feed=None):
         sch = self.schedule
         graph, stacked = nnx.split(model.stages)
         per = jax.tree.leaves(stacked)[0].shape[2]
@@ -242,7 +247,8 @@ class LLMParallel:
         xs = pipeline.split_microbatches(x, sch.microbatches)
         xs = self.constrain(xs, None, "batch", "seq", "embed")
         extras = (pipeline.split_microbatches(seg, sch.microbatches), pipeline.split_microbatches(pos, sch.microbatches))
-        ys, aux = pipeline.spmd_pipeline(stage, stacked, xs, extras, mesh=self.mesh, schedule=sch, remat=self.remat)
+        ys, aux = pipeline.spmd_pipeline(stage, stacked, xs, extras, mesh=self.mesh, schedule=sch, remat=self.remat,
+                                         feed=feed)
         y = self.constrain(pipeline.merge_microbatches(ys), "batch", "seq", "embed")
         m = sch.microbatches  # per-microbatch means -> mean over the batch; counts add up
         aux = {kk: aux[i] if kk == "moe_dropped_tokens" else aux[i] / m for i, kk in enumerate(AUX_KEYS)}

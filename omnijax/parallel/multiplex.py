@@ -64,6 +64,65 @@ def ulysses_attention(axes: tuple[str, ...]):
     return attend
 
 
+LLM_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+
+
+def microbatch_views(batch: dict, microbatches: int, encoders: tuple[str, ...]) -> list[dict]:
+    """The pipeline's microbatch m as a batch of its own: LLM rows m, m+M, ... (the rows
+    `pipeline.split_microbatches` gives it) with only the encoder segments whose outputs land there,
+    their destinations renumbered into the sub-batch. Pure host function."""
+    M = microbatches
+    B, L = np.asarray(batch["tokens"]).shape
+    if B % M:
+        raise ConfigError(f"batch of {B} rows is not divisible by parallel.microbatches={M}")
+    views = [{k: np.asarray(batch[k])[m::M] for k in LLM_KEYS if k in batch} for m in range(M)]
+    for name in encoders:
+        if f"{name}_segment_ids" not in batch:
+            continue
+        seg, dest = np.asarray(batch[f"{name}_segment_ids"]), np.asarray(batch[f"{name}_dest"]).astype(np.int64)
+        r = len(seg) // len(dest)
+        owner = np.zeros(len(seg), np.int64)      # microbatch of each input row's segment
+        idx = np.flatnonzero(seg > 0)
+        breaks = np.flatnonzero((np.diff(idx) != 1) | (np.diff(seg[idx]) != 0)) + 1
+        for run in np.split(idx, breaks) if idx.size else []:
+            d = dest[run[0] // r:(run[-1] + 1) // r]
+            rows = np.unique(d[d >= 0] // L % M)
+            if rows.size > 1:
+                raise ConfigError(f"a {name} segment feeds LLM rows of {rows.size} different microbatches; "
+                                  "a segment's tokens must stay in one packed row")
+            owner[run] = rows[0] if rows.size else 0
+        tok_owner = owner[::r]
+        for m, view in enumerate(views):
+            keep = (seg > 0) & (owner == m)
+            keep_tok = (dest >= 0) & (tok_owner == m)
+            view[f"{name}_inputs"] = np.asarray(batch[f"{name}_inputs"])
+            view[f"{name}_positions"] = np.asarray(batch[f"{name}_positions"])
+            view[f"{name}_segment_ids"] = np.where(keep, seg, 0).astype(seg.dtype)
+            view[f"{name}_dest"] = np.where(keep_tok, (dest // L) // M * L + dest % L, -1).astype(np.int32)
+    return views
+
+
+def _stack_plans(plans: list[routing.Plan], llm_tokens: list[int]) -> routing.Plan:
+    """One plan per microbatch -> arrays [devices, microbatches, ...] and whole-step statistics."""
+    arrays = {k: np.stack([p.arrays[k] for p in plans], axis=1) for k in plans[0].arrays}
+    stats: dict[str, float] = {}
+    for k in plans[0].stats:
+        vals = [p.stats[k] for p in plans]
+        if k.endswith("max_over_mean"):
+            stats[k] = float(np.mean(vals))   # balance of each microbatch's encoder work (one per iteration)
+        elif k == "padded_fraction":
+            continue
+        elif k.endswith("capacity"):
+            stats[k] = max(vals)
+        else:
+            stats[k] = sum(vals)
+    if "padded_fraction" in plans[0].stats:
+        w = [p.stats["enc_rows_computed"] + n for p, n in zip(plans, llm_tokens)]
+        real = sum((1 - p.stats["padded_fraction"]) * wi for p, wi in zip(plans, w))
+        stats["padded_fraction"] = 1 - real / max(sum(w), 1)
+    return routing.Plan(arrays, stats, plans[0].capacities)
+
+
 def _encoder_path(path) -> bool:
     return any(getattr(k, "key", getattr(k, "name", None)) in ("encoders", "projectors") for k in path)
 
@@ -73,12 +132,21 @@ class Multiplexer:
 
     mode: "balanced" (omnijax), "arrival" (decoupled, no reordering) or "coupled" (the baseline that
     encodes on pipeline stage 0, replicated over tp/cp). long_short=False keeps every segment DP.
+    interleave (default: whenever the LLM is pipelined): plan each pipeline microbatch separately and
+    encode + route it inside the pipeline loop, one iteration ahead of stage 0 (microbatch m+1 during
+    iteration m), so encoder work runs beside the stages instead of as a phase before the pipeline;
+    outputs then go to the pp=0 replicas only.
     """
 
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
                  encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
-                 balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None):
+                 balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None,
+                 interleave: bool | None = None):
         self.engine, self.mesh, self.mm_cfg = engine, engine.mesh, mm_cfg
+        self.interleave = engine.schedule is not None if interleave is None else interleave
+        if self.interleave and engine.schedule is None:
+            raise ConfigError(f"parallel.interleave_encoders: layout {engine.layout} has no pipeline (pp=1); "
+                              "encoder work can only be interleaved with pipeline iterations")
         self.encoder_rules = rules_lib.load_rules(encoder_rules)
         rows = self.encoder_rules.activations.get("rows", ())
         if tuple(rows) != ALL:
@@ -142,19 +210,29 @@ class Multiplexer:
 
     def plan(self, host_batch: dict) -> routing.Plan:
         """The step's plan. Capacities come from geometric buckets and only ever grow during a run,
-        so the number of compiled step programs is bounded by the bucket growths, not the steps."""
-        build = lambda caps: routing.build_plan(  # noqa: E731
-            host_batch, self.grid, self.reductions, self.dims, self.cost_fn, order=context.balanced_order,
-            mode=self.mode, long_short=self.long_short, capacities=caps)
+        so the number of compiled step programs is bounded by the bucket growths, not the steps.
+
+        Interleaved: one plan per pipeline microbatch (shared capacities), stacked on axis 1 of every
+        array ([devices, microbatches, ...])."""
+        parts = (microbatch_views(host_batch, self.engine.schedule.microbatches, tuple(self.reductions))
+                 if self.interleave else [host_batch])
+
+        def build(caps):
+            return [routing.build_plan(part, self.grid, self.reductions, self.dims, self.cost_fn,
+                                       order=context.balanced_order, mode=self.mode, long_short=self.long_short,
+                                       capacities=caps, first_stage_only=self.interleave) for part in parts]
+
         try:
-            plan = build(self.capacities)
+            plans = build(self.capacities)
         except ConfigError:  # this batch needs more than the current capacities: grow them
-            plan = build(None)
-        grown = {k: max(v, (self.capacities or {}).get(k, 0)) for k, v in plan.capacities}
-        if grown != dict(plan.capacities):
-            plan = build(grown)
-        self.capacities = dict(plan.capacities)
-        return plan
+            plans = build(None)
+        grown = dict(self.capacities or {})
+        for p in plans:
+            grown = {k: max(v, grown.get(k, 0)) for k, v in p.capacities}
+        if any(dict(p.capacities) != grown for p in plans):
+            plans = build(grown)
+        self.capacities = grown
+        return plans[0] if not self.interleave else _stack_plans(plans, [np.asarray(p["tokens"]).size for p in parts])
 
     def host_plan(self, host_batch: dict) -> tuple[dict, routing.Plan]:
         """Host half of `put_batch`: (rows balanced by LLM cost if enabled, the step's plan)."""
@@ -228,30 +306,73 @@ class Multiplexer:
             h = enc(x, seg, pos)
         return proj(h).astype(jnp.float32)
 
-    def inject(self, part: EncoderPart, x: jax.Array, batch: dict) -> jax.Array:
-        """Write every encoder output token into its LLM position of `x` [B, L, D] (LLM layout)."""
+    def _encode_and_route(self, part: EncoderPart, x: jax.Array, local: dict) -> jax.Array:
+        """Per device (inside shard_map): encode this device's buffers, send every output token to the
+        devices that hold its LLM position, and write what arrives into the local block of `x`."""
+        out = self._encode_local(part, local).astype(x.dtype)
+        sent = out[local["route_send"]]                              # [D, C, D_llm]
+        got = jax.lax.all_to_all(sent, ALL, 0, 0, tiled=True)        # [D, C, D_llm], row = source
+        b, l, d = x.shape
+        flat = x.reshape(b * l, d).at[local["route_recv"].reshape(-1)].set(got.reshape(-1, d), mode="drop")
+        return flat.reshape(b, l, d)
+
+    @staticmethod
+    def _plan_arrays(batch: dict) -> dict:
         keys = [k for k in batch if k.endswith(("_inputs", "_segment_ids", "_positions")) and
                 k.split("_")[1] in ("short", "long")] + ["route_send", "route_recv"]
-        arrays = {k: batch[k] for k in keys}
+        return {k: batch[k] for k in keys}
+
+    def inject(self, part: EncoderPart, x: jax.Array, batch: dict) -> jax.Array:
+        """Write every encoder output token into its LLM position of `x` [B, L, D] (LLM layout)."""
         graphdef, state = nnx.split(part)
         x_spec = self.engine.activation("batch", "seq", "embed").spec
 
         def body(state, x, arrays):
-            local = {k: v[0] for k, v in arrays.items()}
-            out = self._encode_local(nnx.merge(graphdef, state), local).astype(x.dtype)
-            sent = out[local["route_send"]]                              # [D, C, D_llm]
-            got = jax.lax.all_to_all(sent, ALL, 0, 0, tiled=True)        # [D, C, D_llm], row = source
-            b, l, d = x.shape
-            flat = x.reshape(b * l, d).at[local["route_recv"].reshape(-1)].set(got.reshape(-1, d), mode="drop")
-            return flat.reshape(b, l, d)
+            return self._encode_and_route(nnx.merge(graphdef, state), x, {k: v[0] for k, v in arrays.items()})
 
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), x_spec, P(ALL)), out_specs=x_spec, check_vma=False)
-        return fn(state, x, arrays)
+        return fn(state, x, self._plan_arrays(batch))
+
+    def feed(self, part: EncoderPart, batch: dict) -> tuple:
+        """The pipeline's `feed` (see `pipeline.spmd_pipeline`): encode and route microbatch m inside
+        the pipeline loop, over every device (a shard_map over the non-pipeline axes nested in the
+        pipeline's, so the all-to-all still spans all devices)."""
+        graphdef, state = nnx.split(part)
+        rest = tuple(a for a in ALL if a != "pp")
+        spec = self.engine.activation("batch", "seq", "embed").spec
+        x_spec = P(*(tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a != "pp") or None
+                     if e is not None else None for e in spec))
+
+        def fn(ops, x, m):
+            state, arrays = ops
+
+            def body(state, like, arrays, m):
+                local = {k: jax.lax.dynamic_index_in_dim(v[0], m, 0, keepdims=False) for k, v in arrays.items()}
+                vals = self._encode_and_route(nnx.merge(graphdef, state), jnp.zeros_like(like), local)
+                b, l = like.shape[:2]
+                hit = jnp.zeros((b * l,), bool).at[local["route_recv"].reshape(-1)].set(True, mode="drop")
+                return vals, hit.reshape(b, l)
+
+            inner = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(), x_spec, P(rest), P()),
+                                  out_specs=(x_spec, P(*x_spec[:2])), axis_names=set(rest), check_vma=False)
+            vals, hit = inner(state, jax.lax.stop_gradient(x), arrays, m)
+            # merged outside the nested shard_map: the text embeddings' gradient is a plain `where`
+            # (zero where an encoder token took the position), with `x`'s per-stage typing intact
+            return jnp.where(hit[..., None], vals, x)
+
+        arrays = self._plan_arrays(batch)
+        specs = (jax.tree.map(lambda _: P(), state), {k: P("pp") for k in arrays})
+        return fn, (state, arrays), specs
 
     def loss_fn(self, model: MultiplexedModel, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
         x = model.llm.embed(batch["tokens"])
         x = self.engine.constrain(x, "batch", "seq", "embed")
-        x = self.inject(EncoderPart(model.encoders, model.projectors), x, batch)
-        logits, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"])
+        part = EncoderPart(model.encoders, model.projectors)
+        if self.interleave:
+            logits, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"],
+                                                         feed=self.feed(part, batch))
+        else:
+            x = self.inject(part, x, batch)
+            logits, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"])
         loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
         return loss_sum, count, aux

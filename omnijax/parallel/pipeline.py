@@ -102,13 +102,20 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
 
 
 def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_params: Any, xs: jax.Array,
-                  extras: Any, *, mesh: Mesh, schedule: Schedule, axis: str = "pp", remat: bool = True
+                  extras: Any, *, mesh: Mesh, schedule: Schedule, axis: str = "pp", remat: bool = True,
+                  feed: tuple[Callable[[Any, jax.Array, jax.Array], jax.Array], Any, Any] | None = None
                   ) -> tuple[jax.Array, jax.Array]:
     """Run ``stage_fn(params, x, extras) -> (x, aux)`` as a pipeline; returns (outputs [M, ...], sum aux).
 
     ``stage_params`` leaves are ``[S, R, ...]`` (from :func:`stack_layers`); ``xs`` is ``[M, ...]`` and
     ``extras`` a pytree of ``[M, ...]`` arrays that every stage reads for its current microbatch
     (segment ids, positions). Other mesh axes stay automatic (GSPMD) inside each stage.
+
+    ``feed = (fn, operands, specs)`` completes each microbatch's input inside the loop:
+    ``fn(operands, xs[m], m) -> input of microbatch m`` (e.g. encoders writing their outputs into the
+    text embeddings) runs one iteration ahead of stage 0, so microbatch ``m+1`` is prepared during
+    iteration ``m``, on every device, beside the stage work instead of as a serial phase before the
+    pipeline. ``specs`` are the operands' in_specs over ``axis``; ``fn`` sees this axis as manual.
     """
     S, R, M = schedule.stages, schedule.repeats, schedule.microbatches
     if int(mesh.shape.get(axis, 1)) != S:
@@ -119,17 +126,29 @@ def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_pa
     perm = [(j, (j + 1) % S) for j in range(S)]
     T = schedule.iterations
 
-    def body(params, xs, extras):
+    feed_fn, feed_ops, feed_specs = feed if feed is not None else (None, (), ())
+
+    def body(params, xs, extras, feed_ops):
         params = jax.tree.map(lambda a: a[0], params)  # this device's [R, ...]
         s = lax.axis_index(axis)
 
+        def prepare(m):
+            x = lax.pcast(xs[m], (axis,), to="varying")  # what the feed writes differs per stage
+            return feed_fn(feed_ops, x, m).astype(xs.dtype)
+
         def step(carry, t):
-            cur, loop, aux = carry
+            cur, loop, aux, fed = carry
             k = t - s
             valid = (k >= 0) & (k < R * M)
             kc = jnp.clip(k, 0, R * M - 1)
             m, r = kc % M, kc // M
-            first = jnp.where(t < M, xs[jnp.minimum(t, M - 1)], loop[t % M]) if R > 1 else xs[jnp.minimum(t, M - 1)]
+            if feed_fn is None:
+                fresh = xs[jnp.minimum(t, M - 1)]
+            else:  # this iteration's microbatch was prepared during the previous one; prepare the next
+                fresh = fed
+                nxt_m = jnp.minimum(t + 1, M - 1)
+                fed = lax.cond(t + 1 < M, lambda: prepare(nxt_m), lambda: fed)
+            first = jnp.where(t < M, fresh, loop[t % M]) if R > 1 else fresh
             inp = jnp.where(s == 0, first, cur)
             p = jax.tree.map(lambda a: a[r], params)
             ex = jax.tree.map(lambda a: a[m], extras)
@@ -141,7 +160,7 @@ def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_pa
                 slot = jnp.clip(back, 0, None) % M
                 keep = (s == 0) & (back >= 0)
                 loop = loop.at[slot].set(jnp.where(keep, nxt, loop[slot]))
-            return (nxt, loop, aux), y
+            return (nxt, loop, aux, fed), y
 
         p0 = jax.tree.map(lambda a: a[0], params)
         ex0 = jax.tree.map(lambda a: a[0], extras)
@@ -149,12 +168,14 @@ def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_pa
         init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs) if R > 1 else jnp.zeros((1,), xs.dtype),
                 jnp.zeros(aux_shape.shape, aux_shape.dtype))
         init = jax.tree.map(lambda a: lax.pcast(a, (axis,), to="varying"), init)
-        (_, _, aux), ys = lax.scan(step, init, jnp.arange(T))
+        fed0 = prepare(jnp.int32(0)) if feed_fn is not None else lax.pcast(jnp.zeros((1,), xs.dtype), (axis,),
+                                                                           to="varying")
+        (_, _, aux, _), ys = lax.scan(step, (*init, fed0), jnp.arange(T))
         start = (R - 1) * M + S - 1  # iteration at which the last stage finishes microbatch 0's final lap
         out = jnp.where(s == S - 1, ys[start:start + M], 0.0)
         return lax.psum(out, axis), lax.psum(aux, axis)
 
     spec_params = jax.tree.map(lambda _: P(axis), stage_params)
     spec_extras = jax.tree.map(lambda _: P(), extras)
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec_params, P(), spec_extras), out_specs=(P(), P()),
-                         axis_names={axis})(stage_params, xs, extras)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec_params, P(), spec_extras, feed_specs),
+                         out_specs=(P(), P()), axis_names={axis})(stage_params, xs, extras, feed_ops)
