@@ -162,6 +162,13 @@ def test_route_traffic_counts_every_delivered_token():
     delivered = sum(int((batch[f"{n}_dest"] >= 0).sum()) for n in RED) * grid.size("pp") * grid.size("tp")
     assert t["intra_host_bytes"] + t["inter_host_bytes"] == 10 * delivered
     assert t["inter_host_bytes"] > 0  # every token goes to both pipeline stages, one per host
+    # one plan per pipeline microbatch, stacked on axis 1: the traffic of the step adds up
+    other = routing.build_plan(synthetic_batch(rng, 8, 64, 5), grid, RED, DIMS, lambda n, r: float(r),
+                               order=balanced_order, capacities=dict(plan.capacities))
+    stacked = routing.Plan({"route_recv": np.stack([plan.arrays["route_recv"], other.arrays["route_recv"]], axis=1)})
+    both = routing.route_traffic(stacked, hosts=2, bytes_per_token=10)
+    t2 = routing.route_traffic(other, hosts=2, bytes_per_token=10)
+    assert both == {k: t[k] + t2[k] for k in t}
 
 
 def test_capacities_only_grow_so_programs_stay_bounded():

@@ -731,12 +731,14 @@ def route_traffic(plan: Plan, hosts: int, bytes_per_token: int) -> dict[str, int
 
     Hosts own contiguous runs of the flattened device order (the outer mesh axes cross hosts, as
     `omnijax.parallel.mesh.make_mesh` lays out multi-host meshes)."""
-    recv = plan.arrays["route_recv"]
+    recv = plan.arrays["route_recv"]  # [D, D, C], or [D, M, D, C] for one plan per pipeline microbatch
     D = recv.shape[0]
     if D % hosts:
         raise ConfigError(f"{D} devices do not split over {hosts} hosts")
     drop = recv.max()
-    counts = (recv != drop).sum(axis=2)          # [dst, src]
+    counts = (recv != drop).sum(axis=-1)
+    if counts.ndim == 3:
+        counts = counts.sum(axis=1)              # [dst, src], over the microbatches
     host = np.arange(D) // (D // hosts)
     same = host[:, None] == host[None, :]
     return {"intra_host_bytes": int(counts[same].sum() * bytes_per_token),
