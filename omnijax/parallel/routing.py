@@ -684,8 +684,9 @@ def balance_rows(batch: dict, shards: int, coeffs: tuple[float, float], encoders
         if f"{name}_dest" in batch:
             d = np.asarray(batch[f"{name}_dest"]).astype(np.int64)
             weights.append(np.bincount(d[d >= 0] // L, minlength=B).astype(np.float64))
-    w = np.stack(weights, axis=1)
-    w = w / np.where(w.sum(axis=0) > 0, w.sum(axis=0), 1.0)
+    w = np.stack(weights, axis=1)  # [rows, 1 + encoders]: LLM cost, then encoder input rows
+    if w.shape[1] > 1:  # LLM cost in units of encoder rows, so that no dimension is ignored
+        w[:, 0] *= w[:, 1:].sum() / max(w[:, 0].sum(), 1e-12)
     order = np.array([r for s in range(shards) for r in _strided_balance(sorted(slots[s]), w)], np.int64)
     new_of_old = np.empty(B, np.int64)
     new_of_old[order] = np.arange(B)
@@ -703,8 +704,9 @@ def balance_rows(batch: dict, shards: int, coeffs: tuple[float, float], encoders
 
 def _strided_balance(rows: list[int], w: np.ndarray) -> list[int]:
     """Order `rows` so that positions k and k + 2^j fall into balanced halves at every level: rows
-    are split (heaviest first, each to the half whose worst dimension of `w` stays lower) into the
-    even and the odd positions, recursively; so any power-of-two stride gives balanced classes."""
+    are split (heaviest first, each to the half where it adds least to the sum of squared loads of
+    the dimensions of `w`) into the even and the odd positions, recursively; so any power-of-two
+    stride gives balanced classes."""
     if len(rows) <= 1:
         return list(rows)
     size = [(len(rows) + 1) // 2, len(rows) // 2]
@@ -712,7 +714,7 @@ def _strided_balance(rows: list[int], w: np.ndarray) -> list[int]:
     load = np.zeros((2, w.shape[1]))
     for r in sorted(rows, key=lambda r: (-float(w[r].sum()), r)):
         open_ = [h for h in (0, 1) if len(halves[h]) < size[h]]
-        h = min(open_, key=lambda h: (float((load[h] + w[r]).max()), float(load[h].sum()), h))
+        h = min(open_, key=lambda h: (float(((load[h] + w[r]) ** 2).sum() - (load[h] ** 2).sum()), h))
         halves[h].append(r)
         load[h] += w[r]
     out = [0] * len(rows)
