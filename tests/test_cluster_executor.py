@@ -1,7 +1,9 @@
-"""Executor against real processes: jobs start, get resized by SIGTERM -> checkpoint -> restart on a new
-device count, resume from their checkpoints, and feed measured speeds and losses into their models."""
+"""Executor against real processes: SPMD jobs get resized by SIGTERM -> checkpoint -> restart on a new
+device count and resume from their checkpoints; PS jobs get resized in place (same process, same
+trajectory); measured speeds and losses reach the models."""
 import json
 
+import numpy as np
 import pytest
 
 from omnijax.cluster.executor import Executor, ExecJob, ToyRunner
@@ -32,3 +34,66 @@ def test_executor_resizes_real_jobs_and_feeds_models(tmp_path):
 def test_executor_rejects_bad_backend(tmp_path):
     with pytest.raises(UserError, match="backend"):
         Executor(FittedModel(), ToyRunner(), devices=2, run_root=tmp_path, backend="k8s")
+
+
+class _Scripted(FittedModel):
+    """Device count by the job's progress: 2 -> 4 -> 1 (so 2 -> 4 -> 1 workers, 1 -> 2 -> 1 servers)."""
+    def allocate(self, now, jobs, cluster):
+        return {j.name: min(cluster.gpus, 2 if j.progress < 40 else 4 if j.progress < 100 else 1) for j in jobs}
+
+
+def _reference_chunk_losses(steps, chunk, lr=3e-3):
+    """The same training as one process: full-batch Adam on the digits MLP (what sync PS computes for any
+    worker count, since the workers' equal shards average to the full-batch gradient)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from omnijax.cluster.ps_job import DIGITS_BATCH, SplitBatches
+    from omnijax.models.classifier import ClassifierConfig, build_classifier, classifier_loss
+    from recipes.ps_digits import digits_split
+
+    (x, y), _ = digits_split()
+    batches = SplitBatches(x, y, DIGITS_BATCH, seed=0)
+    graphdef, params, rest = nnx.split(build_classifier(ClassifierConfig(in_dim=64, hidden=[64, 64], num_classes=10), 0),
+                                       nnx.Param, ...)
+    opt = optax.adam(lr)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, batch):
+        loss, g = jax.value_and_grad(lambda p: classifier_loss(nnx.merge(graphdef, p, rest), batch))(params)
+        upd, state = opt.update(g, state, params)
+        return optax.apply_updates(params, upd), state, loss
+
+    losses = []
+    for s in range(steps):
+        params, state, loss = step(params, state, batches(s, 0, 1))
+        losses.append(float(loss))
+    return [float(sum(losses[i:i + chunk]) / chunk) for i in range(0, steps, chunk)]
+
+
+def test_executor_resizes_a_ps_job_in_place(tmp_path):
+    """A PS job changes 2 -> 4 -> 1 workers (1 -> 2 -> 1 servers) inside one process: no stop, no second
+    start, every step once, and the loss follows the undisturbed full-batch trajectory step for step."""
+    from omnijax.cluster.executor import PSRunner
+
+    steps, chunk = 160, 5
+    ex = Executor(_Scripted(), PSRunner(max_servers=2, chunk=chunk), devices=4, run_root=tmp_path, backend="local",
+                  slot_s=0.3, log=lambda s: None)
+    result = ex.run([ExecJob("ps", steps=steps)])
+    kinds = [e["event"] for e in result.events]
+    assert kinds.count("start") == 1 and "stop" not in kinds and result.jobs[0]["restarts"] == 0
+    resizes = [e for e in result.events if e["event"] == "resize"]
+    assert result.in_place_resizes == len(resizes) >= 2 and all(e["in_place"] for e in resizes)
+    rows = [json.loads(r) for r in (tmp_path / "ps" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(chunk, steps + 1, chunk))   # step count continues
+    assert len({r["pid"] for r in rows}) == 1                                  # one process throughout
+    shapes = [(r["devices"], r["servers"]) for r in rows]
+    assert (2, 1) in shapes and (4, 2) in shapes and shapes[-1] == (1, 1)
+    applied = [json.loads(r) for r in (tmp_path / "ps" / "resizes.jsonl").read_text().splitlines()]
+    assert len(applied) >= 2 and {a["pid"] for a in applied} == {rows[0]["pid"]}
+    # loss keeps its trajectory: per-chunk losses equal the one-process reference (float reassociation only)
+    ref = _reference_chunk_losses(steps, chunk)
+    np.testing.assert_allclose([r["loss"] for r in rows], ref, rtol=2e-3, atol=1e-4)
+    assert rows[-1]["loss"] < 0.3 * rows[0]["loss"]

@@ -70,7 +70,8 @@ class ExecConfig:
     """`python -m recipes cluster_exec`: real jobs under a scheduler on a local Ray instance."""
     run_name: str = "cluster_exec"
     scheduler: str = "fitted"
-    runner: str = "tiny_lm"        # tiny_lm | toy
+    runner: str = "tiny_lm"        # tiny_lm | toy | ps (PS jobs are resized in place)
+    runners: list[str] = field(default_factory=list)   # per job, overriding `runner` (e.g. [ps,tiny_lm,tiny_lm])
     backend: str = "ray"           # ray | local
     devices: int = 4               # fake CPU devices shared by all jobs
     jobs: int = 3

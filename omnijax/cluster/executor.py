@@ -2,12 +2,17 @@
 
 Every slot it reads each running job's metrics.jsonl (progress, loss, step time), feeds them into the
 job's loss and speed models, asks the scheduler for allocations, and applies them: a job whose device
-count changed is stopped with SIGTERM (the trainer checkpoints and exits) and restarted with the new
-`parallel.cpu_devices`; it resumes from its latest checkpoint onto the new mesh. Each job process is
-owned by a Ray actor (`backend="ray"`) or directly by this process (`backend="local"`).
+count changed is resized in one of two ways, by its runner's kind:
 
-Runners build the command of one job: `TinyLMRunner` launches the omnijax `tiny_lm` recipe;
-`ToyRunner` launches `omnijax.cluster.toy_job` (a fast real SGD job with the same contract).
+- SPMD jobs (`TinyLMRunner`, `ToyRunner`): stopped with SIGTERM (the trainer checkpoints and exits) and
+  restarted with the new `parallel.cpu_devices`; they resume from the latest checkpoint onto the new mesh;
+- parameter-server jobs (`PSRunner`, `in_place = True`): resized IN PLACE, without stopping the process:
+  the executor writes the new worker/server count to the job's control.json and the job
+  (`omnijax.cluster.ps_job`) applies it between steps (see there). Only a preemption (0 devices) stops
+  a PS job (SIGTERM -> checkpoint), and a later start resumes it.
+
+Each job process is owned by a Ray actor (`backend="ray"`) or directly by this process
+(`backend="local"`). A job may name its own runner (`ExecJob.runner`), so one run can mix kinds.
 """
 from __future__ import annotations
 
@@ -32,7 +37,10 @@ _REPO = Path(__file__).resolve().parents[2]
 
 
 class Runner(Protocol):
-    """Builds the command that trains `name` for `steps` on `devices` devices, resuming if it can."""
+    """Builds the command that trains `name` for `steps` on `devices` devices, resuming if it can.
+
+    Runners with `in_place = True` also implement `resize(run_dir, devices, seq)`: ask the running job to
+    change to `devices` without a restart."""
     def command(self, name: str, steps: int, devices: int) -> list[str]: ...
 
 
@@ -59,6 +67,33 @@ class ToyRunner:
         return [sys.executable, "-m", "omnijax.cluster.toy_job", f"trainer.steps={steps}", f"trainer.run_name={name}",
                 f"parallel.cpu_devices={devices}", f"trainer.checkpoint_every={self.checkpoint_every}",
                 f"toy.work={self.work}"]
+
+
+@dataclass
+class PSRunner:
+    """A sync parameter-server job (`omnijax.cluster.ps_job`, the digits MLP on omnijax.ps/Ray):
+    `devices` workers and `devices // 2` servers (at least 1, at most `max_servers`); resized in place."""
+    max_servers: int = 2
+    chunk: int = 5
+    in_place = True
+
+    def shape(self, devices: int) -> tuple[int, int]:
+        """(workers, servers) for a device count."""
+        return devices, max(1, min(self.max_servers, devices // 2))
+
+    def command(self, name, steps, devices):
+        workers, servers = self.shape(devices)
+        return [sys.executable, "-m", "omnijax.cluster.ps_job", f"trainer.steps={steps}", f"trainer.run_name={name}",
+                f"trainer.chunk={self.chunk}", f"ps.workers={workers}", f"ps.servers={servers}",
+                f"ps.max_servers={self.max_servers}"]
+
+    def resize(self, run_dir: Path, devices: int, seq: int) -> dict:
+        workers, servers = self.shape(devices)
+        req = {"seq": seq, "workers": workers, "servers": servers}
+        tmp = run_dir / "control.json.tmp"
+        tmp.write_text(json.dumps(req))
+        os.replace(tmp, run_dir / "control.json")   # atomic: the job never reads half a request
+        return req
 
 
 class ProcessOwner:
@@ -100,6 +135,7 @@ class ExecJob:
     arrival_s: float = 0.0
     batch_size: int = 8
     max_devices: int = 1 << 30
+    runner: Runner | None = None      # None: the executor's runner
 
 
 @dataclass
@@ -119,6 +155,7 @@ class ExecResult:
     makespan_s: float
     resizes: int
     speed_errors: dict[str, float] = field(default_factory=dict)
+    in_place_resizes: int = 0
 
 
 class Executor:
@@ -163,7 +200,9 @@ class Executor:
         self.log(json.dumps(ev))
 
     def _read(self, job: Job, run: _Running) -> None:
-        """New metrics rows -> progress, loss model, speed model (skipping the compile-laden first row)."""
+        """New metrics rows -> progress, loss model, speed model (skipping the compile-laden first row of a
+        start and rows marked `"warm": false`). A row's own `devices` wins over the allocation (an
+        in-place resize takes effect at the job's next step boundary)."""
         path = self.run_root / job.name / "metrics.jsonl"
         if not path.exists():
             return
@@ -176,8 +215,8 @@ class Executor:
             if not run.first_row_skipped:
                 run.first_row_skipped = True
                 continue
-            if row.get("step_time_s"):
-                job.speed_model.observe(run.devices, 1, float(row["step_time_s"]))
+            if row.get("step_time_s") and row.get("warm", True):
+                job.speed_model.observe(int(row.get("devices", run.devices)), 1, float(row["step_time_s"]))
         run.rows_seen = len(rows)
 
     # ------------------------------------------------------------------ main loop
@@ -187,12 +226,14 @@ class Executor:
                             cpus_per_replica=1, loss_model=LossModel(), speed_model=SpeedModel("allreduce", s.batch_size))
                 for s in specs}
         steps = {s.name: s.steps for s in specs}
+        runners = {s.name: s.runner or self.runner for s in specs}
+        seqs: dict[str, int] = {}
         running: dict[str, _Running] = {}
         owners: dict[str, object] = {}
         pending = sorted(specs, key=lambda s: s.arrival_s)
         active: list[Job] = []
         t0 = time.monotonic()
-        resizes = 0
+        resizes = in_place = 0
         try:
             while pending or active:
                 now = time.monotonic() - t0
@@ -233,6 +274,19 @@ class Executor:
                 alloc = {j.name: int(pinned.get(j.name, alloc.get(j.name, 0))) for j in active}
                 check_allocation(alloc, {j.name: j for j in active}, self.cluster)
                 changed = [j for j in active if (running[j.name].devices if j.name in running else 0) != alloc[j.name]]
+                for j in [j for j in changed if j.name in running and alloc[j.name] > 0
+                          and getattr(runners[j.name], "in_place", False)]:   # PS jobs: resized in place
+                    run = running[j.name]
+                    seqs[j.name] = seqs.get(j.name, 0) + 1   # increasing across restarts of the job
+                    req = runners[j.name].resize(self.run_root / j.name, alloc[j.name], seqs[j.name])
+                    resizes += 1
+                    in_place += 1
+                    self._event(time.monotonic() - t0, "resize", j.name, step=int(j.progress), devices=alloc[j.name],
+                                previous=run.devices, in_place=True, **{k: v for k, v in req.items() if k != "seq"})
+                    run.devices = alloc[j.name]
+                    j.allocation, j.placement = alloc[j.name], (alloc[j.name],)
+                    j.timeline.append((time.monotonic() - t0, alloc[j.name], 1))
+                changed = [j for j in changed if (running[j.name].devices if j.name in running else 0) != alloc[j.name]]
                 for j in changed:   # stop every job that changes first, so that its devices are free
                     run = running.pop(j.name, None)
                     if run is not None:
@@ -253,7 +307,7 @@ class Executor:
                     if n > 0:
                         (self.run_root / j.name).mkdir(parents=True, exist_ok=True)
                         owner = owners.get(j.name) or owners.setdefault(j.name, self._owner())   # reused on restarts
-                        pid = self._call(owner, "start", self.runner.command(j.name, steps[j.name], n), self._env(),
+                        pid = self._call(owner, "start", runners[j.name].command(j.name, steps[j.name], n), self._env(),
                                          str(self.run_root / j.name / "executor.log"))
                         running[j.name] = _Running(owner, n, time.monotonic() - t0)
                         if j.started is None:
@@ -283,4 +337,4 @@ class Executor:
                    "last_loss": j.loss_model.losses[-1] if j.loss_model.losses else None} for j in done],
             events=self.events, avg_jct_s=sum(jcts) / len(jcts),
             makespan_s=max(j.finished for j in done) - min(j.arrival for j in done), resizes=resizes,
-            speed_errors={j.name: j.speed_model.mean_error for j in done})
+            speed_errors={j.name: j.speed_model.mean_error for j in done}, in_place_resizes=in_place)
