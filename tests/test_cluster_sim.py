@@ -116,3 +116,27 @@ def test_simulator_rejects_an_over_capacity_scheduler():
     cfg = SimConfig(num_nodes=1, gpus_per_node=4, cpus_per_node=64, profile_sizes=())
     with pytest.raises(ValueError, match="capacity"):
         simulate(jobs, lambda job, n, nodes: 1.0, Greedy(), cfg)
+
+
+def test_fitted_uses_measurements_and_bounds_growth():
+    cluster = Cluster(num_nodes=4, gpus_per_node=4, cpus_per_node=64)
+    # measured points win over the fit where they exist (the 5-term form cannot follow a one-node dip)
+    kinked = SpeedModel("allreduce", batch_size=64)
+    for n, t in [(1, 1.0), (2, 0.5), (4, 0.25), (8, 0.9)]:
+        kinked.observe(n, max(1, n // 4), t)
+    assert kinked.predict_many(np.array([8]), np.array([2]), measured=True)[0] == pytest.approx(0.9)
+    assert kinked.largest_observed == 8
+    job = _job(0, max_replicas=16)   # measured at 1, 2, 4 devices: grows to at most 2 x 4 = 8
+    assert FittedModel().sizes(job, cluster).max() == 8
+    assert FittedModel(explore_factor=0).sizes(job, cluster).max() == 16
+    # two equally long jobs: A scales linearly, B stops scaling past 2 devices: A gets its 8
+    lin, flat = SpeedModel("allreduce", 64), SpeedModel("allreduce", 64)
+    for n in (1, 2, 4, 8):
+        lin.observe(n, max(1, n // 4), 1.0 / n)
+        flat.observe(n, max(1, n // 4), {1: 1.0, 2: 0.5, 4: 0.45, 8: 0.43}[n])
+    a = Job("a", 0.0, "x", 64, 1, 1e4, speed_model=lin, max_replicas=8)
+    b = Job("b", 0.0, "x", 64, 1, 1e4, speed_model=flat, max_replicas=8)
+    small = Cluster(num_nodes=3, gpus_per_node=4, cpus_per_node=64)
+    alloc = FittedModel(resize_penalty_s=0.0).allocate(0.0, [a, b], small)
+    assert alloc["a"] == 8 and alloc["b"] >= 2
+    assert sum(alloc.values()) <= small.gpus

@@ -148,8 +148,11 @@ class SpeedModel:
         # relative error matters (fast and slow configs alike): scale rows by 1/y
         self.theta, _ = nnls(X / y[:, None], np.ones_like(y))
 
-    def predict_many(self, n: np.ndarray, m: np.ndarray) -> np.ndarray:
-        """Vectorised `predict` for arrays of device and node (or worker and server) counts."""
+    def predict_many(self, n: np.ndarray, m: np.ndarray, measured: bool = False) -> np.ndarray:
+        """Vectorised `predict` for arrays of device and node (or worker and server) counts.
+
+        `measured`: where a configuration was observed, its mean measured step time replaces the fit (the
+        five-term form cannot follow every measured kink, e.g. the jump from one node to two)."""
         n = np.asarray(n, dtype=float)
         m = np.asarray(m, dtype=float)
         if self.theta is None:
@@ -158,7 +161,18 @@ class SpeedModel:
             X = np.stack([self.batch_size / n, np.ones_like(n), np.log2(n), n - 1, m - 1], -1)
         else:
             X = np.stack([self.batch_size / n, np.ones_like(n), n / m, n, m], -1)
-        return np.maximum(X @ self.theta, 1e-9)
+        out = np.maximum(X @ self.theta, 1e-9)
+        if measured and self.points:
+            for i, key in enumerate(zip(n.astype(int).tolist(), m.astype(int).tolist())):
+                seen = self.points.get(key)
+                if seen:
+                    out[i] = float(np.mean(seen))
+        return out
+
+    @property
+    def largest_observed(self) -> int:
+        """The largest device (worker) count with a measurement (0 before any)."""
+        return max((n for n, _ in self.points), default=0)
 
     def predict(self, n: int, m: int) -> float:
         """Predicted seconds per step (inf before any point arrived)."""
