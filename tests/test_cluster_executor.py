@@ -11,13 +11,18 @@ from omnijax.cluster.schedulers import FittedModel
 from omnijax.errors import UserError
 
 
+class _Share(FittedModel):
+    """Equal shares of the (power-of-two) free devices: a job alone gets all, two get half each."""
+    def allocate(self, now, jobs, cluster):
+        return {j.name: max(1, cluster.gpus // len(jobs)) for j in jobs}
+
+
 def test_executor_resizes_real_jobs_and_feeds_models(tmp_path):
-    sched = FittedModel(resize_penalty_s=5.0)
-    ex = Executor(sched, ToyRunner(work=4000, checkpoint_every=5), devices=4, run_root=tmp_path, backend="local",
-                  slot_s=0.5, log=lambda s: None)
-    result = ex.run([ExecJob("a", steps=400, arrival_s=0.0), ExecJob("b", steps=150, arrival_s=1.0)])
+    ex = Executor(_Share(), ToyRunner(work=4000, checkpoint_every=5), devices=4, run_root=tmp_path, backend="local",
+                  slot_s=0.3, log=lambda s: None)
+    result = ex.run([ExecJob("a", steps=1500, arrival_s=0.0), ExecJob("b", steps=300, arrival_s=0.5)])
     by = {j["name"]: j for j in result.jobs}
-    assert by["a"]["steps"] == 400 and by["b"]["steps"] == 150
+    assert by["a"]["steps"] == 1500 and by["b"]["steps"] == 300
     kinds = [(e["event"], e["job"]) for e in result.events]
     assert ("finish", "a") in kinds and ("finish", "b") in kinds
     stops = [e for e in result.events if e["event"] == "stop" and e["reason"] == "resize"]
