@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from omnijax.cluster.simulator import SimConfig
 from omnijax.errors import ConfigError
 
-SCHEDULERS = ("fifo", "drf", "tiresias", "fitted", "fitted_rt", "learned")
+SCHEDULERS = ("fifo", "drf", "tiresias", "fitted", "fitted_rt", "fitted_oracle", "learned")
 
 
 @dataclass

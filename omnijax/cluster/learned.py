@@ -7,8 +7,8 @@ at their cap) are masked out of the softmax. Features are per-job observables: f
 the fitted marginal gain (and its ratio to the slot's best), sizes, attained service, age.
 
 Training: (1) supervised warm-up on the decisions of a teacher scheduler recorded on traces
-(cross-entropy); (2) online actor-critic on simulated episodes with reward = normalised progress
-(Σ_j Δprogress_j / length_j per slot), discounted returns, a critic baseline, an entropy bonus, and an
+(cross-entropy); (2) online actor-critic on simulated episodes with reward = −(jobs in system) per slot (by Little's
+law the undiscounted return is minus the sum of JCTs), discounted returns, a critic baseline, an entropy bonus, and an
 experience-replay buffer of past episodes reused with clipped importance ratios (PPO-style).
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from omnijax.cluster.jobs import Cluster, Job
 from omnijax.cluster.schedulers import FittedModel
 
 NUM_FEATURES = 13
+REWARD_SCALE = 32.0      # jobs in system per reward unit (keeps critic targets O(1))
 
 
 class PolicyNet(nnx.Module):
@@ -74,8 +75,6 @@ class Decision:
 class Recorder:
     decisions: list[Decision] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)     # per slot
-    seen: dict[str, Job] = field(default_factory=dict)
-    last: dict[str, float] = field(default_factory=dict)
 
 
 class LearnedScheduler(FittedModel):
@@ -152,16 +151,11 @@ class LearnedScheduler(FittedModel):
 
     def allocate(self, now, jobs, cluster):
         rec = self.recorder
-        if rec is not None:   # reward of the slot that just ended: normalised progress
-            for j in jobs:
-                rec.seen.setdefault(j.name, j)
-            gain = 0.0
-            for name, j in rec.seen.items():
-                frac = j.progress / max(j.total_steps, 1e-9)
-                gain += frac - rec.last.get(name, 0.0)
-                rec.last[name] = frac
-            if rec.decisions or rec.rewards:
-                rec.rewards.append(gain)
+        if rec is not None and (rec.decisions or rec.rewards):
+            # reward of the slot that just ended: minus the jobs still in the system (Little's law: the sum
+            # over slots of jobs in system × slot length is the sum of JCTs, so the undiscounted return is
+            # minus the total JCT, scaled)
+            rec.rewards.append(-len(jobs) / REWARD_SCALE)
         alloc = {j.name: 0 for j in jobs}
         gpus, cpus = cluster.gpus, cluster.cpus
         rows = self._rows(now, list(jobs), cluster)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from omnijax.cluster.config import SCHEDULERS, ClusterConfig
-from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, Scheduler, Tiresias
+from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, FittedOracle, Scheduler, Tiresias
 from omnijax.errors import ConfigError
 
 
@@ -19,6 +19,8 @@ def make_scheduler(name: str, cfg: ClusterConfig | None = None) -> Scheduler:
         return FittedModel()
     if name == "fitted_rt":
         return FittedModel(objective="remaining_time")
+    if name == "fitted_oracle":
+        return FittedOracle()
     if name == "learned":
         from omnijax.cluster.learned import train_learned
         return train_learned(cfg)

@@ -328,4 +328,14 @@ class FittedModel(Scheduler):
         return alloc
 
 
-BASELINES = {"fifo": FIFO, "drf": DRF, "tiresias": Tiresias, "fitted": FittedModel}
+class FittedOracle(FittedModel):
+    """NOT an online scheduler: the fitted-model scheduler told every job's true remaining steps (the
+    trace's `total_steps`). It exists to bound what better length estimates could buy the fitted-model
+    allocation; the bench reports it next to the online schedulers."""
+    name = "fitted_oracle"
+
+    def remaining_steps(self, j: Job) -> float:
+        return max(j.total_steps - j.progress, 1.0)
+
+
+BASELINES = {"fifo": FIFO, "drf": DRF, "tiresias": Tiresias, "fitted": FittedModel, "fitted_oracle": FittedOracle}
