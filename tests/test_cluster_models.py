@@ -94,5 +94,7 @@ def test_cluster_recipes_reject_bad_config():
         cluster_sim.main(["sim.gpus=8"])
     with pytest.raises(ConfigError, match="schedulers"):
         next(bench_cluster.run(["schedulers=[fifo,lottery]"]))
+    with pytest.raises(ConfigError, match="applications"):
+        next(bench_cluster.run(["schedulers=[fifo]", "applications=[gpt9]"]))
     with pytest.raises(ConfigError, match="runner"):
         cluster_exec.main(["runner=slurm"])

@@ -61,6 +61,7 @@ class BenchConfig:
     workloads: list[str] = field(default_factory=lambda: ["workloads", "workloads-realistic"])
     files: int = 1
     limit: int = 0
+    applications: list[str] = field(default_factory=list)   # only jobs of these (analysis); [] = all
     sim: SimConfig = field(default_factory=SimConfig)
     learned: LearnedConfig = field(default_factory=LearnedConfig)
 

@@ -10,13 +10,14 @@ DESCRIPTION = ("cluster scheduling: avg JCT, makespan, utilisation of FIFO/DRF/T
 
 def run(overrides: list[str]) -> Iterator[dict]:
     """Overrides: schedulers=[...], workloads=[sets], files=N (workload-1..N of each set), limit=N jobs,
-    plus any ClusterConfig key (sim.*, learned.*). Each row averages the set's files."""
+    applications=[...] (only those jobs: for decomposing the average), plus any ClusterConfig key
+    (sim.*, learned.*). Each row averages the set's files."""
     import numpy as np
 
     from omnijax.cluster.config import SCHEDULERS, BenchConfig, ClusterConfig, validate
     from omnijax.cluster.registry import make_scheduler
     from omnijax.cluster.simulator import alone_bound, run_workload
-    from omnijax.cluster.traces import load_workload
+    from omnijax.cluster.traces import APPLICATIONS, load_workload
     from omnijax.config import build
     from omnijax.errors import ConfigError
 
@@ -24,6 +25,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
     bad = [s for s in cfg.schedulers if s not in SCHEDULERS]
     if bad or cfg.files < 1:
         raise ConfigError(f"schedulers must be among {', '.join(SCHEDULERS)} (got {bad}); files must be >= 1")
+    if any(a not in APPLICATIONS for a in cfg.applications):
+        raise ConfigError(f"applications={cfg.applications}: each must be one of {', '.join(APPLICATIONS)}")
     ccfg = validate(ClusterConfig(sim=cfg.sim, learned=cfg.learned, limit=cfg.limit))
     schedulers = {}
     for name in cfg.schedulers:   # train the learned policy once, reuse it on every workload
@@ -31,14 +34,15 @@ def run(overrides: list[str]) -> Iterator[dict]:
         schedulers[name] = (make_scheduler(name, ccfg), time.perf_counter() - t0)
     for wset in cfg.workloads:
         rows = {}
-        specs = {i: load_workload(f"{wset}/workload-{i}", cfg.limit) for i in range(1, cfg.files + 1)}
+        specs = {i: [s for s in load_workload(f"{wset}/workload-{i}", cfg.limit)
+                     if not cfg.applications or s.application in cfg.applications] for i in range(1, cfg.files + 1)}
         bound = float(np.mean([alone_bound(specs[i], cfg.sim) for i in specs]))
         for name in cfg.schedulers:
             proto, train_s = schedulers[name]
             t0 = time.perf_counter()
             results = [run_workload(specs[i], proto.fresh(), cfg.sim) for i in specs]
             rows[name] = {
-                "variant": name, "workload": wset, "files": cfg.files,
+                "variant": name, "workload": wset, "files": cfg.files, "jobs": len(specs[1]),
                 "avg_jct_s": round(float(np.mean([r.avg_jct_s for r in results])), 1),
                 "makespan_s": round(float(np.mean([r.makespan_s for r in results])), 1),
                 "utilization": round(float(np.mean([r.utilization for r in results])), 4),
