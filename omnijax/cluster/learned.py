@@ -1,15 +1,20 @@
 """Learned scheduler: a flax NNX policy over per-job features, imitation warm-up, then actor-critic.
 
-The decision process is the fitted-model scheduler's: devices are handed out step by step (a job's next
-allowed size, or "stop"); the policy scores every candidate (one row of features per job's next step,
+The decision process is the fitted-model scheduler's models (remaining steps, step times, allowed sizes,
+resize penalty: `FittedModel.gains`) handed out level by level: devices go step by step (a job's next
+allowed size, or "stop"). The teacher is the completion-rate greedy over those levels; the fitted-model
+scheduler itself additionally jumps over sizes and runs an efficiency-first pass, so teacher and
+`fitted` are close but not identical. The policy scores every candidate (one row of features per job's next step,
 plus a stop row) with a shared MLP, and invalid candidates (steps that do not fit the free devices, jobs
 at their cap) are masked out of the softmax. Features are per-job observables: fitted remaining times,
 the fitted marginal gain (and its ratio to the slot's best), sizes, attained service, age.
 
 Training: (1) supervised warm-up on the decisions of a teacher scheduler recorded on traces
-(cross-entropy); (2) online actor-critic on simulated episodes with reward = −(jobs in system) per slot (by Little's
-law the undiscounted return is minus the sum of JCTs), discounted returns, a critic baseline, an entropy bonus, and an
-experience-replay buffer of past episodes reused with clipped importance ratios (PPO-style).
+(cross-entropy); (2) online actor-critic on simulated episodes with reward = −(jobs in system) per slot
+(by Little's law the undiscounted return is minus the sum of JCTs), discounted returns, a critic
+baseline, an entropy bonus, and an experience-replay buffer of past episodes reused with clipped
+importance ratios (PPO-style). Training traces (`learned.warmup_workloads`, `learned.rl_workloads`)
+default to workloads-0.5/workload-{7,8}, which the bench does not report.
 """
 from __future__ import annotations
 
