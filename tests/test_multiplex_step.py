@@ -72,9 +72,12 @@ def _check(setup, layout, encoder_layout, mode="balanced", interleave=None, **en
 
 def test_pp2_dp2_tp2_with_long_short_encoders(dense):
     """Pipelined LLM: encoders run inside the pipeline loop, one microbatch ahead (interleaved)."""
-    plan = _check(dense, "pp2xdp2xtp2", "edp4xesp2")
+    plan = _check(dense, "pp2xdp2xtp2", "edp4xesp2", microbatches=2)
     assert plan.stats["long_segments"] > 0  # sequence-parallel path exercised
     assert plan.arrays["route_send"].ndim == 4  # [devices, microbatches, devices, capacity]
+    # second-stage devices encode too (their encoder gradients cross the pipeline's shard_map)
+    busy = sum((v > 0).any(axis=(1, 2)) for k, v in plan.arrays.items() if k.endswith("segment_ids"))
+    assert busy[4:].any() and busy[:4].any(), busy
 
 
 def test_fsdp4_cp2_with_edp8(dense):

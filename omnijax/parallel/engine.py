@@ -105,14 +105,15 @@ class LLMParallel:
     def __init__(self, layout: str | Layout, model_cfg: Any, *, devices: list | None = None,
                  rules: str = "llm_5d", microbatches: int = 0,
                  schedule: Literal["gpipe", "circular"] = "gpipe", repeats: int = 2, remat: bool = False,
-                 cp_impl: Literal["ring", "allgather"] = "ring", ep_impl: Literal["alltoall", "gspmd"] = "alltoall"):
+                 cp_impl: Literal["ring", "allgather"] = "ring", ep_impl: Literal["alltoall", "gspmd"] = "alltoall",
+                 skip_bubbles: bool = True):
         devices = list(jax.devices() if devices is None else devices)
         self.layout = parse_layout(layout, len(devices)) if isinstance(layout, str) else layout
         r = repeats if (schedule == "circular" and self.layout.pp > 1) else 1
         self.mesh: Mesh = make_mesh(self.layout, devices, model_cfg, microbatches=microbatches, circular_repeats=r)
         self.rules = rules_lib.load_rules(rules)
         self.model_cfg = model_cfg
-        self.remat, self.cp_impl, self.ep_impl = remat, cp_impl, ep_impl
+        self.remat, self.cp_impl, self.ep_impl, self.skip_bubbles = remat, cp_impl, ep_impl, skip_bubbles
         self.schedule: pipeline.Schedule | None = None
         if self.layout.pp > 1:
             m = microbatches or 2 * self.layout.pp
@@ -248,7 +249,7 @@ class LLMParallel:
         xs = self.constrain(xs, None, "batch", "seq", "embed")
         extras = (pipeline.split_microbatches(seg, sch.microbatches), pipeline.split_microbatches(pos, sch.microbatches))
         ys, aux = pipeline.spmd_pipeline(stage, stacked, xs, extras, mesh=self.mesh, schedule=sch, remat=self.remat,
-                                         feed=feed)
+                                         feed=feed, skip_bubbles=self.skip_bubbles)
         y = self.constrain(pipeline.merge_microbatches(ys), "batch", "seq", "embed")
         m = sch.microbatches  # per-microbatch means -> mean over the batch; counts add up
         aux = {kk: aux[i] if kk == "moe_dropped_tokens" else aux[i] / m for i, kk in enumerate(AUX_KEYS)}

@@ -101,10 +101,17 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
     return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
+def _varies(x: jax.Array, axis: str) -> bool:
+    """Whether `x` is typed as varying over the manual `axis` (shard_map's per-device typing)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return axis in (mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
 def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_params: Any, xs: jax.Array,
                   extras: Any, *, mesh: Mesh, schedule: Schedule, axis: str = "pp", remat: bool = True,
-                  feed: tuple[Callable[[Any, jax.Array, jax.Array], jax.Array], Any, Any] | None = None
-                  ) -> tuple[jax.Array, jax.Array]:
+                  feed: tuple[Callable[[Any, jax.Array, jax.Array], jax.Array], Any, Any] | None = None,
+                  skip_bubbles: bool = True) -> tuple[jax.Array, jax.Array]:
     """Run ``stage_fn(params, x, extras) -> (x, aux)`` as a pipeline; returns (outputs [M, ...], sum aux).
 
     ``stage_params`` leaves are ``[S, R, ...]`` (from :func:`stack_layers`); ``xs`` is ``[M, ...]`` and
@@ -116,6 +123,10 @@ def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_pa
     text embeddings) runs one iteration ahead of stage 0, so microbatch ``m+1`` is prepared during
     iteration ``m``, on every device, beside the stage work instead of as a serial phase before the
     pipeline. ``specs`` are the operands' in_specs over ``axis``; ``fn`` sees this axis as manual.
+
+    ``skip_bubbles``: a stage outside its microbatch window (pipeline fill/drain) skips its layers
+    (``lax.cond`` per device), forward and backward, instead of computing on a placeholder; the
+    devices it frees are what interleaved encoder work can use.
     """
     S, R, M = schedule.stages, schedule.repeats, schedule.microbatches
     if int(mesh.shape.get(axis, 1)) != S:
@@ -152,7 +163,12 @@ def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_pa
             inp = jnp.where(s == 0, first, cur)
             p = jax.tree.map(lambda a: a[r], params)
             ex = jax.tree.map(lambda a: a[m], extras)
-            y, a = fn(p, inp, ex)
+            if skip_bubbles:  # a stage with no microbatch this iteration does no work (frees its devices)
+                vary = lambda x: x if _varies(x, axis) else lax.pcast(x, (axis,), to="varying")  # noqa: E731
+                y, a = lax.cond(valid, lambda: jax.tree.map(vary, fn(p, inp, ex)),
+                                lambda: (vary(inp), vary(jnp.zeros(aux_shape.shape, aux_shape.dtype))))
+            else:
+                y, a = fn(p, inp, ex)
             aux = aux + jnp.where(valid, a, 0.0)
             nxt = lax.ppermute(y, axis, perm)
             if R > 1:  # stage 0 keeps what comes back from the last stage until its next lap
@@ -177,5 +193,7 @@ def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_pa
 
     spec_params = jax.tree.map(lambda _: P(axis), stage_params)
     spec_extras = jax.tree.map(lambda _: P(), extras)
+    # with a feed, per-device typing is off: the feed's nested shard_map (all axes manual) cannot be
+    # typed against this one, and the transposes then sum every stage's cotangents as untyped SPMD does
     return jax.shard_map(body, mesh=mesh, in_specs=(spec_params, P(), spec_extras, feed_specs),
-                         out_specs=(P(), P()), axis_names={axis})(stage_params, xs, extras, feed_ops)
+                         out_specs=(P(), P()), axis_names={axis}, check_vma=feed is None)(stage_params, xs, extras, feed_ops)
