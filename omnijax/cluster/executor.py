@@ -75,6 +75,8 @@ class PSRunner:
     `devices` workers and `devices // 2` servers (at least 1, at most `max_servers`); resized in place."""
     max_servers: int = 2
     chunk: int = 5
+    resize_penalty_s: float = 2.0   # the fitted model's cost of an in-place resize: the hand-over took
+                                    # 0.06-0.6 s here, plus the wait for the next chunk boundary
     in_place = True
 
     def shape(self, devices: int) -> tuple[int, int]:
@@ -227,6 +229,9 @@ class Executor:
                 for s in specs}
         steps = {s.name: s.steps for s in specs}
         runners = {s.name: s.runner or self.runner for s in specs}
+        for name, r in runners.items():   # in-place resizes cost the job little: say so to the scheduler
+            if getattr(r, "in_place", False):
+                jobs[name].resize_penalty_s = getattr(r, "resize_penalty_s", None)
         seqs: dict[str, int] = {}
         running: dict[str, _Running] = {}
         owners: dict[str, object] = {}

@@ -66,6 +66,7 @@ class Job:
     last_run: float = 0.0               # seconds of running since last queued (Tiresias promotion)
     waiting_since: float = 0.0
     restarts: int = 0
+    resize_penalty_s: float | None = None   # this job's resize cost for the fitted model (None: its default)
     loss_model: LossModel = field(default_factory=LossModel)
     speed_model: SpeedModel = field(default_factory=SpeedModel)
     timeline: list[tuple[float, int, int]] = field(default_factory=list)   # (time, devices, nodes)

@@ -122,7 +122,8 @@ class FittedModel(Scheduler):
     Remaining time of job j on n devices: R_j(n) = remaining steps (from its fitted loss curve, or a
     prior before the curve has enough points) × step time at n devices on the nodes a packed placement
     spans, plus `resize_penalty_s` if n differs from what the job holds now, so a resize has to pay for its
-    checkpoint-restart and the re-placement churn it causes. Step times come from the job's NNLS speed
+    checkpoint-restart and the re-placement churn it causes (a job may carry its own cost,
+    `Job.resize_penalty_s`: PS jobs resized in place pay far less). Step times come from the job's NNLS speed
     model, or from the measurement itself where that configuration was measured (`measured`); sizes
     beyond `explore_factor` × the largest measured size are not offered (the fit extrapolates badly far
     out: the cross-node sync cost it cannot see yet makes it predict 2x too fast at 4x the profiled
@@ -224,6 +225,10 @@ class FittedModel(Scheduler):
             out = out[keep] if keep.any() else out[:1]
         return out
 
+    def penalty(self, j: Job) -> float:
+        """Resize cost of `j`: its own (`Job.resize_penalty_s`, e.g. a cheap in-place PS resize) or the default."""
+        return self.resize_penalty_s if j.resize_penalty_s is None else j.resize_penalty_s
+
     def remaining_times(self, j: Job, sizes: np.ndarray, cluster: Cluster) -> np.ndarray:
         """Predicted seconds to finish at each size (no resize penalty)."""
         st = j.speed_model.predict_many(sizes, np.ceil(sizes / cluster.gpus_per_node), measured=self.measured)
@@ -232,7 +237,7 @@ class FittedModel(Scheduler):
     def gains(self, j: Job, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
         """(sizes, gain per device of stepping from the previous size, 0 for the first, to each size)."""
         sizes = self.sizes(j, cluster)
-        r = self.remaining_times(j, sizes, cluster) + self.resize_penalty_s * (sizes != j.allocation)
+        r = self.remaining_times(j, sizes, cluster) + self.penalty(j) * (sizes != j.allocation)
         steps = np.diff(np.concatenate([[0], sizes]))
         if self.objective == "completion_rate":
             return sizes, np.diff(np.concatenate([[0.0], 1.0 / r])) / steps
@@ -265,7 +270,7 @@ class FittedModel(Scheduler):
         for j in jobs:
             sizes = self.sizes(j, cluster)
             r = self.remaining_times(j, sizes, cluster)
-            table[j.name] = (sizes, r, 1.0 / (r + self.resize_penalty_s * (sizes != j.allocation)))
+            table[j.name] = (sizes, r, 1.0 / (r + self.penalty(j) * (sizes != j.allocation)))
         byname = {j.name: j for j in jobs}
         held = {j.name: -1 for j in jobs}          # index into sizes of what the job holds in this plan
 
