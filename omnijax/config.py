@@ -71,8 +71,8 @@ class ParallelConfig:
     microbatches: int = 0    # pipeline microbatches (0 = 2 x pp)
     pipeline_schedule: Literal["gpipe", "circular"] = "gpipe"
     remat: bool = False
-    # encoders + resharding inside the pipeline loop, one microbatch ahead of stage 0 (auto: when pp > 1)
-    interleave_encoders: Literal["auto", "on", "off"] = "auto"
+    # encoders + resharding inside the pipeline loop, one microbatch ahead of stage 0 (needs pp > 1)
+    interleave_encoders: bool = False
 
 
 @dataclass

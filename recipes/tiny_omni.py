@@ -378,9 +378,8 @@ def multiplexed(cfg: OmniConfig):
 
     engine = LLMParallel(p.llm, cfg.model.llm, rules=p.rules, microbatches=p.microbatches,
                          schedule=p.pipeline_schedule, remat=p.remat)
-    interleave = {"auto": None, "on": True, "off": False}[p.interleave_encoders]
     return Multiplexer(engine, cfg.model, encoder_layout=p.encoder, encoder_rules=p.encoder_rules,
-                       interleave=interleave)
+                       interleave=p.interleave_encoders)
 
 
 def main(argv: list[str], name: str = "tiny_omni") -> int:

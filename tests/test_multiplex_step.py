@@ -46,7 +46,7 @@ def moe():
     return _setup(moe=True)
 
 
-def _check(setup, layout, encoder_layout, mode="balanced", interleave=None, **engine_kw):
+def _check(setup, layout, encoder_layout, mode="balanced", interleave=False, **engine_kw):
     cfg, batch, model, ref_loss, ref_grads = setup
     engine = LLMParallel(layout, cfg.llm, **engine_kw)
     mx = Multiplexer(engine, cfg, encoder_layout=encoder_layout, mode=mode, interleave=interleave)
@@ -72,7 +72,7 @@ def _check(setup, layout, encoder_layout, mode="balanced", interleave=None, **en
 
 def test_pp2_dp2_tp2_with_long_short_encoders(dense):
     """Pipelined LLM: encoders run inside the pipeline loop, one microbatch ahead (interleaved)."""
-    plan = _check(dense, "pp2xdp2xtp2", "edp4xesp2", microbatches=2)
+    plan = _check(dense, "pp2xdp2xtp2", "edp4xesp2", interleave=True, microbatches=2)
     assert plan.stats["long_segments"] > 0  # sequence-parallel path exercised
     assert plan.arrays["route_send"].ndim == 4  # [devices, microbatches, devices, capacity]
     # second-stage devices encode too (their encoder gradients cross the pipeline's shard_map)

@@ -132,18 +132,19 @@ class Multiplexer:
 
     mode: "balanced" (omnijax), "arrival" (decoupled, no reordering) or "coupled" (the baseline that
     encodes on pipeline stage 0, replicated over tp/cp). long_short=False keeps every segment DP.
-    interleave (default: whenever the LLM is pipelined): plan each pipeline microbatch separately and
-    encode + route it inside the pipeline loop, one iteration ahead of stage 0 (microbatch m+1 during
-    iteration m), so encoder work runs beside the stages instead of as a phase before the pipeline;
-    outputs then go to the pp=0 replicas only.
+    interleave (pipelined LLMs): plan each pipeline microbatch separately and encode + route it inside
+    the pipeline loop, one iteration ahead of stage 0 (microbatch m+1 during iteration m), so encoder
+    work runs beside the stages instead of as a phase before the pipeline; outputs then go to the pp=0
+    replicas only. Off by default: per-microbatch buffers pad more when a microbatch holds only a few
+    segments per device (`python -m recipes bench omni` measures both).
     """
 
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
                  encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
                  balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None,
-                 interleave: bool | None = None):
+                 interleave: bool = False):
         self.engine, self.mesh, self.mm_cfg = engine, engine.mesh, mm_cfg
-        self.interleave = engine.schedule is not None if interleave is None else interleave
+        self.interleave = interleave
         if self.interleave and engine.schedule is None:
             raise ConfigError(f"parallel.interleave_encoders: layout {engine.layout} has no pipeline (pp=1); "
                               "encoder work can only be interleaved with pipeline iterations")
