@@ -63,3 +63,38 @@ def test_segment_across_microbatches_is_refused():
     batch["vision_dest"] = np.array([0, 8 + 0, -1, -1], np.int32)   # rows 0 and 1: microbatches 0 and 1
     with pytest.raises(ConfigError, match="different microbatches"):
         microbatch_views(batch, 2, ("vision",))
+
+
+def _multiplexer(layout, **kw):
+    from omnijax.config import from_dict
+    from omnijax.models.mm_config import MMConfig
+    from omnijax.parallel.engine import LLMParallel
+    from omnijax.parallel.multiplex import Multiplexer
+    from test_multiplex_step import ENCODERS, LLM
+
+    cfg = from_dict(MMConfig, {"llm": LLM, "encoders": ENCODERS})
+    return cfg, Multiplexer(LLMParallel(layout, cfg.llm), cfg, encoder_layout="edp4xesp2", **kw)
+
+
+def test_interleave_without_a_pipeline_is_a_config_error():
+    with pytest.raises(ConfigError, match="no pipeline"):
+        _multiplexer("dp4xtp2", interleave=True)
+
+
+def test_window_capacities_hold_every_microbatch_plan():
+    """`fit_window` over upcoming batches: planning each of them afterwards never grows a capacity
+    (one compiled program for the window), and every microbatch's plan is stacked."""
+    from omnijax.data.world import World
+    from recipes.tiny_omni import Packer
+    from test_multiplex_step import WORLD
+
+    cfg, mx = _multiplexer("pp2xdp2xtp2", interleave=True)
+    packer = Packer(cfg, 8, 64, {"vision": 512, "audio": 256})
+    batches = [packer.pack(World(WORLD).sample(i) for i in range(k, k + 80))[0] for k in (0, 80, 160)]
+    caps = mx.fit_window(batches)
+    mx.capacities = dict(caps)
+    for b in batches:
+        _, plan = mx.host_plan(b)
+        assert mx.capacities == caps
+        assert plan.arrays["route_send"].shape[:2] == (8, mx.engine.schedule.microbatches)
+        assert 0.0 <= plan.stats["padded_fraction"] < 1.0

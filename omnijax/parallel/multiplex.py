@@ -82,15 +82,12 @@ def microbatch_views(batch: dict, microbatches: int, encoders: tuple[str, ...]) 
         seg, dest = np.asarray(batch[f"{name}_segment_ids"]), np.asarray(batch[f"{name}_dest"]).astype(np.int64)
         r = len(seg) // len(dest)
         owner = np.zeros(len(seg), np.int64)      # microbatch of each input row's segment
-        idx = np.flatnonzero(seg > 0)
-        breaks = np.flatnonzero((np.diff(idx) != 1) | (np.diff(seg[idx]) != 0)) + 1
-        for run in np.split(idx, breaks) if idx.size else []:
-            d = dest[run[0] // r:(run[-1] + 1) // r]
-            rows = np.unique(d[d >= 0] // L % M)
+        for s in routing.segments_of(batch, {name: r}, lambda *_: 0.0):
+            rows = np.unique(s.dests[s.dests >= 0] // L % M)
             if rows.size > 1:
                 raise ConfigError(f"a {name} segment feeds LLM rows of {rows.size} different microbatches; "
                                   "a segment's tokens must stay in one packed row")
-            owner[run] = rows[0] if rows.size else 0
+            owner[s.start:s.start + s.rows] = rows[0] if rows.size else 0
         tok_owner = owner[::r]
         for m, view in enumerate(views):
             keep = (seg > 0) & (owner == m)
@@ -102,24 +99,21 @@ def microbatch_views(batch: dict, microbatches: int, encoders: tuple[str, ...]) 
     return views
 
 
-def _stack_plans(plans: list[routing.Plan], llm_tokens: list[int]) -> routing.Plan:
-    """One plan per microbatch -> arrays [devices, microbatches, ...] and whole-step statistics."""
+def _stack_plans(plans: list[routing.Plan]) -> routing.Plan:
+    """One plan per microbatch -> arrays [devices, microbatches, ...] and whole-step statistics
+    (counts add up; the padded fraction is recomputed from the summed counts)."""
     arrays = {k: np.stack([p.arrays[k] for p in plans], axis=1) for k in plans[0].arrays}
     stats: dict[str, float] = {}
     for k in plans[0].stats:
         vals = [p.stats[k] for p in plans]
         if k.endswith("max_over_mean"):
             stats[k] = float(np.mean(vals))   # balance of each microbatch's encoder work (one per iteration)
-        elif k == "padded_fraction":
-            continue
         elif k.endswith("capacity"):
             stats[k] = max(vals)
         else:
             stats[k] = sum(vals)
-    if "padded_fraction" in plans[0].stats:
-        w = [p.stats["enc_rows_computed"] + n for p, n in zip(plans, llm_tokens)]
-        real = sum((1 - p.stats["padded_fraction"]) * wi for p, wi in zip(plans, w))
-        stats["padded_fraction"] = 1 - real / max(sum(w), 1)
+    real = stats["enc_rows_real"] + stats["llm_tokens_real"]
+    stats["padded_fraction"] = 1.0 - real / max(stats["enc_rows_computed"] + stats["llm_tokens_computed"], 1)
     return routing.Plan(arrays, stats, plans[0].capacities)
 
 
@@ -215,8 +209,7 @@ class Multiplexer:
 
         Interleaved: one plan per pipeline microbatch (shared capacities), stacked on axis 1 of every
         array ([devices, microbatches, ...])."""
-        parts = (microbatch_views(host_batch, self.engine.schedule.microbatches, tuple(self.reductions))
-                 if self.interleave else [host_batch])
+        parts = self.parts(host_batch)
 
         def build(caps):
             return [routing.build_plan(part, self.grid, self.reductions, self.dims, self.cost_fn,
@@ -233,13 +226,31 @@ class Multiplexer:
         if any(dict(p.capacities) != grown for p in plans):
             plans = build(grown)
         self.capacities = grown
-        return plans[0] if not self.interleave else _stack_plans(plans, [np.asarray(p["tokens"]).size for p in parts])
+        return plans[0] if not self.interleave else _stack_plans(plans)
+
+    def parts(self, host_batch: dict) -> list[dict]:
+        """What one plan covers: the batch, or (interleaved) each pipeline microbatch of it."""
+        if not self.interleave:
+            return [host_batch]
+        return microbatch_views(host_batch, self.engine.schedule.microbatches, tuple(self.reductions))
+
+    def balanced(self, host_batch: dict) -> dict:
+        """The batch with its rows spread over the batch shards by LLM cost (if `balance_rows`)."""
+        if not self.balance_rows:
+            return host_batch
+        return routing.balance_rows(host_batch, self.grid.batch_shards, self.llm_coeffs, tuple(self.reductions))
+
+    def fit_window(self, host_batches: list[dict], growth: float = routing.BUCKET_GROWTH) -> dict:
+        """Capacities that every plan of these upcoming batches fits (one compiled program for the
+        window), searched jointly over all their parts (`routing.fit_capacities`)."""
+        parts = [part for b in host_batches for part in self.parts(self.balanced(b))]
+        return routing.fit_capacities(parts, self.grid, self.reductions, self.dims, self.cost_fn,
+                                      order=context.balanced_order, mode=self.mode, long_short=self.long_short,
+                                      first_stage_only=self.interleave, growth=growth)
 
     def host_plan(self, host_batch: dict) -> tuple[dict, routing.Plan]:
         """Host half of `put_batch`: (rows balanced by LLM cost if enabled, the step's plan)."""
-        if self.balance_rows:
-            host_batch = routing.balance_rows(host_batch, self.grid.batch_shards, self.llm_coeffs,
-                                              tuple(self.reductions))
+        host_batch = self.balanced(host_batch)
         plan = self.plan(host_batch)
         plan.stats["llm_cost_max_over_mean"] = routing.shard_cost_max_over_mean(
             host_batch, self.grid.batch_shards, self.llm_coeffs)

@@ -83,7 +83,6 @@ def stack_layers(layers: list[Any], schedule: Schedule) -> Any:
 
 def unstack_layers(stacked: Any, schedule: Schedule) -> list[Any]:
     """Inverse of :func:`stack_layers` (for gradients and checkpoints)."""
-    S, R = schedule.stages, schedule.repeats
     flat = jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), stacked)
     n = jax.tree.leaves(flat)[0].shape[0]
     return [jax.tree.map(lambda a: a[i], flat) for i in range(n)]
@@ -144,8 +143,7 @@ def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_pa
         s = lax.axis_index(axis)
 
         def prepare(m):
-            x = lax.pcast(xs[m], (axis,), to="varying")  # what the feed writes differs per stage
-            return feed_fn(feed_ops, x, m).astype(xs.dtype)
+            return feed_fn(feed_ops, xs[m], m).astype(xs.dtype)
 
         def step(carry, t):
             cur, loop, aux, fed = carry
@@ -184,8 +182,10 @@ def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_pa
         init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs) if R > 1 else jnp.zeros((1,), xs.dtype),
                 jnp.zeros(aux_shape.shape, aux_shape.dtype))
         init = jax.tree.map(lambda a: lax.pcast(a, (axis,), to="varying"), init)
-        fed0 = prepare(jnp.int32(0)) if feed_fn is not None else lax.pcast(jnp.zeros((1,), xs.dtype), (axis,),
-                                                                           to="varying")
+        if feed_fn is not None:
+            fed0 = prepare(jnp.int32(0))
+        else:  # an unused slot in the carry
+            fed0 = lax.pcast(jnp.zeros((1,), xs.dtype), (axis,), to="varying")
         (_, _, aux, _), ys = lax.scan(step, (*init, fed0), jnp.arange(T))
         start = (R - 1) * M + S - 1  # iteration at which the last stage finishes microbatch 0's final lap
         out = jnp.where(s == S - 1, ys[start:start + M], 0.0)

@@ -142,27 +142,6 @@ def batches(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 64)
     return out
 
 
-def window_capacities(mx, window: list[dict], growth: float) -> dict:
-    """Capacities that every plan of these upcoming batches fits (one compiled program for the
-    window): the batches as the multiplexer plans them (rows balanced if it balances them; one part
-    per pipeline microbatch if it interleaves encoder work with the pipeline)."""
-    from omnijax.parallel import context, routing
-
-    interleave = bool(getattr(mx, "interleave", False))
-    parts = []
-    for b in window:
-        if mx.balance_rows:
-            b = routing.balance_rows(b, mx.grid.batch_shards, mx.llm_coeffs, tuple(mx.reductions))
-        if interleave:
-            from omnijax.parallel.multiplex import microbatch_views
-
-            parts += microbatch_views(b, mx.engine.schedule.microbatches, tuple(mx.reductions))
-        else:
-            parts.append(b)
-    return routing.fit_capacities(parts, mx.grid, mx.reductions, mx.dims, mx.cost_fn, order=context.balanced_order,
-                                  mode=mx.mode, long_short=mx.long_short, first_stage_only=interleave, growth=growth)
-
-
 def run(overrides: list[str]) -> Iterator[dict]:
     from recipes.common import setup_devices
 
@@ -202,7 +181,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         model = mx.prepare(mllm.MultimodalModel(cfg, rngs=nnx.Rngs(0)))
         g, params, rest = nnx.split(model, nnx.Param, ...)
         t0 = time.perf_counter()
-        caps = [window_capacities(mx, [host[i] for i in win], opts["bucket_growth"]) for win in windows]
+        caps = [mx.fit_window([host[i] for i in win], opts["bucket_growth"]) for win in windows]
         fit_s = time.perf_counter() - t0
         step = jax.jit(make_train_step(g, rest, mx.loss_fn, opt), donate_argnums=0)
         runs[name] = {"mx": mx, "step": step, "state": mx.put_state(init_state(params, opt)), "caps": caps,
@@ -281,7 +260,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
                       "reshard_kb_inter_host": round(mean("inter_host_bytes") / 1024, 1), "long_segments": mean("long_segments"),
                       "short_in_long_segments": mean("short_in_long_segments"),
                       "final_loss": round(r["losses"][-1], 4), "layout": f"{opts['llm']}+{opts['encoder']}",
-                      "interleaved": bool(getattr(r["mx"], "interleave", False)),
+                      "interleaved": r["mx"].interleave,
                       "devices": jax.device_count(), "steps": steps, "batch_size": opts["batch_size"],
                       "pack_s": round(pack_s, 1)}
         for enc in ("vision", "audio"):
