@@ -14,11 +14,14 @@ extrapolated linearly in the number of layers (a dense decoder's blocks are iden
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from omnijax.config import LLMConfig
 
 DESCRIPTION = "auto-tune gradient bucketing/partitioning/in-flight bound + XLA flags (optuna); writes comm_tuned.yaml"
 
@@ -27,27 +30,29 @@ MiB = 1 << 20
 
 @dataclass
 class ModelSpec:
-    vocab_size: int = 512
-    embed_dim: int = 96
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 24
-    mlp_dim: int = 256
-    seq_len: int = 128
+    """An LLM to tune for, plus the step shape it is compiled with."""
+    llm: LLMConfig = field(default_factory=lambda: LLMConfig(vocab_size=512, embed_dim=96, num_layers=2, num_heads=4,
+                                                             num_kv_heads=2, head_dim=24, mlp_dim=256, max_seq_len=128))
     batch_per_device: int = 1
     compute_dtype: str = "float32"
-    tie_embeddings: bool = True
     probe_layers: list[int] = field(default_factory=list)   # [] = compile the real depth
+
+    @property
+    def num_layers(self) -> int:
+        return self.llm.num_layers
+
+    @property
+    def seq_len(self) -> int:
+        return self.llm.max_seq_len
 
 
 MODELS = {
     # the LLM backbone of recipes/configs/tiny_omni.yaml (encoders not included)
     "tiny_omni": ModelSpec(),
     # Llama-2-7B shapes; compiled with 2 and 4 blocks and extrapolated to 32
-    "7b": ModelSpec(vocab_size=32000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
-                    mlp_dim=11008, seq_len=4096, batch_per_device=1, compute_dtype="bfloat16",
-                    tie_embeddings=False, probe_layers=[2, 4]),
+    "7b": ModelSpec(LLMConfig(vocab_size=32000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                              head_dim=128, mlp_dim=11008, max_seq_len=4096, tie_embeddings=False),
+                    batch_per_device=1, compute_dtype="bfloat16", probe_layers=[2, 4]),
 }
 
 
@@ -66,12 +71,8 @@ class TuneConfig:
 
 
 # ------------------------------------------------------------------------------ building steps
-def _llm_config(spec: ModelSpec, layers: int):
-    from omnijax.config import LLMConfig
-
-    return LLMConfig(vocab_size=spec.vocab_size, embed_dim=spec.embed_dim, num_layers=layers,
-                     num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                     mlp_dim=spec.mlp_dim, max_seq_len=spec.seq_len, tie_embeddings=spec.tie_embeddings)
+def _llm_config(spec: ModelSpec, layers: int) -> LLMConfig:
+    return dataclasses.replace(spec.llm, num_layers=layers)
 
 
 def _abstract(tree, shardings):
