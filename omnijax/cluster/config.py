@@ -62,6 +62,7 @@ class BenchConfig:
     files: int = 1
     limit: int = 0
     applications: list[str] = field(default_factory=list)   # only jobs of these (analysis); [] = all
+    lp_interval_s: float = 120.0   # time step of the LP lower bound (0: skip it); shorter is tighter and slower
     sim: SimConfig = field(default_factory=SimConfig)
     learned: LearnedConfig = field(default_factory=LearnedConfig)
 

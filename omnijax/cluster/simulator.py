@@ -98,18 +98,6 @@ def jobs_from_specs(specs: Sequence[JobSpec], cfg: SimConfig) -> tuple[list[Job]
     return jobs, step_time
 
 
-def alone_bound(specs: Sequence[JobSpec], cfg: SimConfig) -> float:
-    """Average JCT if every job ran alone from its arrival on its fastest packed size (no queueing, no
-    slot wait, no restart): a lower bound for any scheduler in this simulator."""
-    jobs, step_time = jobs_from_specs(specs, cfg)
-    cluster = cfg.cluster
-    best = []
-    for j in jobs:
-        cap = min(j.max_replicas, cluster.gpus)
-        best.append(min(j.total_steps * step_time(j, n, nodes_for(n, cluster)) for n in range(1, cap + 1)))
-    return float(np.mean(best))
-
-
 def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, cfg: SimConfig) -> SimResult:
     """Run all jobs to completion under `scheduler`; the jobs are modified in place."""
     cluster = cfg.cluster
