@@ -68,3 +68,13 @@ def test_lp_bound_rejects_bad_input():
         lp_bound([_one_device_job("a", 10.0)], lambda job, n, nodes: 1.0, cfg, interval_s=0.0)
     with pytest.raises(ValueError, match="at least one job"):
         lp_bound([], lambda job, n, nodes: 1.0, cfg)
+
+
+def test_simulator_refuses_to_grow_a_job_past_its_max_replicas():
+    """The bounds assume no job runs on more devices than its batch allows; the simulator enforces it."""
+    class Greedy(FIFO):
+        def allocate(self, now, jobs, cluster):
+            return {j.name: cluster.gpus for j in jobs}
+    cfg = SimConfig(num_nodes=1, gpus_per_node=4, cpus_per_node=64, profile_sizes=())
+    with pytest.raises(ValueError, match="max_replicas"):
+        simulate([_one_device_job("a", 10.0)], lambda job, n, nodes: 1.0, Greedy(), cfg)

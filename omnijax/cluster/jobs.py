@@ -85,12 +85,17 @@ def cap_for(job: Job, cluster: Cluster) -> int:
 
 
 def check_allocation(alloc: Mapping[str, int], jobs: Mapping[str, Job], cluster: Cluster) -> None:
-    """Raise ValueError if an allocation exceeds GPU or CPU capacity or names unknown jobs."""
+    """Raise ValueError if an allocation exceeds GPU or CPU capacity, gives a job more than its
+    `max_replicas`, or names unknown jobs."""
     unknown = set(alloc) - set(jobs)
     if unknown:
         raise ValueError(f"allocation names unknown jobs {sorted(unknown)}")
     if any(n < 0 for n in alloc.values()):
         raise ValueError(f"negative allocation {alloc}")
+    over = {j: n for j, n in alloc.items() if n > cap_for(jobs[j], cluster)}
+    if over:
+        raise ValueError(f"allocation {over} exceeds those jobs' max_replicas (or the cluster): their local batch "
+                         f"would fall below the smallest measured one")
     gpus = sum(alloc.values())
     cpus = sum(n * jobs[j].cpus_per_replica for j, n in alloc.items())
     if gpus > cluster.gpus or cpus > cluster.cpus:
