@@ -8,11 +8,12 @@ from hypothesis import strategies as st
 
 from omnijax.cluster.jobs import Cluster, Job, check_allocation, place
 from omnijax.cluster.perf_model import SpeedModel
-from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, Tiresias
+from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, FittedOracle, Tiresias, pack_on, shadow_cost
 from omnijax.cluster.simulator import SimConfig, run_workload, simulate
 from omnijax.cluster.traces import load_workload
 
-SCHEDULERS = [FIFO, DRF, Tiresias, FittedModel, lambda: FittedModel(objective="remaining_time")]
+SCHEDULERS = [FIFO, DRF, Tiresias, FittedModel, lambda: FittedModel(objective="remaining_time"),
+              lambda: FittedModel(objective="completion_rate")]
 
 
 def _job(i, arrival=0.0, requested=1, cpus=2, allocation=0, attained=0.0, steps=1000.0, **kw):
@@ -140,3 +141,60 @@ def test_fitted_uses_measurements_and_bounds_growth():
     alloc = FittedModel(resize_penalty_s=0.0).allocate(0.0, [a, b], small)
     assert alloc["a"] == 8 and alloc["b"] >= 2
     assert sum(alloc.values()) <= small.gpus
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=6), st.integers(1, 12))
+def test_pack_on_is_what_place_does_for_one_resized_job(used, n):
+    cluster = Cluster(num_nodes=len(used), gpus_per_node=4, cpus_per_node=64)
+    current = {f"k{i}": tuple(u if k == i else 0 for k in range(len(used))) for i, u in enumerate(used) if u}
+    alloc = {name: sum(c) for name, c in current.items()}
+    free = [4 - u for u in used]
+    counts = pack_on(free, n)
+    if counts is None:
+        assert n > sum(free)
+        return
+    alloc["new"] = n
+    assert list(place(alloc, current, cluster, pack=True)["new"]) == counts
+
+
+def test_shadow_cost_charges_device_seconds_to_the_jobs_behind():
+    r, sizes = np.array([100.0, 70.0, 55.0]), np.array([1, 2, 4])
+    assert np.allclose(shadow_cost(r, sizes, 0, 16), r)        # nobody waits: pure speed, largest size wins
+    crowded = shadow_cost(r, sizes, 16, 16, beta=1.0)
+    assert np.allclose(crowded, r * (1 + sizes))
+    assert int(np.argmin(crowded)) == 0                          # many wait: the efficient size wins
+
+
+def _measured(name, steps, times, max_replicas, allocation=0, placement=()):
+    speed = SpeedModel("allreduce", batch_size=64)
+    for (n, m), t in times.items():
+        speed.observe(n, m, t)
+    return Job(name, 0.0, "x", 64, 1, steps, speed_model=speed, max_replicas=max_replicas, cpus_per_replica=1,
+               allocation=allocation, placement=placement)
+
+
+def test_shadow_price_takes_an_efficient_size_while_others_wait_and_all_of_it_alone():
+    cluster = Cluster(num_nodes=4, gpus_per_node=4, cpus_per_node=64)
+    sched = FittedOracle(resize_penalty_s=0.0)
+    short = lambda: _measured("a", 1000.0, {(1, 1): 1.0, (2, 1): 0.7, (4, 1): 0.55}, max_replicas=4)
+    assert sched.allocate(0.0, [short()], cluster)["a"] == 4
+    linear = {(n, max(1, n // 4)): 1.0 / n for n in (1, 2, 4, 8)}
+    crowd = [_measured(f"b{i}", 1e5 * (i + 1), linear, max_replicas=16) for i in range(3)]
+    alloc = sched.allocate(0.0, [short()] + crowd, cluster)
+    assert alloc["a"] == 2                                       # 3 jobs wait behind it: R(n)·(1 + 2·3·n/16)
+    assert sum(alloc.values()) == cluster.gpus                   # the rest goes to the long jobs, shortest first
+    assert alloc["b0"] == max(alloc[f"b{i}"] for i in range(3))
+
+
+def test_shadow_price_does_not_spread_a_small_job_over_two_nodes():
+    cluster = Cluster(num_nodes=2, gpus_per_node=4, cpus_per_node=64)
+    flat = {(1, 1): 1.0, (2, 1): 0.5}
+    kept = [_measured("k1", 1e6, flat, 2, 2, (2, 0)), _measured("k2", 1e6, flat, 1, 1, (1, 0)),
+            _measured("k3", 1e6, flat, 2, 2, (0, 2)), _measured("k4", 1e6, flat, 1, 1, (0, 1))]
+    # one device free on each node: two devices would span both nodes, where this job is slower than on one
+    new = _measured("n", 1000.0, {(1, 1): 1.0, (2, 1): 0.6, (2, 2): 2.0}, max_replicas=2)
+    alloc = FittedOracle(resize_penalty_s=0.0).allocate(0.0, kept + [new], cluster)
+    assert {k.name: alloc[k.name] for k in kept} == {"k1": 2, "k2": 1, "k3": 2, "k4": 1}
+    assert alloc["n"] == 1
+    assert FittedOracle(resize_penalty_s=0.0, repair_placement=0).allocate(0.0, kept + [new], cluster)["n"] == 2
