@@ -457,7 +457,7 @@ class FittedModel(Scheduler):
                 steps = self.remaining_steps(j)
                 options = []            # (cost, size, counts)
                 sizes = self.sizes(j, cluster)
-                for s in sizes[sizes <= n].tolist():
+                for s in sorted(set(sizes[sizes <= n].tolist()) | {n}):
                     cnt = list(counts) if s == n else pack_on(avail, s)
                     if cnt is None:
                         continue
