@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnijax.cluster.jobs import Cluster, Job, check_allocation, place
+from omnijax.cluster.jobs import Cluster, Job, check_allocation, place, place_one
 from omnijax.cluster.perf_model import SpeedModel
-from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, FittedOracle, Tiresias, pack_on, shadow_cost
+from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, FittedOracle, Tiresias, shadow_cost
 from omnijax.cluster.simulator import SimConfig, run_workload, simulate
 from omnijax.cluster.traces import load_workload
 
@@ -145,12 +145,12 @@ def test_fitted_uses_measurements_and_bounds_growth():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=6), st.integers(1, 12))
-def test_pack_on_is_what_place_does_for_one_resized_job(used, n):
+def test_place_one_is_what_place_does_for_one_resized_job(used, n):
     cluster = Cluster(num_nodes=len(used), gpus_per_node=4, cpus_per_node=64)
     current = {f"k{i}": tuple(u if k == i else 0 for k in range(len(used))) for i, u in enumerate(used) if u}
     alloc = {name: sum(c) for name, c in current.items()}
     free = [4 - u for u in used]
-    counts = pack_on(free, n)
+    counts = place_one(free, n)
     if counts is None:
         assert n > sum(free)
         return

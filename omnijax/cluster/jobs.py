@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
 from omnijax.cluster.perf_model import LossModel, SpeedModel
 
@@ -124,25 +124,34 @@ def place(alloc: Mapping[str, int], current: Mapping[str, tuple[int, ...]], clus
         raise ValueError("kept placements overlap")
     todo = sorted(((n, name) for name, n in alloc.items() if n > 0 and name not in out), key=lambda x: (-x[0], x[1]))
     for n, name in todo:
-        counts = [0] * cluster.num_nodes
-        left = n
-        fits = [i for i in range(cluster.num_nodes) if free[i] >= left] if pack else []
-        if fits:  # packing: the tightest single node that holds the whole job
-            i = min(fits, key=lambda i: (free[i], i))
-            counts[i], free[i], left = left, free[i] - left, 0
-        else:  # spread: emptiest nodes first when packing, node order otherwise (first fit)
-            order = sorted(range(cluster.num_nodes), key=lambda i: (-free[i], i)) if pack else range(cluster.num_nodes)
-            for i in order:
-                take = min(free[i], left)
-                counts[i] += take
-                free[i] -= take
-                left -= take
-                if not left:
-                    break
-        if left:
+        counts = place_one(free, n, pack)
+        if counts is None:
             raise ValueError(f"cannot place {name} ({n} devices): allocation exceeds capacity")
+        free = [f - c for f, c in zip(free, counts)]
         out[name] = tuple(counts)
     return out
+
+
+def place_one(free: Sequence[int], n: int, pack: bool = True) -> list[int] | None:
+    """Devices per node for one job of n devices on the free-per-node list `free`; None if they do not fit.
+
+    `pack`: the tightest single node that holds all n, else the emptiest nodes first; otherwise first fit
+    in node order. `place` uses it for every job it (re)places; schedulers use it to foresee placements."""
+    if n > sum(free):
+        return None
+    counts = [0] * len(free)
+    fits = [i for i in range(len(free)) if free[i] >= n] if pack else []
+    if fits:
+        counts[min(fits, key=lambda i: (free[i], i))] = n
+        return counts
+    left = n
+    for i in sorted(range(len(free)), key=lambda i: (-free[i], i)) if pack else range(len(free)):
+        take = min(free[i], left)
+        counts[i] += take
+        left -= take
+        if not left:
+            break
+    return counts
 
 
 def nodes_for(n: int, cluster: Cluster) -> int:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from omnijax.cluster.jobs import Cluster, Job, cap_for, nodes_for, place
+from omnijax.cluster.jobs import Cluster, Job, cap_for, nodes_for, place, place_one
 
 
 class Scheduler:
@@ -114,26 +114,6 @@ class Tiresias(Scheduler):
                 gpus -= n
                 cpus -= n * j.cpus_per_replica
         return alloc
-
-
-def pack_on(free: Sequence[int], n: int) -> list[int] | None:
-    """Devices per node that `jobs.place(pack=True)` gives one job of n devices on the free-per-node list
-    `free` (the tightest node that holds all n, else the emptiest nodes first); None if n do not fit."""
-    if n > sum(free):
-        return None
-    counts = [0] * len(free)
-    fits = [i for i in range(len(free)) if free[i] >= n]
-    if fits:
-        counts[min(fits, key=lambda i: (free[i], i))] = n
-        return counts
-    left = n
-    for i in sorted(range(len(free)), key=lambda i: (-free[i], i)):
-        take = min(free[i], left)
-        counts[i] += take
-        left -= take
-        if not left:
-            break
-    return counts
 
 
 def shadow_cost(remaining_s: np.ndarray, sizes: np.ndarray, behind: float, capacity: int,
@@ -458,7 +438,7 @@ class FittedModel(Scheduler):
                 options = []            # (cost, size, counts)
                 sizes = self.sizes(j, cluster)
                 for s in sorted(set(sizes[sizes <= n].tolist()) | {n}):
-                    cnt = list(counts) if s == n else pack_on(avail, s)
+                    cnt = list(counts) if s == n else place_one(avail, s)
                     if cnt is None:
                         continue
                     m = sum(1 for c in cnt if c)
@@ -476,7 +456,7 @@ class FittedModel(Scheduler):
         cpus = cluster.cpus - sum(alloc[j.name] * j.cpus_per_replica for j in all_jobs)
         for j in order:
             if alloc[j.name] == 0 and max(free) >= 1 and j.cpus_per_replica <= cpus:
-                cnt = pack_on(free, 1)
+                cnt = place_one(free, 1)
                 alloc[j.name] = 1
                 cpus -= j.cpus_per_replica
                 free = [f - c for f, c in zip(free, cnt)]
