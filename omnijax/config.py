@@ -85,6 +85,30 @@ class DataConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    path: str = ""           # folder with a Hugging Face tokenizer.json; "" = byte-level (the built-in world's)
+
+
+@dataclass
+class MediaConfig:
+    """How media files become sample arrays (audio is always resampled to the encoders' 16 kHz)."""
+    video_fps: float = 2.0       # frames kept per second of video
+    max_video_frames: int = 64   # cap on kept frames per clip (0 = no cap)
+
+
+@dataclass
+class MMDataConfig:
+    """The data section of a multimodal recipe: the user's shards (or the built-in world) and how to mix them."""
+    sources: list[str] = field(default_factory=list)       # folders/globs of `recipes convert` shards; [] = the built-in world
+    eval_sources: list[str] = field(default_factory=list)  # held-out shards: `eval_loss` every trainer.eval_every steps
+    mix: Any = None          # None (uniform) | {name: weight} | [{step: N, weights: {name: weight}}]; names = folder names
+    seq_len: int = 128
+    batch_size: int = 16     # global batch, in rows of seq_len tokens
+    eval_batches: int = 8    # batches of data.eval_sources per evaluation
+    media: MediaConfig = field(default_factory=MediaConfig)
+
+
+@dataclass
 class OptimizerConfig:
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 3e-3
