@@ -1,4 +1,5 @@
-"""tiny_omni: a tiny vision+audio+LLM model trained on the built-in world, then greedy-decoded."""
+"""tiny_omni: a tiny vision+audio+LLM model trained on the built-in world (then greedy-decoded) or on the
+user's own shards (`data.sources=[...]`, held-out loss on `data.eval_sources=[...]`)."""
 from __future__ import annotations
 
 import json
@@ -9,14 +10,17 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from omnijax.config import Config, DataConfig, build, OptimizerConfig, ParallelConfig, TrainerConfig, validate
+from omnijax.config import (Config, DataConfig, MMDataConfig, OptimizerConfig, ParallelConfig, TokenizerConfig,
+                            TrainerConfig, build, validate)
 from omnijax.data import features, tokenizer
 from omnijax.data.sample import BadSample, Sample
 from omnijax.data.world import WorldConfig
 from omnijax.errors import ConfigError
 from omnijax.models.mm_config import MMConfig, encoder_configs
 
-DESCRIPTION = "tiny vision+audio+LLM on the built-in multimodal world (CPU, minutes); per-modality answer accuracy vs chance"
+DESCRIPTION = ("tiny vision+audio+LLM on the built-in multimodal world (CPU, minutes; per-modality answer accuracy "
+               "vs chance) or on your own shards (data.sources=[...])")
+WORLD = "world"  # the built-in world's name among data.sources
 
 PLACEHOLDER = {"image": tokenizer.IMAGE, "video": tokenizer.VIDEO, "audio": tokenizer.AUDIO}
 
@@ -33,22 +37,40 @@ class EvalConfig:
 class OmniConfig:
     model: MMConfig = field(default_factory=MMConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: MMDataConfig = field(default_factory=MMDataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     # encoder name -> input-row capacity of one global batch (multiples of its reduction)
     capacity: dict[str, Any] = field(default_factory=lambda: {"vision": 2048, "audio": 1024})
     eval: EvalConfig = field(default_factory=EvalConfig)
-    # "packer": samples in index order, first-fit; "plane": omnijax's data plane (mixing, grouped
-    # reordering by cost, per-rank packing) with fixed shapes
-    loader: str = "packer"
+    # "auto": "packer" for the built-in world alone, "plane" for anything else; "packer": world samples in
+    # index order, first-fit; "plane": omnijax's data plane (mixing, grouped reordering by cost, per-rank packing)
+    loader: str = "auto"
 
 
 def check(cfg: OmniConfig) -> OmniConfig:
     # the shared sections, with the LLM section checked as a text model's would be
-    validate(Config(model=cfg.model.llm, parallel=cfg.parallel, data=cfg.data, optimizer=cfg.optimizer,
-                    trainer=cfg.trainer))
+    d = cfg.data
+    validate(Config(model=cfg.model.llm, parallel=cfg.parallel, optimizer=cfg.optimizer, trainer=cfg.trainer,
+                    data=DataConfig(source=WORLD, seq_len=d.seq_len, batch_size=d.batch_size, eval_batches=d.eval_batches)))
+    if d.media.video_fps <= 0 or d.media.max_video_frames < 0:
+        raise ConfigError(f"data.media: video_fps={d.media.video_fps} must be > 0 and "
+                          f"max_video_frames={d.media.max_video_frames} >= 0")
+    for key, paths in (("data.sources", d.sources), ("data.eval_sources", d.eval_sources)):
+        for path in paths:
+            check_source_path(key, path)
+    if cfg.loader not in ("auto", "packer", "plane"):
+        raise ConfigError(f"loader={cfg.loader!r}: must be 'auto', 'packer' or 'plane'")
+    if cfg.loader == "packer" and d.sources not in ([], [WORLD]):
+        raise ConfigError(f"loader=packer reads only the built-in world; data.sources={d.sources} needs loader=plane "
+                          f"(or auto)")
+    if cfg.loader == "packer" and d.mix is not None:
+        raise ConfigError("data.mix needs loader=plane (or auto) and several data.sources")
+    if cfg.tokenizer.path and not any(p != WORLD for p in d.sources + d.eval_sources):
+        raise ConfigError(f"tokenizer.path={cfg.tokenizer.path}: the built-in world is byte-level; a tokenizer is "
+                          "for data.sources converted with it")
     encs = encoder_configs(cfg.model)
     for name, enc in encs.items():
         r = enc.merge * enc.merge if hasattr(enc, "merge") else enc.reduction
@@ -348,24 +370,98 @@ def load(argv: list[str], name: str = "tiny_omni") -> OmniConfig:
                  defaults=None if named else {"trainer": {"run_name": name}}, check=check)
 
 
-def make_loader(cfg: OmniConfig, world, packer: Packer):
-    """The training loader `cfg.loader` names (both keep their state in the checkpoint)."""
-    if cfg.loader == "packer":
-        return WorldLoader(world, packer)
-    if cfg.loader != "plane":
-        raise ConfigError(f"loader={cfg.loader!r}: must be 'packer' or 'plane'")
+def check_source_path(key: str, path: str) -> None:
+    """One clear line for a data path that cannot be read, before anything is loaded."""
+    import glob
+    import os
+
+    if path == WORLD:
+        return
+    if any(ch in path for ch in "*?["):
+        if not glob.glob(path):
+            raise ConfigError(f"{key}: {path} matches no files")
+    elif not os.path.exists(path):
+        raise ConfigError(f"{key}: {path}: no such folder; write it first with "
+                          f"`python -m recipes convert input=YOUR.jsonl output={path}`")
+
+
+def source_specs(key: str, paths: list[str], split: str) -> list:
+    """Sources of `paths`: the built-in world by name, otherwise folders/globs of converted shards.
+
+    A source is named after its folder (the names `data.mix` uses)."""
+    from omnijax.data.sources import SourceSpec
+
+    specs = []
+    for path in paths:
+        if path == WORLD:
+            specs.append(SourceSpec(name=WORLD, kind="world", split=split))
+            continue
+        p = Path(path.rstrip("/"))
+        while any(ch in p.name for ch in "*?[") and p.parent != p:
+            p = p.parent
+        specs.append(SourceSpec(name=p.name or path, kind="arrayrecord", path=path))
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{key}: two sources are named {dup[0]!r} (a source is named after its folder); "
+                          "give each source its own folder")
+    return specs
+
+
+def plane_config(cfg: OmniConfig, sources: list, mix, seed: int):
+    """The data plane's config for this recipe: one dp rank per device, fixed shapes (one program)."""
     import jax
 
-    from omnijax.data.loader import Loader, LoaderConfig, TrainerBatches
+    from omnijax.data.loader import LoaderConfig
 
     ranks = jax.device_count()
     if cfg.data.batch_size % ranks or any(c % ranks for c in cfg.capacity.values()):
-        raise ConfigError(f"loader=plane: data.batch_size={cfg.data.batch_size} and capacity {cfg.capacity} must "
-                          f"split over {ranks} data-parallel ranks")
-    plane = LoaderConfig(samples_per_step=4 * cfg.data.batch_size, dp=ranks, microbatches=1, window=4,
-                         row_len=cfg.data.seq_len, max_rows=cfg.data.batch_size // ranks, fixed_shapes=True,
-                         max_encoder_rows={k: v // ranks for k, v in cfg.capacity.items()}, seed=cfg.trainer.seed)
-    return TrainerBatches(Loader(plane, mm_cfg=cfg.model, world_cfg=cfg.world))
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} and capacity {cfg.capacity} must split over "
+                          f"{ranks} data-parallel ranks (one per device)")
+    return LoaderConfig(sources=sources, mix=mix, samples_per_step=4 * cfg.data.batch_size, dp=ranks, microbatches=1,
+                        window=4, row_len=cfg.data.seq_len, max_rows=cfg.data.batch_size // ranks, fixed_shapes=True,
+                        max_encoder_rows={k: v // ranks for k, v in cfg.capacity.items()}, seed=seed)
+
+
+def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix, seed: int):
+    """A data-plane Loader over `paths` (sources opened once, checked against the tokenizer)."""
+    from omnijax.data.loader import Loader
+    from omnijax.data.sources import open_sources
+
+    specs = source_specs(key, paths, split)
+    sources = open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media)
+    return Loader(plane_config(cfg, specs, mix, seed), mm_cfg=cfg.model, world_cfg=cfg.world, sources=sources,
+                  tokenizer=tok)
+
+
+def loader_kind(cfg: OmniConfig) -> str:
+    if cfg.loader != "auto":
+        return cfg.loader
+    return "packer" if cfg.data.sources in ([], [WORLD]) and cfg.data.mix is None else "plane"
+
+
+def make_loader(cfg: OmniConfig, world, packer: Packer, tok=None):
+    """The training loader (both kinds keep their state in the checkpoint)."""
+    if loader_kind(cfg) == "packer":
+        return WorldLoader(world, packer)
+    from omnijax.data.loader import TrainerBatches
+
+    return TrainerBatches(open_plane(cfg, "data.sources", cfg.data.sources or [WORLD], "train", tok, cfg.data.mix,
+                                     cfg.trainer.seed))
+
+
+def held_out_batches(cfg: OmniConfig, tok=None):
+    """() -> the held-out host batches of `data.eval_sources` (planned once, packed like training, then cached)."""
+    if not cfg.data.eval_sources:
+        return None
+    loader = open_plane(cfg, "data.eval_sources", cfg.data.eval_sources, "eval", tok, None, seed=0)
+    cache: list[dict] = []
+
+    def batches() -> list[dict]:
+        if not cache:
+            cache.extend(loader.host_batch(step)["microbatches"][0] for step in range(cfg.data.eval_batches))
+        return cache
+    return batches
 
 
 def multiplexed(cfg: OmniConfig):
@@ -396,6 +492,15 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     from omnijax.models.mllm import MultimodalModel, describe, mm_loss
     from omnijax.train.loop import Trainer
 
+    tok = None
+    if cfg.tokenizer.path:
+        from omnijax.data.tokenizer import check_vocab, load_tokenizer
+
+        tok = load_tokenizer(cfg.tokenizer.path)
+        check_vocab(tok, cfg.model.llm.vocab_size)
+    # greedy-decoded accuracy needs the built-in world's questions; other data get the held-out loss
+    world_eval = WORLD in (cfg.data.sources or [WORLD])
+
     train_world = World(cfg.world, "train")
     eval_world = World(cfg.world, "eval")
     packer = Packer(cfg.model, cfg.data.batch_size, cfg.data.seq_len, cfg.capacity)
@@ -419,7 +524,7 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
             pure["llm"] = unstack_params(params["llm"], placement.engine.schedule)
         nnx.replace_by_pure_dict(eval_params, jax.device_get(pure))
         return eval_params
-    items = eval_items(eval_world, cfg.eval.items)
+    items = eval_items(eval_world, cfg.eval.items) if world_eval else {}
     trainer_ref: dict[str, Any] = {}
 
     def evaluate(params) -> dict:
@@ -433,13 +538,25 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
             trainer_ref["zeroed"], _ = accuracy_by_modality(dec, params, few, zero_encoders=True)
         return acc
 
-    trainer = Trainer(cfg, train_model, loss_fn, make_loader(cfg, train_world, packer), placement=placement,
-                      eval_fn=evaluate)
+    loader = make_loader(cfg, train_world, packer, tok)
+    trainer = Trainer(cfg, train_model, loss_fn, loader, placement=placement,
+                      eval_fn=evaluate if world_eval else None, eval_data=held_out_batches(cfg, tok))
     trainer_ref["t"] = trainer
     result = trainer.fit()
     if result.status != "finished":
         return 0
     t_total = time.perf_counter() - t0
+    if not world_eval:
+        data = {k: v for k, v in loader.metrics().items() if k.startswith(("skipped", "dropped", "split"))}
+        report = {"metrics": result.eval, "steps": cfg.trainer.steps, "wall_s": round(t_total, 1), "data": data,
+                  "sources": cfg.data.sources, "eval_sources": cfg.data.eval_sources}
+        if jax.process_index() == 0:
+            (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
+        held = (f"eval_loss {result.eval['eval_loss']:.4f} over {result.eval['eval_tokens']} held-out tokens"
+                if "eval_loss" in result.eval else "no data.eval_sources: no held-out loss")
+        print(f"{held}; {data.get('skipped_bad_records', 0)} bad records skipped ({cfg.trainer.steps} steps, "
+              f"{t_total:.0f} s) -> {trainer.run_dir}/eval.json", file=sys.stderr)
+        return 0
     chances = {f"{m}_accuracy": round(float(chance(m)), 4) for m in items}
     report = {"metrics": result.eval, "chance": chances, "per_question": trainer_ref.get("per_question", {}),
               "zeroed_encoders": trainer_ref.get("zeroed", {}), "ablation_items": cfg.eval.ablation_items,

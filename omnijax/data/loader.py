@@ -85,8 +85,10 @@ class Loader:
     """Host-side loader for dp ranks `ranks` (default: all) of a `LoaderConfig`."""
 
     def __init__(self, cfg: LoaderConfig, mm_cfg: Any = None, ranks: list[int] | None = None,
-                 cost_model: CostModel | None = None, world_cfg: Any = None, sources: list[Source] | None = None):
+                 cost_model: CostModel | None = None, world_cfg: Any = None, sources: list[Source] | None = None,
+                 tokenizer: Any = None):
         self.cfg = cfg.check()
+        self.tokenizer = tokenizer  # None: byte-level ids (the built-in world); else placeholders/pad/vocab from it
         self.mm_cfg = mm_cfg if mm_cfg is not None else default_mm_config()
         self.ranks = list(range(cfg.dp)) if ranks is None else sorted(int(r) for r in ranks)
         if not self.ranks or any(not 0 <= r < cfg.dp for r in self.ranks) or len(set(self.ranks)) != len(self.ranks):
@@ -208,8 +210,13 @@ class Loader:
     def _load(self, entry: Entry):
         source = self.sources[entry.source]
         try:
-            sample = source.get(entry.record).validate()
-            flat = packing.flatten(sample, self.mm_cfg, self.specs)
+            sample = source.get(entry.record)
+            if self.tokenizer is None:
+                sample = sample.validate()
+                flat = packing.flatten(sample, self.mm_cfg, self.specs)
+            else:
+                sample = sample.validate(vocab_size=self.tokenizer.vocab_size)
+                flat = packing.flatten(sample, self.mm_cfg, self.specs, self.tokenizer.placeholder)
             if entry.piece >= 0:
                 flat = packing.text_piece(flat, entry.piece, self.cfg.row_len)
             return flat
@@ -236,7 +243,7 @@ class Loader:
                     if flat is not None:
                         entries.append((flat, row))
                 bins.append(entries)
-            batch = packing.pack(bins, layout, self.specs)
+            batch = packing.pack(bins, layout, self.specs, *([] if self.tokenizer is None else [self.tokenizer.pad]))
             with self._lock:
                 self.shapes.add(layout, batch)
             micro.append(batch)

@@ -112,8 +112,12 @@ class Flat:
     enc: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]  # (encoder, inputs, positions, llm offsets)
 
 
-def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec]) -> Flat:
-    """One LLM token run for the sample plus the encoder inputs of its media segments."""
+def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec],
+            placeholder: dict[str, int] | None = None) -> Flat:
+    """One LLM token run for the sample plus the encoder inputs of its media segments.
+
+    `placeholder` maps a modality to the tokenizer's placeholder id (default: the byte-level ones)."""
+    placeholder = placeholder or tokenizer.PLACEHOLDER
     from omnijax.data.features import segment_inputs
     from omnijax.data.tokens import modality_configs
     typed = modality_configs(mm_cfg)
@@ -135,7 +139,7 @@ def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec]) -> Flat:
             raise BadSample(f"{sample.source}[{sample.index}]: {inputs.shape[0]} {name} rows are not a multiple "
                             f"of its grouping {spec.group}")
         k = inputs.shape[0] // spec.group
-        toks.append(np.full(k, tokenizer.PLACEHOLDER[seg.modality], np.int32))
+        toks.append(np.full(k, placeholder[seg.modality], np.int32))
         loss.append(np.zeros(k, bool))
         enc.append((name, inputs, positions, np.arange(n, n + k)))
         n += k
@@ -152,18 +156,20 @@ def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
 
 
 # --------------------------------------------------------------------------------- packing
-def pack_bin(entries: list[tuple[Flat, int]], layout: Layout, specs: dict[str, EncoderSpec]) -> dict[str, np.ndarray]:
+def pack_bin(entries: list[tuple[Flat, int]], layout: Layout, specs: dict[str, EncoderSpec],
+             pad: int = tokenizer.PAD) -> dict[str, np.ndarray]:
     """Buffers of one bin from (flattened sample, row) entries; raises BadSample if over capacity."""
-    return pack([entries], layout, specs)
+    return pack([entries], layout, specs, pad)
 
 
-def pack(bins: list[list[tuple[Flat, int]]], layout: Layout, specs: dict[str, EncoderSpec]) -> dict[str, np.ndarray]:
+def pack(bins: list[list[tuple[Flat, int]]], layout: Layout, specs: dict[str, EncoderSpec],
+         pad: int = tokenizer.PAD) -> dict[str, np.ndarray]:
     """Buffers of several bins (e.g. a host's ranks) written in place, bin b at rows [b*rows, (b+1)*rows)
     and encoder rows [b*N_E, (b+1)*N_E); dest indices are flat into the concatenated rows and encoder
     segment ids are numbered across bins. Equal to `concat` of `pack_bin` per bin, without the copies."""
     R, L, nb = layout.rows, layout.row_len, len(bins)
-    tokens = np.full((nb * R, L), tokenizer.PAD, np.int32)
-    targets = np.full((nb * R, L), tokenizer.PAD, np.int32)
+    tokens = np.full((nb * R, L), pad, np.int32)
+    targets = np.full((nb * R, L), pad, np.int32)
     loss_mask = np.zeros((nb * R, L), np.float32)
     seg_ids = np.zeros((nb * R, L), np.int32)
     positions = np.zeros((nb * R, L), np.int32)

@@ -79,10 +79,14 @@ class Trainer:
     def __init__(self, cfg: Config, model: nnx.Module, loss_fn: LossFn, loader: Loader, *,
                  placement: Any | None = None, eval_fn: Callable[[Any], dict] | None = None,
                  flops_per_token: float | None = None, aux_weights: dict[str, float] | None = None,
-                 hooks: tuple[Callable, ...] = (), run_dir: Path | None = None):
+                 hooks: tuple[Callable, ...] = (), run_dir: Path | None = None,
+                 eval_data: Callable[[], Any] | None = None):
         self.cfg = cfg
         self.loader = loader
         self.eval_fn = eval_fn
+        self.eval_data = eval_data  # () -> iterable of held-out host batches: `eval_loss` in the metrics
+        self.loss_fn = loss_fn
+        self._eval_step = None
         self.hooks = hooks
         self.placement = placement or DataParallel()
         self.run_dir = run_dir or runs_root() / cfg.trainer.run_name
@@ -165,7 +169,8 @@ class Trainer:
                     pending = (step, step_metrics)
                     window_tokens += int(np.asarray(host_batch["loss_mask"]).sum())
                     last = step == tcfg.steps
-                    if step % tcfg.log_every == 0 or last:
+                    eval_now = bool(tcfg.eval_every) and step % tcfg.eval_every == 0 and not last
+                    if step % tcfg.log_every == 0 or last or eval_now:
                         m = jax.device_get(step_metrics)
                         elapsed = time.perf_counter() - window_start
                         steps_in_window = step - (history[-1]["step"] if history else start)
@@ -187,8 +192,8 @@ class Trainer:
                         for source in (self.loader, self.placement):  # padding, imbalance, skipped records
                             if hasattr(source, "metrics"):
                                 row.update(source.metrics())
-                        if self.eval_fn and tcfg.eval_every and step % tcfg.eval_every == 0 and not last:
-                            row.update(self.eval_fn(self.state.params))
+                        if eval_now:
+                            row.update(self.evaluate(self.state.params))
                         writer.write(step, row)
                         history.append({"step": step, **row})
                         for hook in self.hooks:
@@ -216,9 +221,32 @@ class Trainer:
             if self.checkpointer:
                 self.checkpointer.wait()
         result.state, result.history = self.state, history
-        if self.eval_fn and result.status == "finished":
-            result.eval = self.eval_fn(self.state.params)
+        if (self.eval_fn or self.eval_data) and result.status == "finished":
+            result.eval = self.evaluate(self.state.params)
         return result
+
+    def evaluate(self, params: Any) -> dict:
+        """The recipe's own evaluation (eval_fn) and the held-out loss over `eval_data`."""
+        out = dict(self.eval_fn(params)) if self.eval_fn else {}
+        if self.eval_data is not None:
+            out.update(self.held_out_loss(params))
+        return out
+
+    def held_out_loss(self, params: Any) -> dict:
+        """Token-weighted mean loss over every held-out batch (same loss, placement and precision as training)."""
+        if self._eval_step is None:
+            from omnijax.train.step import make_eval_step
+
+            self._eval_step = jax.jit(make_eval_step(self.graphdef, self.rest, self.loss_fn,
+                                                     compute_dtype=jnp.dtype(self.cfg.trainer.compute_dtype)))
+        total = count = 0.0
+        for host_batch in self.eval_data():
+            loss_sum, n = self._eval_step(params, self.placement.put_batch(host_batch))
+            total, count = total + float(loss_sum), count + float(n)
+        if count == 0:
+            raise UserError("the held-out data (data.eval_sources) produced no loss tokens: check that its records "
+                            "have text with loss (e.g. assistant turns)")
+        return {"eval_loss": total / count, "eval_tokens": int(count)}
 
     def _check_finite(self, step: int, scalars: dict) -> None:
         in_row = int(scalars["nonfinite_in_row"])
