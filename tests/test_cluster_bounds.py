@@ -1,5 +1,7 @@
 """Lower bounds on average JCT: the speed-up envelope is right, the LP matches a hand-computed case and
 stays below what every scheduler reaches in the simulator."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,6 +12,16 @@ from omnijax.cluster.jobs import Job
 from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, Tiresias
 from omnijax.cluster.simulator import SimConfig, jobs_from_specs, run_workload, simulate
 from omnijax.cluster.traces import load_workload
+
+FIXTURES = Path(__file__).parent / "fixtures" / "cluster"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def synthetic_data():
+    """Synthetic profiles and workloads in the Pollux format (tests/fixtures/cluster): no shared data needed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNIJAX_SHARED_DATA", str(FIXTURES))
+        yield
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,5 +1,7 @@
 """Learned scheduler: supervised warm-up reaches >= 90% agreement with its teacher on held-out slots,
 its allocations respect capacity, and one actor-critic episode with replay runs and updates the policy."""
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -11,13 +13,24 @@ from omnijax.cluster.learned import (LearnedScheduler, PolicyNet, actor_critic, 
 from omnijax.cluster.simulator import SimConfig, run_workload
 from omnijax.cluster.traces import load_workload
 
+FIXTURES = Path(__file__).parent / "fixtures" / "cluster"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def synthetic_data():
+    """Synthetic profiles and workloads in the Pollux format (tests/fixtures/cluster): no shared data needed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNIJAX_SHARED_DATA", str(FIXTURES))
+        yield
+
+
 CFG = SimConfig(num_nodes=4, slot_s=300.0)
 
 
 @pytest.fixture(scope="module")
 def warmed():
-    train = record_teacher([load_workload("workloads-0.5/workload-7", 20), load_workload("workloads-0.5/workload-8", 20)], CFG)
-    held = record_teacher([load_workload("workloads-0.5/workload-6", 20)], CFG)   # other workload: held-out slots
+    train = record_teacher([load_workload("workloads/workload-1", 20), load_workload("workloads/workload-2", 20)], CFG)
+    held = record_teacher([load_workload("workloads/workload-3", 20)], CFG)   # other workload: held-out slots
     net = PolicyNet(rngs=nnx.Rngs(0))
     before = agreement(net, held)
     losses = supervised_warmup(net, train, epochs=30, lr=1e-2, batch=128)

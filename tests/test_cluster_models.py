@@ -1,10 +1,22 @@
 """Cluster performance models and trace loading: fitting recovers known coefficients; bad input errors."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from omnijax.cluster.perf_model import LossCoeffs, LossModel, SpeedModel, fit_loss_curve, speed_features
 from omnijax.cluster.traces import load_profile, load_workload, shared_data_root
 from omnijax.errors import UserError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "cluster"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def synthetic_data():
+    """Synthetic profiles and workloads in the Pollux format (tests/fixtures/cluster): no shared data needed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNIJAX_SHARED_DATA", str(FIXTURES))
+        yield
 
 
 @pytest.mark.parametrize("true", [LossCoeffs(2e-3, 0.5, 0.3), LossCoeffs(1e-4, 1.0, 1.2), LossCoeffs(5e-2, 2.0, 0.0)])
@@ -66,14 +78,21 @@ def test_shared_data_missing_is_a_clear_user_error(tmp_path, monkeypatch):
 
 
 def test_workload_and_profile_loading(tmp_path, monkeypatch):
+    """On the synthetic fixtures (make_synthetic.py): cifar10 computes 0.01 + 1e-4·b s per step at local
+    batch b (gradient accumulation above b = 512), syncs 0.004·(1 + log2 r / 4) s on one node plus
+    0.03·(1 + log2 nodes / 2) s across nodes, and needs 12000·(128/B)^0.6 iterations at batch B."""
     jobs = load_workload("workloads/workload-1")
-    assert len(jobs) == 160 and jobs == sorted(jobs, key=lambda j: (j.time, j.name))
+    assert len(jobs) == 40 and jobs == sorted(jobs, key=lambda j: (j.time, j.name))
     assert len(load_workload("workload-1", limit=5)) == 5
     prof = load_profile("cifar10")
-    assert prof.total_iterations(128) == 39062
-    # more replicas on one node: faster; the same replicas spread over nodes: slower (measured sync)
+    assert prof.total_iterations(128) == 12000
+    assert prof.total_iterations(384) == pytest.approx(12000 * (128 / 384) ** 0.6, rel=2e-3)   # log-log interpolation
+    assert prof.step_time(1, 1, 256) == pytest.approx(0.01 + 1e-4 * 256)
+    assert prof.step_time(1, 1, 2048) == pytest.approx(4 * (0.01 + 1e-4 * 512))       # 4 accumulation steps
+    assert prof.step_time(4, 1, 2048) == pytest.approx(0.01 + 1e-4 * 512 + 0.004 * 1.5)
+    assert prof.step_time(4, 4, 2048) == pytest.approx(0.01 + 1e-4 * 512 + 0.004 * 1.5 + 0.03 * 2)
+    # more replicas on one node: faster; the same replicas spread over nodes: slower
     assert prof.step_time(4, 1, 2048) < prof.step_time(2, 1, 2048) < prof.step_time(1, 1, 2048)
-    assert prof.step_time(4, 4, 2048) > prof.step_time(4, 1, 2048)
     with pytest.raises(UserError, match="unknown workload"):
         load_workload("workloads/workload-99")
     bad = tmp_path / "pollux" / "workloads"
@@ -82,6 +101,17 @@ def test_workload_and_profile_loading(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIJAX_SHARED_DATA", str(tmp_path))
     with pytest.raises(UserError, match="row 2"):
         load_workload("workload-1")
+
+
+def test_profiles_follow_the_data_root(tmp_path, monkeypatch):
+    """Profiles are cached per data root: pointing OMNIJAX_SHARED_DATA at other files takes effect."""
+    import shutil
+    before = load_profile("ncf").total_iterations(256)
+    shutil.copytree(FIXTURES / "pollux", tmp_path / "pollux")
+    (tmp_path / "pollux" / "traces" / "ncf" / "validation-256.csv").write_text(
+        "progress,iteration,metric,grad_sqr,grad_var\n10,10,0.5,1,1\n77,77,0.6,1,1\n")
+    monkeypatch.setenv("OMNIJAX_SHARED_DATA", str(tmp_path))
+    assert before == 6000 and load_profile("ncf").total_iterations(256) == 77
 
 
 def test_cluster_recipes_reject_bad_config():

@@ -1,5 +1,6 @@
 """Schedulers respect capacity (hypothesis); placement is valid; the simulator matches a hand-computed case."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,17 @@ from omnijax.cluster.perf_model import SpeedModel
 from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, FittedOracle, Tiresias, shadow_cost
 from omnijax.cluster.simulator import SimConfig, run_workload, simulate
 from omnijax.cluster.traces import load_workload
+
+FIXTURES = Path(__file__).parent / "fixtures" / "cluster"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def synthetic_data():
+    """Synthetic profiles and workloads in the Pollux format (tests/fixtures/cluster): no shared data needed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNIJAX_SHARED_DATA", str(FIXTURES))
+        yield
+
 
 SCHEDULERS = [FIFO, DRF, Tiresias, FittedModel, lambda: FittedModel(objective="remaining_time"),
               lambda: FittedModel(objective="completion_rate")]

@@ -84,8 +84,9 @@ def hidden_loss(total_steps: float, eps: float, rng: np.random.Generator) -> Los
 def jobs_from_specs(specs: Sequence[JobSpec], cfg: SimConfig) -> tuple[list[Job], StepTimeFn]:
     """Jobs with lengths from the validation files and speeds from the measured placement tables."""
     jobs = []
+    profiles = {a: load_profile(a) for a in sorted({s.application for s in specs})}
     for s in specs:
-        prof = load_profile(s.application)
+        prof = profiles[s.application]
         jobs.append(Job(
             name=s.name, arrival=s.time, application=s.application, batch_size=s.batch_size,
             requested=s.num_replicas, total_steps=float(prof.total_iterations(s.batch_size)),
@@ -94,7 +95,7 @@ def jobs_from_specs(specs: Sequence[JobSpec], cfg: SimConfig) -> tuple[list[Job]
             loss_model=LossModel(eps=cfg.loss_eps), speed_model=SpeedModel("allreduce", s.batch_size)))
 
     def step_time(job: Job, n: int, nodes: int) -> float:
-        return load_profile(job.application).step_time(n, nodes, job.batch_size)
+        return profiles[job.application].step_time(n, nodes, job.batch_size)
     return jobs, step_time
 
 
