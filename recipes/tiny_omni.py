@@ -491,6 +491,7 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     from omnijax.data.world import World, chance, token_report
     from omnijax.models.mllm import MultimodalModel, describe, mm_loss
     from omnijax.train.loop import Trainer
+    from omnijax.train.metrics import FlopCounter
 
     tok = None
     if cfg.tokenizer.path:
@@ -508,7 +509,11 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     eval_packer = Packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len,
                          {k: v * scale for k, v in cfg.capacity.items()})
     model = MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))
-    print(f"{name}: params {describe(model)}", file=sys.stderr)
+    counts = describe(model)
+    print(f"{name}: params {counts}", file=sys.stderr)
+    flops = FlopCounter.for_model(cfg.model.llm, encoder_configs(cfg.model),
+                                  {k.partition(".")[2]: v for k, v in counts.items() if k.startswith("encoder.")},
+                                  {k.partition(".")[2]: v for k, v in counts.items() if k.startswith("projector.")})
     # Evaluation decodes with the single-device model; a parallel layout's params are mapped back to it.
     eval_graph, eval_params, eval_rest = nnx.split(model, nnx.Param, ...)
     placement = multiplexed(cfg)
@@ -540,7 +545,7 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
 
     loader = make_loader(cfg, train_world, packer, tok)
     trainer = Trainer(cfg, train_model, loss_fn, loader, placement=placement,
-                      eval_fn=evaluate if world_eval else None, eval_data=held_out_batches(cfg, tok))
+                      eval_fn=evaluate if world_eval else None, eval_data=held_out_batches(cfg, tok), step_flops=flops)
     trainer_ref["t"] = trainer
     result = trainer.fit()
     if result.status != "finished":

@@ -80,11 +80,12 @@ class Trainer:
                  placement: Any | None = None, eval_fn: Callable[[Any], dict] | None = None,
                  flops_per_token: float | None = None, aux_weights: dict[str, float] | None = None,
                  hooks: tuple[Callable, ...] = (), run_dir: Path | None = None,
-                 eval_data: Callable[[], Any] | None = None):
+                 eval_data: Callable[[], Any] | None = None, step_flops: Callable[[dict], float] | None = None):
         self.cfg = cfg
         self.loader = loader
         self.eval_fn = eval_fn
         self.eval_data = eval_data  # () -> iterable of held-out host batches: `eval_loss` in the metrics
+        self.step_flops = step_flops  # host batch -> model FLOPs on its real segment lengths (metrics.FlopCounter)
         self.loss_fn = loss_fn
         self._eval_step = None
         self.hooks = hooks
@@ -155,6 +156,8 @@ class Trainer:
         result = FitResult(self.state)
         bar = _progress(tcfg.steps, start, enabled=tcfg.progress and is_main)
         window_tokens = window_samples = 0
+        window_flops = 0.0
+        global_tokens: list = []  # the steps' own token counts (global batch, counted once), read at log time
         window_start = time.perf_counter()
         pending: tuple[int, dict] | None = None
         try:
@@ -168,20 +171,29 @@ class Trainer:
                         self._check_finite(*pending)
                     pending = (step, step_metrics)
                     window_tokens += int(np.asarray(host_batch["loss_mask"]).sum())
+                    global_tokens.append(step_metrics["tokens"])
+                    if self.step_flops is not None:
+                        window_flops += self.step_flops(host_batch)
                     last = step == tcfg.steps
                     eval_now = bool(tcfg.eval_every) and step % tcfg.eval_every == 0 and not last
                     if step % tcfg.log_every == 0 or last or eval_now:
                         m = jax.device_get(step_metrics)
                         elapsed = time.perf_counter() - window_start
                         steps_in_window = step - (history[-1]["step"] if history else start)
-                        tok_s = window_tokens / max(elapsed, 1e-9) * jax.process_count()
+                        total_tokens = float(np.sum(jax.device_get(global_tokens)))
+                        tok_s = total_tokens / max(elapsed, 1e-9)
+                        # this host's share of the global batch (1 where every host holds it all)
+                        share = window_tokens / max(total_tokens, 1.0)
+                        flops_s = (window_flops / max(share, 1e-9) / max(elapsed, 1e-9) if self.step_flops
+                                   else tok_s * (self.flops_per_token or 0.0))
                         row = {
                             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                             "lr": float(self.lr_schedule(step - 1)),
                             "tokens_per_s": tok_s,
-                            "samples_per_s": window_samples / max(elapsed, 1e-9) * jax.process_count(),
+                            "samples_per_s": window_samples / max(share, 1e-9) / max(elapsed, 1e-9),
                             "step_time_s": elapsed / max(steps_in_window, 1),
-                            "mfu": metrics_lib.mfu(tok_s, self.flops_per_token or 0.0, n_dev, peak),
+                            "model_tflops_per_s": flops_s / 1e12,
+                            "mfu": metrics_lib.mfu(flops_s, 1.0, n_dev, peak),
                             "device": device_kind,
                             "skipped_updates": int(self.state.skipped_updates),
                             "compiled_programs": self.compiled_programs(),
@@ -201,6 +213,8 @@ class Trainer:
                         bar.update(step - bar.n)
                         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
                         window_tokens = window_samples = 0
+                        window_flops = 0.0
+                        global_tokens = []
                         window_start = time.perf_counter()
                     saved = False
                     if self.checkpointer and (step % tcfg.checkpoint_every == 0 or last):

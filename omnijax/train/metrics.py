@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,57 @@ def llm_flops_per_token(cfg: LLMConfig, seq_len: int) -> float:
     counts the full T×T score and value products, as the common MFU convention does)."""
     _, active = llm_param_counts(cfg)
     return 6.0 * active + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+
+
+def _segment_sq_sum(segment_ids: np.ndarray) -> tuple[int, int]:
+    """(tokens, sum over segments of length^2) of a packed buffer; ids are per row (2-D) or per buffer (1-D)."""
+    ids = np.asarray(segment_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    tokens = sq = 0
+    for row in ids:
+        counts = np.bincount(row[row > 0])
+        tokens += int(counts.sum())
+        sq += int(np.square(counts.astype(np.int64)).sum())
+    return tokens, sq
+
+
+@dataclass(frozen=True)
+class FlopCounter:
+    """Training FLOPs of one packed batch on its real segment lengths (forward + backward = 3x forward).
+
+    Per span of n tokens of a transformer with N matmul parameters, L layers and attention width W:
+    6·N·n + 12·L·W·n² (the full-square attention convention of `llm_flops_per_token`, applied per packed
+    segment, since attention never crosses segment ids). The LLM counts every non-padding token
+    (placeholders included: the LLM processes them); each encoder counts its buffer's segments; each
+    projector 6·P per output token. Built once from the model (`for_model`), called per host batch."""
+    llm_params: int
+    llm_layers: int
+    llm_width: int
+    encoders: tuple[tuple[str, int, int, int, int], ...]   # (name, params, layers, width, rows per output)
+    projectors: tuple[tuple[str, int], ...]                 # (name, params)
+
+    @classmethod
+    def for_model(cls, llm_cfg: LLMConfig, encoder_cfgs: dict[str, Any], encoder_params: dict[str, int],
+                  projector_params: dict[str, int]) -> "FlopCounter":
+        _, active = llm_param_counts(llm_cfg)
+        encs = []
+        for name, c in sorted(encoder_cfgs.items()):
+            group = c.merge * c.merge if hasattr(c, "merge") else getattr(c, "reduction", 1)
+            encs.append((name, int(encoder_params[name]), int(c.num_layers), int(c.embed_dim), int(group)))
+        return cls(int(active), llm_cfg.num_layers, llm_cfg.num_heads * llm_cfg.head_dim, tuple(encs),
+                   tuple(sorted((k, int(v)) for k, v in projector_params.items())))
+
+    def __call__(self, batch: dict) -> float:
+        tokens, sq = _segment_sq_sum(batch["segment_ids"])
+        flops = 6.0 * self.llm_params * tokens + 12.0 * self.llm_layers * self.llm_width * sq
+        proj = dict(self.projectors)
+        for name, params, layers, width, group in self.encoders:
+            if f"{name}_segment_ids" not in batch:
+                continue
+            rows, rsq = _segment_sq_sum(batch[f"{name}_segment_ids"])
+            flops += 6.0 * params * rows + 12.0 * layers * width * rsq + 6.0 * proj.get(name, 0) * (rows // group)
+        return flops
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak: float | None) -> float | None:
