@@ -5,7 +5,8 @@ import json
 import os
 from pathlib import Path
 
-DESCRIPTION = "cluster simulator: one scheduler on one Pollux workload -> runs/<run_name>/report.json + timeline.png"
+DESCRIPTION = ("cluster simulator: one scheduler on one workload (a bundled Pollux name or workload=PATH.csv) -> "
+               "runs/<run_name>/report.json + timeline.png")
 
 
 def main(argv: list[str]) -> int:

@@ -31,7 +31,7 @@ class LearnedConfig:
 class ClusterConfig:
     run_name: str = "cluster_sim"
     scheduler: str = "fitted"
-    workload: str = "workloads/workload-1"
+    workload: str = "workloads/workload-1"   # a bundled name, or a path to a CSV file of the same columns
     limit: int = 0                 # first N jobs only (0 = all)
     sim: SimConfig = field(default_factory=SimConfig)
     learned: LearnedConfig = field(default_factory=LearnedConfig)
@@ -58,8 +58,8 @@ def validate(cfg: ClusterConfig) -> ClusterConfig:
 class BenchConfig:
     """`python -m recipes bench cluster` options; each row averages workload-1..files of a set."""
     schedulers: list[str] = field(default_factory=lambda: list(SCHEDULERS))
-    workloads: list[str] = field(default_factory=lambda: ["workloads", "workloads-realistic"])
-    files: int = 1
+    workloads: list[str] = field(default_factory=lambda: ["workloads", "workloads-realistic"])   # sets, CSVs, folders
+    files: int = 1                 # workload-1..N of a set, the first N CSVs of a folder (0: all)
     limit: int = 0
     applications: list[str] = field(default_factory=list)   # only jobs of these (analysis); [] = all
     lp_interval_s: float = 120.0   # time step of the LP lower bound (0: skip it); shorter is tighter and slower

@@ -88,7 +88,7 @@ def workload_path(name: str) -> Path:
 
 def workload_files(source: str, files: int = 1) -> list[str]:
     """The workloads one bench row averages. A bundled set name (`workloads`) gives `<set>/workload-1..files`;
-    a folder gives its first `files` CSV files in natural order (all if files == 0); a CSV file gives itself.
+    a folder gives its first `files` CSV files in natural order; files == 0 takes all; a CSV file gives itself.
     A path that exists is read as a path, anything else as a bundled set."""
     if is_path(source):
         path = Path(source).expanduser()
@@ -100,7 +100,14 @@ def workload_files(source: str, files: int = 1) -> list[str]:
         if not found:
             raise UserError(f"workload folder {path} holds no .csv files")
         return [str(p) for p in (found[:files] if files else found)]
-    return [f"{source}/workload-{i}" for i in range(1, max(files, 1) + 1)]
+    if files:
+        return [f"{source}/workload-{i}" for i in range(1, files + 1)]
+    folder = shared_data_root() / "pollux" / source
+    found = sorted(folder.glob("workload-*.csv"), key=_natural)
+    if not found:
+        raise UserError(f"unknown workload set {source!r}: {folder} holds no workload-*.csv; choose a folder of "
+                        f"{shared_data_root() / 'pollux'} or give a path to a CSV file or a folder of them")
+    return [f"{source}/{p.stem}" for p in found]
 
 
 def read_workload(path: str | Path) -> list[JobSpec]:
