@@ -11,6 +11,7 @@ answers `meta(i)` for any record without opening the shard.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -141,20 +142,117 @@ class MetaTable:
 
 
 # -------------------------------------------------------------------------------- writing
+DATASET_JSON = "omnijax_dataset.json"
+MANIFEST_SUFFIX = ".manifest.json"
+
+
+class _MetaBuilder:
+    """Metadata of the records written so far, in flat typed arrays (about 20 bytes per segment), so a
+    shard of a million records does not hold a million Python objects."""
+
+    def __init__(self):
+        from array import array
+        self.offsets, self.mods, self.shapes, self.loss = array("q", [0]), array("B"), array("i"), array("B")
+
+    def add(self, meta: SampleMeta) -> None:
+        for s in meta.segments:
+            if len(s.shape) > MAX_RANK:
+                raise BadSample(f"segment shape {s.shape} has more than {MAX_RANK} dimensions")
+            self.mods.append(_CODE[s.modality])
+            self.shapes.extend(list(s.shape) + [-1] * (MAX_RANK - len(s.shape)))
+            self.loss.append(bool(s.loss))
+        self.offsets.append(self.offsets[-1] + len(meta.segments))
+
+    def table(self) -> MetaTable:
+        return MetaTable(np.frombuffer(self.offsets, np.int64), np.frombuffer(self.mods, np.uint8),
+                         np.frombuffer(self.shapes, np.int32).reshape(-1, MAX_RANK),
+                         np.frombuffer(self.loss, np.uint8).astype(bool))
+
+
 def write_shard(path: str | Path, samples) -> int:
     """Write samples to one ArrayRecord shard plus its metadata sidecar; returns the record count.
 
-    group_size:1 keeps every record in its own chunk, the layout for random access.
+    group_size:1 keeps every record in its own chunk, the layout for random access. `samples` may be
+    any iterable: it is consumed one sample at a time.
     """
     from array_record.python.array_record_module import ArrayRecordWriter
     path = str(path)
-    metas = []
+    metas = _MetaBuilder()
     writer = ArrayRecordWriter(path, "group_size:1")
     try:
         for s in samples:
             writer.write(encode(s))
-            metas.append(SampleMeta(s.meta().segments))
+            metas.add(s.meta())
     finally:
         writer.close()
-    MetaTable.from_metas(metas).save(path + META_SUFFIX)
-    return len(metas)
+    table = metas.table()
+    table.save(path + META_SUFFIX)
+    return len(table)
+
+
+def write_json_atomic(path: str | Path, obj: dict) -> None:
+    """Write JSON to `path.tmp`, fsync, then rename: readers see the old file or the whole new one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard_atomic(path: str | Path, samples, spec: dict, extra=None) -> dict:
+    """`write_shard` through temporary names, then renames (sidecar, shard, manifest last).
+
+    The manifest `path.manifest.json` holds `spec` (what the shard was made from) plus the record count
+    and both files' sizes: `shard_complete` trusts a shard only when all three agree. `extra()` (called
+    once the samples are consumed) adds fields such as the count of skipped records. Returns it.
+    """
+    path = str(path)
+    tmp = path + ".tmp"
+    for p in (path + MANIFEST_SUFFIX, tmp, tmp + META_SUFFIX):
+        if os.path.exists(p):
+            os.remove(p)
+    n = write_shard(tmp, samples)
+    for p in (tmp, tmp + META_SUFFIX):
+        with open(p, "rb+") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp + META_SUFFIX, path + META_SUFFIX)
+    os.replace(tmp, path)
+    manifest = {"spec": spec, "records": n, "bytes": os.path.getsize(path),
+                "meta_bytes": os.path.getsize(path + META_SUFFIX), **(extra() if extra else {})}
+    write_json_atomic(path + MANIFEST_SUFFIX, manifest)
+    return manifest
+
+
+def shard_complete(path: str | Path, spec: dict) -> dict | None:
+    """The shard's manifest if shard, sidecar and manifest are all present, consistent, and made from
+    `spec`; None means the shard must be (re)written."""
+    path = str(path)
+    try:
+        with open(path + MANIFEST_SUFFIX) as f:
+            manifest = json.load(f)
+        if manifest.get("spec") != json.loads(json.dumps(spec)):
+            return None
+        if (os.path.getsize(path) != manifest["bytes"]
+                or os.path.getsize(path + META_SUFFIX) != manifest["meta_bytes"]):
+            return None
+        if len(MetaTable.load(path + META_SUFFIX)) != manifest["records"]:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return manifest
+
+
+def read_dataset_info(folder: str | Path) -> dict | None:
+    """FOLDER/omnijax_dataset.json, or None when absent. An unreadable one is a UserError."""
+    from omnijax.errors import UserError
+    path = Path(folder) / DATASET_JSON
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UserError(f"{path}: not valid JSON ({exc}); rerun `python -m recipes convert`") from None
+    if not isinstance(info, dict):
+        raise UserError(f"{path}: expected a JSON object; rerun `python -m recipes convert`")
+    return info

@@ -99,8 +99,11 @@ class Sample:
         """Modalities and shapes only: what balancing and the cost model need."""
         return SampleMeta(tuple(s.meta() for s in self.segments), self.source, self.index)
 
-    def validate(self) -> "Sample":
-        """Raise BadSample on undecodable segments (shapes, dtypes, non-finite values); return self."""
+    def validate(self, vocab_size: int | None = None) -> "Sample":
+        """Raise BadSample on undecodable segments (shapes, dtypes, non-finite values); return self.
+
+        Token ids must be below `vocab_size` (default: the byte-level tokenizer's VOCAB_SIZE)."""
+        vocab = tokenizer.VOCAB_SIZE if vocab_size is None else int(vocab_size)
         validate_meta(self.meta())
         for k, seg in enumerate(self.segments):
             what = f"sample {self.source or '?'}[{self.index}] segment {k} ({seg.modality})"
@@ -110,8 +113,8 @@ class Sample:
             if seg.modality == "text":
                 if not np.issubdtype(data.dtype, np.integer):
                     raise BadSample(f"{what}: token ids must be integers, got {data.dtype}")
-                if data.min() < 0 or data.max() >= tokenizer.VOCAB_SIZE:
-                    raise BadSample(f"{what}: token ids outside [0, {tokenizer.VOCAB_SIZE})")
+                if data.min() < 0 or data.max() >= vocab:
+                    raise BadSample(f"{what}: token ids outside [0, {vocab})")
             else:
                 if not np.issubdtype(data.dtype, np.floating):
                     raise BadSample(f"{what}: expected float32 values, got {data.dtype}")

@@ -2,7 +2,8 @@
 
 Kinds: ArrayRecord shards written by `python -m recipes convert` (read through grain's
 `ArrayRecordDataSource`, metadata from the `.meta.npz` sidecars), Parquet (a `text` column),
-JSONL (text or interleaved segments referencing media files) and the built-in world.
+JSONL or a `.json` list (text, interleaved segments or LLaVA-style conversations referencing media
+files, tokenized by the configured tokenizer; see omnijax.data.formats) and the built-in world.
 
 "Opened once per host": all ArrayRecord sources of a host share ONE grain data source over all
 their shards and ONE concatenated metadata table (`HostArrayRecords`); a source is just an offset
@@ -23,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from omnijax.data import media, records, tokenizer
+from omnijax.data import formats, media, records
+from omnijax.data import tokenizer as tokenizer_mod
 from omnijax.data.sample import MODALITIES, BadSample, Sample, SampleMeta, Segment, SegmentMeta
 from omnijax.errors import UserError
 
@@ -177,77 +179,135 @@ class ParquetSource(Source):
 
 
 def _text_sample(data: bytes, source: str, index: int) -> Sample:
-    body = np.concatenate([np.frombuffer(data, np.uint8).astype(np.int32), [tokenizer.EOS]]).astype(np.int32)
-    return Sample((Segment("text", np.array([tokenizer.BOS], np.int32)), Segment("text", body, True)), source, index)
+    body = np.concatenate([np.frombuffer(data, np.uint8).astype(np.int32), [tokenizer_mod.EOS]]).astype(np.int32)
+    return Sample((Segment("text", np.array([tokenizer_mod.BOS], np.int32)), Segment("text", body, True)), source, index)
 
 
 # ------------------------------------------------------------------------------------ jsonl
+_SCAN = 1 << 20  # bytes per step of the record indexers: memory stays O(records), not O(file)
+
+
+def index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges [start, end) of the non-empty lines of a file, read in 1 MiB steps."""
+    cuts, size = [], os.path.getsize(path)
+    with open(path, "rb") as f:
+        off = 0
+        while chunk := f.read(_SCAN):
+            cuts.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64) + off)
+            off += len(chunk)
+    ends = np.concatenate(cuts + [np.array([size], np.int64)]) if cuts else np.array([size], np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    keep = ends > starts
+    return starts[keep], ends[keep]
+
+
+def index_json_list(path: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Byte ranges of the elements of a top-level JSON list (LLaVA's `.json` files), found by scanning for
+    commas at depth 1 outside strings, 1 MiB at a time; no element is parsed. None if the file does not
+    start with `[` (then it is read as JSON lines)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if head[:1] != b"[":
+        return None
+    in_str, depth, carry_bs, bounds, off = 0, 0, 0, [], 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_SCAN):
+            b = np.frombuffer(chunk, np.uint8)
+            n = b.size
+            bs = b == 92  # backslash
+            idx = np.arange(n, dtype=np.int64)
+            last_non = np.maximum.accumulate(np.where(bs, -1, idx))  # last non-backslash at or before i
+            q = np.flatnonzero(b == 34)  # '"'
+            prev = np.where(q > 0, last_non[np.maximum(q - 1, 0)], -1)
+            run = np.where(q > 0, q - 1 - prev, 0) + np.where(prev < 0, carry_bs, 0)
+            toggles = np.zeros(n, np.int32)
+            toggles[q[run % 2 == 0]] = 1  # unescaped quotes open/close strings
+            outside = ((in_str + np.cumsum(toggles)) % 2 == 0) & (toggles == 0)
+            delta = np.zeros(n, np.int32)
+            delta[outside & ((b == 91) | (b == 123))] = 1
+            delta[outside & ((b == 93) | (b == 125))] = -1
+            after = depth + np.cumsum(delta)
+            if n and after.min() < 0:
+                raise UserError(f"{path}: malformed JSON list (a closing bracket near byte {off + int(np.argmax(after < 0))})")
+            hit = (outside & (b == 44) & (after == 1)) | ((delta == 1) & (after == 1)) | ((delta == -1) & (after == 0))
+            bounds.append(np.flatnonzero(hit).astype(np.int64) + off)
+            in_str = int((in_str + toggles.sum()) % 2)
+            depth = int(after[-1]) if n else depth
+            if n and bs[-1]:
+                carry_bs = int(n - 1 - last_non[-1]) + (carry_bs if last_non[-1] < 0 else 0)
+            else:
+                carry_bs = 0
+            off += n
+    pos = np.concatenate(bounds) if bounds else np.zeros(0, np.int64)
+    if depth != 0 or pos.size < 2:
+        raise UserError(f"{path}: the JSON list is not closed (truncated file?)")
+    starts, ends = pos[:-1] + 1, pos[1:]
+    if starts.size == 1:  # "[]" or "[ ]": no element
+        with open(path, "rb") as f:
+            f.seek(int(starts[0]))
+            if not f.read(int(ends[0] - starts[0])).strip():
+                return starts[:0], ends[:0]
+    return starts, ends
+
+
+def _media_call(fn, path: Path, modality: str, cfg: Any):
+    """media.* readers take the MediaConfig only when one is given."""
+    return fn(path, modality) if cfg is None else fn(path, modality, cfg)
+
+
 class JsonlSource(Source):
-    """One JSON object per line: {"text": "..."} (loss on every token) or
-    {"segments": [{"text": "...", "loss": true}, {"image": "a.png"}, {"video": "v.npy"}, {"audio": "x.wav"}]}
-    with media paths relative to the JSONL file. Line offsets are indexed once at open.
+    """Records of a JSONL file (one object per line) or of a `.json` file holding a list of objects.
+
+    Each record is {"text": ...}, {"segments": [...]} or a LLaVA-style conversation (omnijax.data.formats).
+    Text is tokenized with `tokenizer` (None: byte-level); media paths are relative to the file, or to
+    `media_root` when given. Record byte ranges are indexed once at open (16 bytes per record, the file
+    itself is scanned 1 MiB at a time); a record is parsed only when it is read.
     """
 
-    def __init__(self, name: str, path: str):
+    def __init__(self, name: str, path: str, tokenizer: Any = None, media_cfg: Any = None, media_root: str = "",
+                 index: tuple[np.ndarray, np.ndarray] | None = None):
         if not os.path.exists(path):
             raise UserError(f"missing JSONL file: {path}")
         self.name, self.path = name, path
-        self.root = Path(path).parent
-        buf = np.fromfile(path, np.uint8)
-        ends = np.flatnonzero(buf == ord("\n"))
-        if buf.size and buf[-1] != ord("\n"):
-            ends = np.append(ends, buf.size)
-        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
-        keep = ends > starts  # skip empty lines
-        self._starts, self._ends = starts[keep], ends[keep].astype(np.int64)
+        self.tok = tokenizer if tokenizer is not None else tokenizer_mod.BYTE_TOKENIZER
+        self.media_cfg, self.media_root = media_cfg, media_root
+        self.root = Path(media_root) if media_root else Path(path).parent
+        if index is None:
+            index = (index_json_list(path) if path.endswith(".json") else None) or index_lines(path)
+        self._starts, self._ends = (np.asarray(a, np.int64) for a in index)
         self._fd = os.open(path, os.O_RDONLY)
+
+    @property
+    def index(self) -> tuple[np.ndarray, np.ndarray]:
+        """Byte ranges of the records (hand them to another process instead of rescanning the file)."""
+        return self._starts, self._ends
 
     def __len__(self) -> int:
         return len(self._starts)
 
-    def _line(self, index: int) -> dict:
+    def _record(self, index: int) -> Any:
         index = self._check(index)
         raw = os.pread(self._fd, int(self._ends[index] - self._starts[index]), int(self._starts[index]))
         try:
-            obj = json.loads(raw)
+            return json.loads(raw)
         except ValueError:
-            raise records.BadRecord(f"{self.name}[{index}]: line {index + 1} of {self.path} is not valid JSON") from None
-        if not isinstance(obj, dict) or not ("text" in obj or "segments" in obj):
-            raise records.BadRecord(f"{self.name}[{index}]: expected an object with 'text' or 'segments'")
-        return obj
+            raise records.BadRecord(f"{self.name}[{index}]: record {index} (line {index + 1}) of {self.path} is "
+                                    f"not valid JSON") from None
 
-    def _parts(self, obj: dict, index: int) -> list[tuple[str, Any, bool]]:
-        if "segments" not in obj:
-            return [("text", str(obj["text"]), True)]
-        parts = []
-        for seg in obj["segments"]:
-            kinds = [m for m in MODALITIES if m in seg] if isinstance(seg, dict) else []
-            if len(kinds) != 1:
-                raise records.BadRecord(f"{self.name}[{index}]: each segment needs exactly one of {', '.join(MODALITIES)}")
-            m = kinds[0]
-            parts.append((m, seg[m] if m == "text" else self.root / str(seg[m]), bool(seg.get("loss", False))))
-        return parts
+    def _resolve(self, p: str) -> Path:
+        return Path(p) if os.path.isabs(p) else self.root / p
+
+    def _parts(self, index: int, media_fn) -> list:
+        return formats.build(self._record(index), self.tok, media_fn, self._resolve, f"{self.name}[{index}]")
 
     def meta(self, index: int) -> SampleMeta:
-        obj = self._line(index)
-        segs = [SegmentMeta("text", (1,))] if "segments" not in obj else []
-        for m, value, loss in self._parts(obj, index):
-            if m == "text":
-                n = len(str(value).encode()) + (1 if "segments" not in obj else 0)
-                segs.append(SegmentMeta("text", (n,), loss))
-            else:
-                segs.append(SegmentMeta(m, media.media_shape(value, m), False))
-        return SampleMeta(tuple(segs), self.name, int(index))
+        parts = self._parts(index, lambda p, m: _media_call(media.media_shape, p, m, self.media_cfg))
+        segs = tuple(SegmentMeta(m, tuple(v.shape) if m == "text" else tuple(v), loss) for m, v, loss in parts)
+        return SampleMeta(segs, self.name, int(index))
 
     def get(self, index: int) -> Sample:
-        obj = self._line(index)
-        if "segments" not in obj:
-            return _text_sample(str(obj["text"]).encode(), self.name, index)
-        segs = []
-        for m, value, loss in self._parts(obj, index):
-            data = tokenizer.encode(str(value)) if m == "text" else media.load_media(value, m)
-            segs.append(Segment(m, data, loss))
-        return Sample(tuple(segs), self.name, index)
+        parts = self._parts(index, lambda p, m: _media_call(media.load_media, p, m, self.media_cfg))
+        return Sample(tuple(Segment(m, v, loss) for m, v, loss in parts), self.name, index)
 
 
 # ---------------------------------------------------------------------------------- opening
@@ -268,13 +328,49 @@ def _kind(spec: SourceSpec) -> str:
         return "world"
     if spec.path.endswith(".parquet"):
         return "parquet"
-    if spec.path.endswith(".jsonl"):
+    if spec.path.endswith((".jsonl", ".json")):
         return "jsonl"
     return "arrayrecord"
 
 
-def open_sources(specs: list[SourceSpec], world_cfg: Any = None) -> list[Source]:
-    """Open every source once; all ArrayRecord sources share one host-level data source and index."""
+def dataset_folder(pattern: str) -> Path:
+    """The folder whose `omnijax_dataset.json` describes the shards matched by `pattern`."""
+    p = Path(pattern)
+    if p.is_dir():
+        return p
+    paths = shard_paths(pattern)
+    return Path(paths[0]).parent
+
+
+def dataset_info(folder: str | Path) -> dict | None:
+    """`FOLDER/omnijax_dataset.json` written by `recipes convert` (tokenizer fingerprint, vocab size,
+    placeholder ids, input, counts), or None for shards written before it existed (byte-level)."""
+    return records.read_dataset_info(folder)
+
+
+def check_dataset_tokenizer(pattern: str, tok: Any = None) -> None:
+    """UserError when the shards of `pattern` were tokenized by another tokenizer than `tok` (None: byte-level).
+
+    Shards without `omnijax_dataset.json` predate it and were always byte-level."""
+    tok = tok if tok is not None else tokenizer_mod.BYTE_TOKENIZER
+    folder = dataset_folder(pattern)
+    info = dataset_info(folder)
+    have = (info or {}).get("tokenizer", {"fingerprint": tokenizer_mod.BYTE_TOKENIZER.fingerprint,
+                                          "name": "byte-level (no omnijax_dataset.json)"})
+    if have.get("fingerprint") != tok.fingerprint:
+        raise UserError(f"{folder}: shards were tokenized by {have.get('name', '?')} (fingerprint "
+                        f"{have.get('fingerprint')}) but the configured tokenizer is {tok.name} (fingerprint "
+                        f"{tok.fingerprint}); set tokenizer.path to the one used by `recipes convert`, or reconvert")
+
+
+def open_sources(specs: list[SourceSpec], world_cfg: Any = None, tokenizer: Any = None,
+                 media_cfg: Any = None) -> list[Source]:
+    """Open every source once; all ArrayRecord sources share one host-level data source and index.
+
+    `tokenizer` (None: byte-level) tokenizes JSONL text and must be the one ArrayRecord shards were
+    converted with (checked against their omnijax_dataset.json; shards without one are byte-level).
+    `media_cfg` (omnijax.config.MediaConfig) is how JSONL media files are decoded.
+    """
     kinds = [_kind(s) for s in specs]
     bad = [k for k in kinds if k not in ("world", "arrayrecord", "parquet", "jsonl")]
     if bad:
@@ -283,6 +379,9 @@ def open_sources(specs: list[SourceSpec], world_cfg: Any = None) -> list[Source]
     if len(set(names)) != len(names):
         raise UserError(f"source names must be unique, got {names}")
     groups = [shard_paths(s.path) for s, k in zip(specs, kinds) if k == "arrayrecord"]
+    for s, k in zip(specs, kinds):
+        if k == "arrayrecord":
+            check_dataset_tokenizer(s.path, tokenizer)
     host = HostArrayRecords(groups) if groups else None
     out: list[Source] = []
     g = 0
@@ -295,7 +394,7 @@ def open_sources(specs: list[SourceSpec], world_cfg: Any = None) -> list[Source]
         elif kind == "parquet":
             out.append(ParquetSource(name, spec.path))
         else:
-            out.append(JsonlSource(name, spec.path))
+            out.append(JsonlSource(name, spec.path, tokenizer, media_cfg))
         if len(out[-1]) == 0:
             raise UserError(f"source {name} ({spec.path or kind}) is empty")
     return out

@@ -1,0 +1,270 @@
+"""Record formats of the user's JSON/JSONL data -> the unified sample's segments.
+
+Three kinds of record (one JSON object each):
+- `{"text": "..."}`: a document, loss on every token: [bos] + text + eos.
+- `{"segments": [{"text": "...", "loss": true}, {"image": "a.png"}, {"video": ...}, {"audio": ...}]}`:
+  our interleaved format, taken as written (no bos/eos added).
+- LLaVA-style conversations: `{"image": "a.jpg", "conversations": [{"from": "human", "value":
+  "<image>\\nWhat is this?"}, {"from": "gpt", "value": "A cat."}]}`; `"video"`/`"audio"` likewise, each a
+  path or a list of paths. `role`/`content` keys (and `"messages"` for the list) are read too. Each
+  `<image>`/`<video>`/`<audio>` tag in the text is where the next file of that kind goes; when a record
+  has media but no tag of its kind, the media go first in the first user turn (LLaVA's convention).
+
+Conversations go through the tokenizer's chat template when it has one, else the default
+`[bos] "User: {q}\\n" "Assistant: {a}" <eos>` (a `system` turn is "System: {s}\\n"). Loss is on the
+assistant's text and its end of turn only: with a template, on what the template emits for an
+assistant message from its content up to and including the first special token after it (`<|im_end|>`,
+`<|eot_id|>`, `</s>`...), found by rendering the conversation's prefixes.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from omnijax.data.records import BadRecord
+from omnijax.data.sample import MODALITIES
+from omnijax.data.tokenizer import MEDIA_TAGS, Tokenizer
+
+#: "from"/"role" values and what they are.
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+         "model": "assistant", "system": "system"}
+_TAG_RE = re.compile("|".join(re.escape(t) for t in MEDIA_TAGS.values()))
+_TAG_KIND = {t: m for m, t in MEDIA_TAGS.items()}
+_MEDIA = tuple(m for m in MODALITIES if m != "text")
+
+#: A chunk of a conversation's text: (text or token id, loss, markup). markup text comes from the
+#: template (its special-token text becomes specials); non-markup text is the user's (never specials).
+Chunk = tuple[Any, bool, bool]
+#: What a record becomes: (modality, payload, loss), payload = int32 ids for text, media_fn(...) otherwise.
+Part = tuple[str, Any, bool]
+
+
+def kind_of(obj: Any) -> str:
+    """'text' | 'segments' | 'conversation', or BadRecord's message (as ValueError) when none fits."""
+    if isinstance(obj, dict):
+        if "conversations" in obj or "messages" in obj:
+            return "conversation"
+        if "segments" in obj:
+            return "segments"
+        if "text" in obj:
+            return "text"
+    raise ValueError("expected an object with 'text', 'segments' or 'conversations'")
+
+
+def build(obj: Any, tok: Tokenizer, media_fn: Callable[[Path, str], Any], resolve: Callable[[str], Path],
+          where: str) -> list[Part]:
+    """The record's segments. media_fn loads (or just measures) a file; resolve turns a record's path
+    into a file path. BadRecord names `where` for anything wrong with the record itself."""
+    try:
+        kind = kind_of(obj)
+    except ValueError as exc:
+        raise BadRecord(f"{where}: {exc}") from None
+    if kind == "text":
+        if not isinstance(obj["text"], str):
+            raise BadRecord(f"{where}: 'text' must be a string")
+        parts: list[Part] = []
+        if tok.bos is not None:
+            parts.append(("text", np.array([tok.bos], np.int32), False))
+        parts.append(("text", tok.encode(obj["text"], eos=True), True))
+        return parts
+    if kind == "segments":
+        return _segments(obj["segments"], tok, media_fn, resolve, where)
+    return conversation(obj, tok, media_fn, resolve, where)
+
+
+def _segments(segs: Any, tok: Tokenizer, media_fn, resolve, where: str) -> list[Part]:
+    if not isinstance(segs, list):
+        raise BadRecord(f"{where}: 'segments' must be a list")
+    parts = []
+    for seg in segs:
+        kinds = [m for m in MODALITIES if m in seg] if isinstance(seg, dict) else []
+        if len(kinds) != 1:
+            raise BadRecord(f"{where}: each segment needs exactly one of {', '.join(MODALITIES)}")
+        m = kinds[0]
+        if m == "text":
+            parts.append(("text", tok.encode(str(seg["text"])), bool(seg.get("loss", False))))
+        else:
+            parts.append((m, media_fn(resolve(str(seg[m])), m), False))
+    return parts
+
+
+# ---------------------------------------------------------------------------- conversations
+def _messages(obj: dict, where: str) -> list[dict]:
+    turns = obj.get("conversations", obj.get("messages"))
+    if not isinstance(turns, list) or not turns:
+        raise BadRecord(f"{where}: 'conversations' must be a non-empty list of turns")
+    out = []
+    for k, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise BadRecord(f"{where}: turn {k} is not an object")
+        role = t.get("from", t.get("role"))
+        content = t.get("value", t.get("content"))
+        if role not in ROLES:
+            raise BadRecord(f"{where}: turn {k} has role {role!r}; expected one of {', '.join(sorted(ROLES))}")
+        if not isinstance(content, str):
+            raise BadRecord(f"{where}: turn {k} needs a string 'value' (or 'content')")
+        out.append({"role": ROLES[role], "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRecord(f"{where}: no assistant ('gpt') turn, nothing to train on")
+    return out
+
+
+def _media_lists(obj: dict, where: str) -> dict[str, list[str]]:
+    media = {}
+    for m in _MEDIA:
+        v = obj.get(m)
+        if v is None:
+            media[m] = []
+        elif isinstance(v, str):
+            media[m] = [v]
+        elif isinstance(v, list) and all(isinstance(x, str) for x in v):
+            media[m] = list(v)
+        else:
+            raise BadRecord(f"{where}: '{m}' must be a path or a list of paths")
+    return media
+
+
+def conversation(obj: dict, tok: Tokenizer, media_fn, resolve, where: str) -> list[Part]:
+    """A LLaVA-style record -> text/media parts with loss on the assistant's turns only."""
+    messages = _messages(obj, where)
+    media = _media_lists(obj, where)
+    for m, files in media.items():
+        tag = MEDIA_TAGS[m]
+        n = sum(msg["content"].count(tag) for msg in messages)
+        if n == 0 and files:  # LLaVA: media without a tag go first in the first user turn
+            first = next((msg for msg in messages if msg["role"] == "user"), messages[0])
+            first["content"] = (tag + "\n") * len(files) + first["content"]
+        elif n != len(files):
+            raise BadRecord(f"{where}: {n} {tag} tag(s) in the text but {len(files)} {m} file(s)")
+    chunks = template_chunks(messages, tok, where) if tok.chat_template else default_chunks(messages, tok)
+    return _assemble(chunks, media, tok, media_fn, resolve)
+
+
+def default_chunks(messages: list[dict], tok: Tokenizer) -> list[Chunk]:
+    """The documented default: [bos] "User: q\\n" "Assistant: a" <eos> (loss on " a" and <eos>)."""
+    chunks: list[Chunk] = [(tok.bos, False, True)] if tok.bos is not None else []
+    for msg in messages:
+        if msg["role"] == "assistant":
+            chunks += [("Assistant:", False, True), (" ", True, True), (msg["content"], True, False),
+                       (tok.eos, True, True)]
+        else:
+            chunks += [("User: " if msg["role"] == "user" else "System: ", False, True),
+                       (msg["content"], False, False), ("\n", False, True)]
+    return chunks
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+    """A chat template compiled in a sandbox, with the globals Hugging Face templates expect."""
+    import datetime
+
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The tokenizer's chat template applied to `messages` (text; specials still as their text)."""
+    return _compiled(tok.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                               **tok.special_strings)
+
+
+def template_chunks(messages: list[dict], tok: Tokenizer, where: str) -> list[Chunk]:
+    """Chunks of the templated conversation; which characters are the assistant's comes from rendering
+    with each message's content replaced by a unique marker (private-use characters)."""
+    marks = [f"\ue000{k}\ue001" for k in range(len(messages))]
+    marked = [{"role": m["role"], "content": s} for m, s in zip(messages, marks)]
+    try:
+        full = render(tok, marked)
+        pos = []
+        for k, s in enumerate(marks):
+            i = full.find(s)
+            if i < 0 or full.find(s, i + 1) >= 0 or (pos and i < pos[-1]):
+                raise BadRecord(f"{where}: the chat template does not render turn {k} exactly once and in order")
+            pos.append(i)
+        loss = np.zeros(len(full) + 1, bool)
+        for k, msg in enumerate(messages):
+            if msg["role"] != "assistant":
+                continue
+            a, b = pos[k], pos[k] + len(marks[k])
+            loss[a:b] = True
+            nxt = pos[k + 1] if k + 1 < len(messages) else len(full)
+            prefix = render(tok, marked[: k + 1])
+            stable = full.startswith(prefix) and len(prefix) >= b
+            trailer = full[b: min(len(prefix), nxt)] if stable else full[b:nxt]
+            spans = tok._specials_in(trailer)
+            end = b + spans[0][1] if spans else (b + len(trailer) if stable else b)
+            loss[b:end] = True
+    except BadRecord:
+        raise
+    except Exception as exc:  # jinja's TemplateError / raise_exception, or a template bug
+        raise BadRecord(f"{where}: the chat template failed on this conversation ({exc})") from None
+    chunks: list[Chunk] = []
+    cursor = 0
+    for k, msg in enumerate(messages):
+        chunks += _scaffold(full, cursor, pos[k], loss)
+        chunks.append((msg["content"], msg["role"] == "assistant", False))
+        cursor = pos[k] + len(marks[k])
+    chunks += _scaffold(full, cursor, len(full), loss)
+    return chunks
+
+
+def _scaffold(full: str, a: int, b: int, loss: np.ndarray) -> list[Chunk]:
+    """Template text full[a:b] as markup chunks, cut where the loss flag changes."""
+    out, i = [], a
+    while i < b:
+        j = i + 1
+        while j < b and loss[j] == loss[i]:
+            j += 1
+        out.append((full[i:j], bool(loss[i]), True))
+        i = j
+    return out
+
+
+def _assemble(chunks: list[Chunk], media: dict[str, list[str]], tok: Tokenizer, media_fn, resolve) -> list[Part]:
+    """Split the user's text at media tags, tokenize each run between media, keep loss per token."""
+    parts: list[Part] = []
+    run: list[Chunk] = []
+    taken = {m: 0 for m in media}
+
+    def flush():
+        if not run:
+            return
+        ids, loss = tok.encode_marked(run)
+        run.clear()
+        i = 0
+        while i < len(ids):
+            j = i + 1
+            while j < len(ids) and loss[j] == loss[i]:
+                j += 1
+            parts.append(("text", ids[i:j], bool(loss[i])))
+            i = j
+
+    for value, loss, markup in chunks:
+        if markup or not isinstance(value, str):
+            run.append((value, loss, markup))
+            continue
+        pos = 0
+        for m in _TAG_RE.finditer(value):
+            run.append((value[pos:m.start()], loss, False))
+            flush()
+            kind = _TAG_KIND[m.group()]
+            path = media[kind][taken[kind]]
+            taken[kind] += 1
+            parts.append((kind, media_fn(resolve(path), kind), False))
+            pos = m.end()
+        run.append((value[pos:], loss, False))
+    flush()
+    return parts
