@@ -137,3 +137,15 @@ def test_convert_world_in_process_and_stale_shards(tmp_path, capsys):
     assert len(list(out.glob("*.arrayrecord"))) == 2 and "removed stale shard" in err
     (ar,) = sources.open_sources([sources.SourceSpec("w", path=str(out))])
     assert [ar.get(i).index for i in range(12)] == list(range(12))
+
+
+def test_8bit_pixels_are_stored_as_uint8_and_decode_to_the_same_floats():
+    from omnijax.data.sample import Sample, Segment
+    rng = np.random.default_rng(0)
+    px = rng.integers(0, 256, (6, 5, 3)).astype(np.float32) / 255.0  # what an 8-bit image file decodes to
+    other = rng.random((6, 5, 3), dtype=np.float32)                   # e.g. resized: not k/255
+    for x, dtype in ((px, "uint8"), (other, "float32")):
+        raw = records.encode(Sample((Segment("image", x),)))
+        assert f'"dtype": "{dtype}"' in raw[8:200].decode(errors="ignore")
+        back = records.decode(raw).segments[0].data
+        assert back.dtype == np.float32 and np.array_equal(back.view(np.uint32), x.view(np.uint32))

@@ -36,12 +36,26 @@ def encode(sample: Sample) -> bytes:
         data = np.ascontiguousarray(seg.data)
         if seg.modality == "text":
             data = data.astype(np.int32, copy=False)
+        elif seg.modality in ("image", "video"):
+            data = _as_uint8_if_exact(data)
         if str(data.dtype) not in _DTYPES:
             data = data.astype(np.float32)
         segs.append({"m": seg.modality, "shape": list(data.shape), "dtype": str(data.dtype), "loss": bool(seg.loss)})
         blobs.append(data.tobytes())
     header = json.dumps({"segments": segs, "source": sample.source, "index": sample.index}).encode()
     return b"".join([MAGIC, struct.pack("<I", len(header)), header, *blobs])
+
+
+def _as_uint8_if_exact(data: np.ndarray) -> np.ndarray:
+    """Pixels decoded from 8-bit files are exactly k/255: store them as uint8 (4x smaller shards); `decode`
+    turns them back into the very same float32 values. Anything else stays as it is."""
+    if data.dtype != np.float32 or data.size == 0:
+        return data
+    u = np.rint(data * np.float32(255.0))
+    if not (u.min() >= 0 and u.max() <= 255):
+        return data
+    u8 = u.astype(np.uint8)
+    return u8 if np.array_equal(u8.astype(np.float32) / 255.0, data) else data
 
 
 def _header(raw: bytes, where: str) -> tuple[dict, int]:

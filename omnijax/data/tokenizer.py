@@ -127,6 +127,7 @@ class Tokenizer:
             s = "".join(text)
             lmask = np.concatenate([np.full(len(t), l, bool) for t, l in zip(text, tloss)])
             mmask = np.concatenate([np.full(len(t), m, bool) for t, m in zip(text, tmark)])
+            lsum = np.concatenate([[0], np.cumsum(lmask)])  # loss characters before each position
             # cut out special-token text that came from non-markup chunks: encoded as plain text
             cuts = [(a, b) for a, b in self._specials_in(s) if not mmask[a:b].all()]
             pos, pieces = 0, []
@@ -138,10 +139,10 @@ class Tokenizer:
                 if a == b:
                     continue
                 pid, st, en = self._encode_offsets(s[a:b], markup=mk)
-                for i, x, y in zip(pid.tolist(), st.tolist(), en.tolist()):
-                    x, y = a + x, a + max(y, x + 1)
-                    ids.append(i)
-                    loss.append(bool(lmask[x:y].any()))
+                st = np.minimum(a + st, len(s) - 1)
+                en = np.minimum(a + np.maximum(en, st - a + 1), len(s))
+                ids.extend(pid.tolist())
+                loss.extend((lsum[en] - lsum[st] > 0).tolist())
             text.clear(), tloss.clear(), tmark.clear()
 
         for value, l, m in chunks:
@@ -172,8 +173,11 @@ class ByteTokenizer(Tokenizer):
 
     def _encode_offsets(self, text: str, markup: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids = encode(text)
-        lens = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
-        start = np.repeat(np.arange(len(text)), lens)
+        if text.isascii():
+            start = np.arange(len(text))
+        else:
+            lens = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
+            start = np.repeat(np.arange(len(text)), lens)
         return ids, start, start + 1
 
 
