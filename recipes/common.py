@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
+
+import numpy as np
 
 from omnijax.config import Config, build
 
@@ -26,19 +29,38 @@ def load_config(name: str, overrides: list[str], cls: type = Config) -> Config:
 
 
 class IndexedLoader:
-    """Adapts a random-access batch source `batch(step, batch_size, rank, num_ranks)` to the
-    trainer's Loader protocol. Its whole state is the next step number, so resume is exact and
-    independent of the number of hosts."""
+    """Adapts a random-access batch source to the trainer's Loader protocol. Its whole state is the
+    next step number, so resume is exact and independent of the number of hosts.
 
-    def __init__(self, source, batch_size: int, rank: int = 0, num_ranks: int = 1, seed: int = 0):
+    `rows` (the placement's `host_rows(batch_size)`) are the global rows of every batch this host
+    loads, increasing; they need a source with `row(global_index)` (batch `step` holds rows
+    `step * batch_size + r`). Without `rows`, the source's `batch(step, batch_size, rank, num_ranks)`
+    gives the contiguous block `rank` of `num_ranks` (right only where each host's devices hold one
+    contiguous block of batch shards)."""
+
+    def __init__(self, source, batch_size: int, rank: int = 0, num_ranks: int = 1, seed: int = 0,
+                 rows: Sequence[int] | None = None):
         self.source, self.batch_size, self.rank, self.num_ranks, self.seed = source, batch_size, rank, num_ranks, seed
+        self.rows = None if rows is None else [int(r) for r in rows]
+        if self.rows is not None:
+            from omnijax.errors import UserError
+
+            if not hasattr(source, "row"):
+                raise UserError(f"{type(source).__name__} has no row(index): it cannot load a host's rows by index")
+            if any(not 0 <= r < batch_size for r in self.rows) or self.rows != sorted(set(self.rows)):
+                raise UserError(f"IndexedLoader rows must be increasing indices in [0, {batch_size}), got {self.rows}")
         self.step = 0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        batch = self.source.batch(self.step, self.batch_size, self.rank, self.num_ranks)
+        if self.rows is None:
+            batch = self.source.batch(self.step, self.batch_size, self.rank, self.num_ranks)
+        else:
+            base = self.step * self.batch_size
+            got = [self.source.row(base + r) for r in self.rows]
+            batch = {k: np.stack([g[k] for g in got]) for k in got[0]}
         self.step += 1
         return batch
 

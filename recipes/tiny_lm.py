@@ -61,7 +61,13 @@ def main(argv: list[str]) -> int:
 
         placement = LLMParallel.from_config(cfg)
         model, loss_fn = placement.prepare(model), placement.loss_fn
-    loader = IndexedLoader(train, cfg.data.batch_size, jax.process_index(), jax.process_count(), cfg.trainer.seed)
+    # this host loads exactly the rows its devices hold (hosts that share a batch shard, e.g. across pp
+    # or tp, load the same rows), for batches of the train and the held-out split alike
+    from omnijax.parallel.hosts import take_rows
+    from omnijax.train.placement import DataParallel
+
+    host_rows = (placement or DataParallel()).host_rows
+    loader = IndexedLoader(train, cfg.data.batch_size, seed=cfg.trainer.seed, rows=host_rows(cfg.data.batch_size))
     trainer_ref = {}
 
     def evaluate(params) -> dict:
@@ -69,7 +75,8 @@ def main(argv: list[str]) -> int:
         eval_step = trainer_ref.setdefault("eval_step", jax.jit(make_eval_step(t.graphdef, t.rest, loss_fn)))
         total = count = 0.0
         for b in eval_batches:
-            loss_sum, n = eval_step(params, t.placement.put_batch(b))
+            g = len(b["tokens"])
+            loss_sum, n = eval_step(params, t.placement.put_batch(take_rows(b, host_rows(g)), global_rows=g))
             total, count = total + float(loss_sum), count + float(n)
         return {"eval_loss": total / max(count, 1.0)}
 

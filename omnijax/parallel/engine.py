@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from omnijax.errors import ConfigError
 from omnijax.layers.attention import dot_product_attention
 from omnijax.models.llm import AUX_KEYS, LLM, default_packing, zero_aux
-from omnijax.parallel import context, expert, pipeline, rules as rules_lib
+from omnijax.parallel import context, expert, hosts, pipeline, rules as rules_lib
 from omnijax.parallel.mesh import Layout, make_mesh, parse_layout
 from omnijax.train.losses import masked_cross_entropy
 
@@ -166,14 +166,35 @@ class LLMParallel:
             out[k] = v[:, context.balanced_order(v.shape[1], self.layout.cp)] if v.ndim >= 2 else v
         return out
 
-    def put_batch(self, batch: dict) -> dict:
-        rows = len(np.asarray(next(iter(batch.values())))) * jax.process_count() if batch else 0
-        if rows % self.layout.batch_shards:
-            raise ConfigError(f"data.batch_size={rows}: layout {self.layout} splits the batch {self.layout.batch_shards} "
-                              f"ways (dp x fsdp x ep); use a multiple of {self.layout.batch_shards}")
+    def host_rows(self, global_rows: int, process: int | None = None) -> np.ndarray:
+        """Global rows of every batch that this host (or ``process``) loads: the rows of the batch shards
+        its devices hold, increasing (hosts that differ only across pp/tp/cp load the same rows)."""
+        return hosts.sharding_rows(self.activation("batch"), global_rows, process)
+
+    def put_batch(self, batch: dict, global_rows: int | None = None) -> dict:
+        """This host's rows of the batch (``host_rows``, in that order) -> global arrays of explicit
+        global shape; the global row count is inferred from the shards this host holds unless given."""
+        if not batch:
+            return {}
+        local = len(np.asarray(next(iter(batch.values()))))
+        g = global_rows or hosts.global_rows_of(self.activation("batch"), local, what=f"layout {self.layout}")
+        rows = self.host_rows(g)
+        if local != len(rows):
+            raise ConfigError(f"put_batch got {local} rows; this host loads {len(rows)} of the {g}-row batch "
+                              "(LLMParallel.host_rows)")
         batch = self.layout_batch(batch)
         sh = self.batch_sharding(batch)
-        return {k: jax.make_array_from_process_local_data(sh[k], np.asarray(v)) for k, v in batch.items()}
+        return {k: hosts.put_host_rows(sh[k], v, rows, (g, *np.shape(v)[1:])) for k, v in batch.items()}
+
+    def put_global_batch(self, batch: dict) -> dict:
+        """The whole batch, identical on every host -> global arrays (each host places only its rows)."""
+        if not batch:
+            return {}
+        g = len(np.asarray(next(iter(batch.values()))))
+        if g % self.layout.batch_shards:
+            raise ConfigError(f"data.batch_size={g}: layout {self.layout} splits the batch {self.layout.batch_shards} "
+                              f"ways (dp x fsdp x ep); use a multiple of {self.layout.batch_shards}")
+        return self.put_batch(hosts.take_rows(batch, self.host_rows(g)), global_rows=g)
 
     # ----------------------------------------------------------------------------------- model
     def prepare(self, model: LLM) -> nnx.Module:

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from omnijax.errors import ConfigError
 from omnijax.layers import attention as attention_lib
 from omnijax.models.mllm import MultimodalModel
-from omnijax.parallel import context, routing, rules as rules_lib
+from omnijax.parallel import context, hosts, routing, rules as rules_lib
 from omnijax.parallel.engine import LLMParallel
 from omnijax.train.losses import masked_cross_entropy
 
@@ -266,17 +266,17 @@ class Multiplexer:
     def put_batch(self, host_batch: dict) -> dict:
         """LLM arrays in the LLM layout; encoder buffers and routing tables one row per device.
 
-        With `balance_rows`, packed rows are first spread over the batch shards by LLM cost
-        (independently of where their encoder work runs)."""
+        `host_batch` is the whole global batch, the same on every host: the plan's routing tables
+        index global LLM rows and every device's encoder buffer, so each host plans the whole step
+        (deterministically, identically) and then places only the blocks its own devices hold, by
+        global index (any device order). With `balance_rows`, packed rows are first spread over the
+        batch shards by LLM cost (independently of where their encoder work runs)."""
         host_batch, plan = self.host_plan(host_batch)
         self.last_plan = plan
-        llm_keys = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
-        out = self.engine.put_batch({k: host_batch[k] for k in llm_keys})
+        out = self.engine.put_global_batch({k: host_batch[k] for k in LLM_KEYS})
         sharding = NamedSharding(self.mesh, P(ALL))
-        flat = list(np.asarray(self.mesh.devices).reshape(-1))
-        local = [i for i, d in enumerate(flat) if d.process_index == jax.process_index()]
         for k, v in plan.arrays.items():
-            out[k] = jax.make_array_from_process_local_data(sharding, v[local[0]:local[-1] + 1], v.shape)
+            out[k] = hosts.put_global(sharding, v)
         return out
 
     def metrics(self) -> dict[str, float]:

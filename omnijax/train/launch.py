@@ -7,6 +7,7 @@ Auto: Slurm (srun), Open MPI (mpirun) and Kubernetes indexed Jobs are detected b
 from __future__ import annotations
 
 import os
+import sys
 
 from omnijax.errors import UserError
 
@@ -66,6 +67,9 @@ def maybe_initialize_distributed() -> int:
         _cpu_collectives()
         jax.distributed.initialize()
     _initialized = True
+    if jax.process_count() > 1:  # one line per host: shows the job really formed (not N independent runs)
+        print(f"omnijax: process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} of "
+              f"{jax.device_count()} devices", file=sys.stderr, flush=True)
     return jax.process_count()
 
 

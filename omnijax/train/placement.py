@@ -33,7 +33,16 @@ class DataParallel:
     def put_state(self, state: Any) -> Any:
         return jax.device_put(state, self.state_shardings(state))
 
-    def put_batch(self, batch: dict) -> dict:
-        """Host arrays -> global arrays; each process passes only its local rows."""
+    def host_rows(self, global_rows: int, process: int | None = None) -> np.ndarray:
+        """Global rows of every batch this host (or `process`) loads: its devices' shards, increasing."""
+        from omnijax.parallel import hosts
+
+        return hosts.sharding_rows(NamedSharding(self.mesh, P("dp")), global_rows, process)
+
+    def put_batch(self, batch: dict, global_rows: int | None = None) -> dict:
+        """This host's rows -> global arrays of explicit global shape. The rows are those
+        `omnijax.parallel.hosts.sharding_rows` names for this mesh (any device order), increasing."""
+        from omnijax.parallel import hosts
+
         shardings = self.batch_sharding(batch)
-        return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v)) for k, v in batch.items()}
+        return {k: hosts.put_local(shardings[k], v, global_rows) for k, v in batch.items()}

@@ -1,0 +1,141 @@
+"""Multi-host: which rows each host loads (pure, property-tested) and real two-process runs that must
+match one process with the same 8 devices, as the user launches them (`--coordinator ...`)."""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from omnijax.parallel import hosts
+from omnijax.parallel.mesh import MESH_AXES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------- the pure row assignment
+@st.composite
+def layouts(draw, max_devices: int = 16):
+    """(mesh shape over MESH_AXES, ordered batch axes, mesh-shaped device -> process map)."""
+    shape = [1] * len(MESH_AXES)
+    for i in draw(st.lists(st.integers(0, len(MESH_AXES) - 1), max_size=4)):
+        if np.prod(shape) * 2 <= max_devices:
+            shape[i] *= 2
+    n = int(np.prod(shape))
+    procs = draw(st.sampled_from([p for p in (1, 2, 4, 8) if n % p == 0]))
+    owner = np.repeat(np.arange(procs), n // procs)
+    owner = owner[draw(st.permutations(range(n)))]          # any device order, not contiguous per host
+    axes = draw(st.permutations(MESH_AXES))[:draw(st.integers(0, 3))]
+    return tuple(shape), tuple(axes), owner.reshape(shape)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), st.integers(1, 3))
+def test_host_rows_cover_the_batch_and_only_held_shards(layout, per):
+    shape, axes, owner = layout
+    shards = hosts.num_shards(MESH_AXES, shape, axes)
+    g = shards * per
+    grid = hosts.shard_grid(MESH_AXES, shape, axes)
+    assert sorted(np.unique(grid)) == list(range(shards))
+    rows = {p: hosts.host_rows(owner, MESH_AXES, axes, g, p) for p in np.unique(owner)}
+    assert set(np.concatenate(list(rows.values())).tolist()) == set(range(g))     # every row loaded
+    for p, r in rows.items():
+        assert list(r) == sorted(set(r.tolist()))                                 # increasing, no repeats
+        held = set(grid[owner == p].tolist())
+        assert {int(x) // per for x in r} == held         # exactly the rows of shards its devices hold
+    for p in rows:                                        # hosts sharing a shard load identical rows of it
+        for q in rows:
+            for s in set(grid[owner == p].tolist()) & set(grid[owner == q].tolist()):
+                want = set(range(s * per, (s + 1) * per))
+                assert want <= set(rows[p].tolist()) and want <= set(rows[q].tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(layouts(max_devices=8), st.permutations(range(8)))
+def test_shard_numbering_matches_named_sharding(layout, perm):
+    """The pure grid numbers shards as jax does, for any device order and batch-axis order."""
+    shape, axes, _ = layout
+    if int(np.prod(shape)) != 8:
+        shape = (1, 1, 1, 1, 1, 8)
+    devices = np.asarray(jax.devices(), dtype=object)[list(perm)].reshape(shape)
+    mesh = Mesh(devices, MESH_AXES)
+    sharding = NamedSharding(mesh, P(axes if axes else None, None))
+    per, n = 2, hosts.num_shards(MESH_AXES, shape, axes)
+    index = sharding.devices_indices_map((n * per, 3))
+    grid = hosts.shard_grid(MESH_AXES, shape, axes)
+    for pos in np.ndindex(*shape):
+        rows = index[devices[pos]][0]
+        assert (rows.start or 0) == grid[pos] * per and (rows.stop or n * per) == (grid[pos] + 1) * per
+
+
+def test_put_host_rows_places_every_block_and_rejects_missing_rows():
+    devices = np.asarray(jax.devices(), dtype=object)[[5, 2, 7, 0, 1, 6, 3, 4]].reshape(1, 1, 2, 1, 2, 2)
+    sharding = NamedSharding(Mesh(devices, MESH_AXES), P("fsdp", "cp"))
+    full = np.arange(8 * 6).reshape(8, 6)
+    rows = hosts.sharding_rows(sharding, 8)
+    np.testing.assert_array_equal(rows, np.arange(8))
+    arr = hosts.put_local(sharding, full)
+    assert arr.shape == (8, 6) and arr.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(arr), full)
+    with pytest.raises(Exception, match="was not given global batch rows"):
+        hosts.put_host_rows(sharding, full[:4], np.arange(4), (8, 6))
+
+
+# ---------------------------------------------------------------------------- real processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _launch(recipe: str, args: list[str], runs: Path, name: str, timeout: float = 600) -> None:
+    """One process with 8 CPU devices, and the same command on two processes with 4 each."""
+    env = {**os.environ, "OMNIJAX_RUNS": str(runs), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    base = [sys.executable, "-m", "recipes", recipe, *args]
+    port = _free_port()
+    two = [subprocess.Popen(base + [f"trainer.run_name={name}_two", "parallel.cpu_devices=4",
+                                    f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+    one = subprocess.run(base + [f"trainer.run_name={name}_one", "parallel.cpu_devices=8"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    outs = [p.communicate(timeout=timeout)[0] for p in two]
+    assert one.returncode == 0, one.stderr[-3000:]
+    for i, (p, out) in enumerate(zip(two, outs)):
+        assert p.returncode == 0, out[-3000:]
+        # each child saw one job of 2 processes x 4 devices, not an independent 4-device run
+        assert re.search(rf"process {i} of 2, 4 of 8 devices", out), out[-2000:]
+
+
+def _assert_same(a: list[dict], b: list[dict], keys=("loss", "grad_norm")) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b] and a
+    for ra, rb in zip(a, b):
+        for k in keys:
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5), (k, ra["step"], ra[k], rb[k])
+
+
+TINY_LM = ["model.embed_dim=64", "model.num_layers=2", "model.head_dim=16", "model.mlp_dim=128", "data.seq_len=32",
+           "data.batch_size=8", "data.eval_batches=1", "trainer.log_every=1", "trainer.progress=false",
+           "optimizer.warmup_steps=2", "trainer.steps=4", "trainer.eval_every=0", "trainer.checkpoint_every=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2xfsdp2xtp2", "fsdp4xtp2"])
+def test_tiny_lm_two_processes_match_one(tmp_path, layout):
+    """pp outermost: each host holds every batch shard of its stage and loads the whole batch; fsdp across
+    hosts: each loads its half. Losses, gradient norms and the held-out loss match one process."""
+    _launch("tiny_lm", TINY_LM + [f"parallel.llm={layout}"], tmp_path, "lm")
+    _assert_same(_metrics(tmp_path / "lm_one"), _metrics(tmp_path / "lm_two"))
+    ev = [json.loads((tmp_path / f"lm_{n}" / "eval.json").read_text())["metrics"]["eval_loss"] for n in ("one", "two")]
+    assert ev[1] == pytest.approx(ev[0], rel=1e-5)
