@@ -17,6 +17,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -126,8 +127,9 @@ def _input_id(cfg: ConvertConfig) -> dict:
 def _remove_stale(out: Path, name: str, keep: set[str]) -> None:
     """Shards of an earlier run with another shard count would be read with this run's: remove them."""
     from omnijax.data import records
+    mine = re.compile(re.escape(name) + r"-\d{5}-of-\d{5}\.arrayrecord")
     for p in glob.glob(str(out / f"{glob.escape(name)}-*-of-*.arrayrecord")):
-        if p not in keep:
+        if mine.fullmatch(os.path.basename(p)) and p not in keep:
             for q in (p, p + records.META_SUFFIX, p + records.MANIFEST_SUFFIX):
                 if os.path.exists(q):
                     os.remove(q)
@@ -187,10 +189,18 @@ def main(argv: list[str]) -> int:
                           f"shards must be >= 0 (0 = automatic), the others > 0")
     if cfg.media_root and not os.path.isdir(cfg.media_root):
         raise ConfigError(f"media_root={cfg.media_root}: folder not found")
+    if cfg.input.startswith("world") and cfg.tokenizer.path:
+        raise ConfigError(f"tokenizer.path={cfg.tokenizer.path}: the built-in world is byte-level; drop tokenizer.path "
+                          f"for input={cfg.input}")
     t0 = time.perf_counter()
     tok = load_tokenizer(cfg.tokenizer.path)
     out = Path(cfg.output or Path(os.environ.get("OMNIJAX_RUNS", "runs")) / cfg.run_name / "shards")
     out.mkdir(parents=True, exist_ok=True)
+    before = records.read_dataset_info(out)
+    here = cfg.input if cfg.input.startswith("world") else os.path.abspath(cfg.input)
+    if before is not None and before.get("input") not in (None, here):
+        raise ConfigError(f"output={out} already holds the shards of {before.get('input')} (one dataset per folder: "
+                          f"readers take every shard in it); choose another output folder for {cfg.input}")
     name = cfg.name or (cfg.input.replace(":", "_") if cfg.input.startswith("world") else Path(cfg.input).stem)
     setup = _setup(cfg, tok)
     n = cfg.samples if setup["kind"] == "world" else len(setup["index"][0])

@@ -117,6 +117,10 @@ def test_jsonl_and_json_list_read_the_same_records(data, monkeypatch):
     assert len(a) == len(b) == len(full) == 7
     for i in range(7):
         assert a._record(i) == b._record(i) == full[i]
+    import pickle
+    tok = T.load_tokenizer(str(data[1]))
+    c = pickle.loads(pickle.dumps(sources.JsonlSource("d", str(d / "d.json"), tok)))  # e.g. into loader workers
+    assert _same(c.get(0), sources.JsonlSource("d", str(d / "d.jsonl"), tok).get(0))
     tricky = d / "tricky.json"
     items = [{"text": 'q\\"}]['}, {"text": "\\\\"}, {"text": "[{,\"}"}, {"text": "é ok"}]
     tricky.write_text(" \n[" + ",".join(json.dumps(x, ensure_ascii=False) for x in items) + "]\n")
@@ -137,6 +141,10 @@ def test_convert_world_in_process_and_stale_shards(tmp_path, capsys):
     assert len(list(out.glob("*.arrayrecord"))) == 2 and "removed stale shard" in err
     (ar,) = sources.open_sources([sources.SourceSpec("w", path=str(out))])
     assert [ar.get(i).index for i in range(12)] == list(range(12))
+    from omnijax.errors import ConfigError
+    (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigError, match="already holds the shards of world"):
+        _convert(capsys, f"input={tmp_path / 'x.jsonl'}", f"output={out}")
 
 
 def test_8bit_pixels_are_stored_as_uint8_and_decode_to_the_same_floats():

@@ -201,6 +201,10 @@ def index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
     return starts[keep], ends[keep]
 
 
+_JSON_LUT = np.zeros(256, np.uint8)
+_JSON_LUT[[34, 91, 123, 93, 125, 44]] = [1, 2, 2, 3, 3, 4]  # " [ { ] } ,
+
+
 def index_json_list(path: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Byte ranges of the elements of a top-level JSON list (LLaVA's `.json` files), found by scanning for
     commas at depth 1 outside strings, 1 MiB at a time; no element is parsed. None if the file does not
@@ -214,27 +218,33 @@ def index_json_list(path: str) -> tuple[np.ndarray, np.ndarray] | None:
         while chunk := f.read(_SCAN):
             b = np.frombuffer(chunk, np.uint8)
             n = b.size
-            bs = b == 92  # backslash
-            idx = np.arange(n, dtype=np.int64)
-            last_non = np.maximum.accumulate(np.where(bs, -1, idx))  # last non-backslash at or before i
-            q = np.flatnonzero(b == 34)  # '"'
-            prev = np.where(q > 0, last_non[np.maximum(q - 1, 0)], -1)
-            run = np.where(q > 0, q - 1 - prev, 0) + np.where(prev < 0, carry_bs, 0)
-            toggles = np.zeros(n, np.int32)
-            toggles[q[run % 2 == 0]] = 1  # unescaped quotes open/close strings
-            outside = ((in_str + np.cumsum(toggles)) % 2 == 0) & (toggles == 0)
-            delta = np.zeros(n, np.int32)
-            delta[outside & ((b == 91) | (b == 123))] = 1
-            delta[outside & ((b == 93) | (b == 125))] = -1
+            pos = np.flatnonzero(_JSON_LUT[b])  # only quotes, brackets and commas matter
+            c = _JSON_LUT[b[pos]]
+            quote = c == 1
+            # a quote right after backslashes is escaped when their run is odd (rare: counted one by one)
+            after_bs = quote & (b[np.maximum(pos - 1, 0)] == 92) & (pos > 0) | quote & (pos == 0) & (carry_bs > 0)
+            escaped = np.zeros(pos.size, bool)
+            cand = np.flatnonzero(after_bs)
+            if cand.size:
+                q = pos[cand]
+                non = np.flatnonzero(b != 92)  # the last non-backslash before q ends the backslash run
+                at = np.searchsorted(non, q - 1, side="right") - 1
+                k = np.where(at >= 0, non[np.maximum(at, 0)], -1)
+                escaped[cand] = (q - 1 - k + np.where(k < 0, carry_bs, 0)) % 2 == 1
+            toggle = (quote & ~escaped).astype(np.int64)
+            outside = ((in_str + np.cumsum(toggle)) % 2 == 0) & ~quote
+            delta = np.where(outside & (c == 2), 1, 0) - np.where(outside & (c == 3), 1, 0)
             after = depth + np.cumsum(delta)
-            if n and after.min() < 0:
-                raise UserError(f"{path}: malformed JSON list (a closing bracket near byte {off + int(np.argmax(after < 0))})")
-            hit = (outside & (b == 44) & (after == 1)) | ((delta == 1) & (after == 1)) | ((delta == -1) & (after == 0))
-            bounds.append(np.flatnonzero(hit).astype(np.int64) + off)
-            in_str = int((in_str + toggles.sum()) % 2)
-            depth = int(after[-1]) if n else depth
-            if n and bs[-1]:
-                carry_bs = int(n - 1 - last_non[-1]) + (carry_bs if last_non[-1] < 0 else 0)
+            if after.size and after.min() < 0:
+                raise UserError(f"{path}: malformed JSON list (a closing bracket near byte "
+                                f"{off + int(pos[np.argmax(after < 0)])})")
+            hit = (outside & (c == 4) & (after == 1)) | ((delta == 1) & (after == 1)) | ((delta == -1) & (after == 0))
+            bounds.append(pos[hit].astype(np.int64) + off)
+            in_str = int((in_str + toggle.sum()) % 2)
+            depth = int(after[-1]) if after.size else depth
+            if n and b[-1] == 92:
+                non = np.flatnonzero(b != 92)
+                carry_bs = n - 1 - int(non[-1]) if non.size else n + carry_bs
             else:
                 carry_bs = 0
             off += n
@@ -276,6 +286,13 @@ class JsonlSource(Source):
             index = (index_json_list(path) if path.endswith(".json") else None) or index_lines(path)
         self._starts, self._ends = (np.asarray(a, np.int64) for a in index)
         self._fd = os.open(path, os.O_RDONLY)
+
+    def __getstate__(self) -> dict:  # a file descriptor means nothing in another process
+        return {k: v for k, v in self.__dict__.items() if k != "_fd"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._fd = os.open(self.path, os.O_RDONLY)
 
     @property
     def index(self) -> tuple[np.ndarray, np.ndarray]:
