@@ -175,9 +175,9 @@ def main(argv: list[str]) -> int:
     from tqdm import tqdm
 
     from omnijax.config import build
-    from omnijax.data import records
+    from omnijax.data import formats, records
     from omnijax.data.tokenizer import load_tokenizer
-    from omnijax.errors import ConfigError
+    from omnijax.errors import ConfigError, UserError
 
     cfg = build(ConvertConfig, None, argv, check=None)
     if not cfg.input:
@@ -194,6 +194,7 @@ def main(argv: list[str]) -> int:
                           f"for input={cfg.input}")
     t0 = time.perf_counter()
     tok = load_tokenizer(cfg.tokenizer.path)
+    formats.check_template(tok)
     out = Path(cfg.output or Path(os.environ.get("OMNIJAX_RUNS", "runs")) / cfg.run_name / "shards")
     out.mkdir(parents=True, exist_ok=True)
     before = records.read_dataset_info(out)
@@ -204,6 +205,8 @@ def main(argv: list[str]) -> int:
     name = cfg.name or (cfg.input.replace(":", "_") if cfg.input.startswith("world") else Path(cfg.input).stem)
     setup = _setup(cfg, tok)
     n = cfg.samples if setup["kind"] == "world" else len(setup["index"][0])
+    if n <= 0:
+        raise UserError(f"input={cfg.input}: no records to convert")
     shards = cfg.shards or -(-n // cfg.records_per_shard)
     shards = max(1, min(shards, n))  # no empty shards
     ident = {"format": FORMAT, **_input_id(cfg), "tokenizer": tok.fingerprint,

@@ -164,6 +164,9 @@ def test_bad_conversations_are_bad_records(hf, tmp_path):
     tok = T.load_tokenizer(str(make_hf(tmp_path / "strict", template=strict)))
     with pytest.raises(BadRecord, match="system first"):
         _build(tok, CONV)
+    broken = T.load_tokenizer(str(make_hf(tmp_path / "broken", template="{% for m in messages %}")))
+    with pytest.raises(ConfigError, match="does not compile"):  # the config's fault: not a skipped record
+        _build(broken, CONV)
 
 
 def test_media_without_tag_go_first_in_the_first_user_turn(hf):

@@ -157,14 +157,25 @@ def default_chunks(messages: list[dict], tok: Tokenizer) -> list[Chunk]:
     return chunks
 
 
+def check_template(tok: Tokenizer) -> None:
+    """ConfigError now (not a skipped record per conversation later) when the tokenizer's chat template
+    does not compile, UserError when jinja2 is missing."""
+    if tok.chat_template:
+        _compiled(tok.chat_template, tok.name)
+
+
 @functools.lru_cache(maxsize=8)
-def _compiled(template: str):
+def _compiled(template: str, name: str = ""):
     """A chat template compiled in a sandbox, with the globals Hugging Face templates expect."""
     import datetime
 
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from omnijax.errors import ConfigError, UserError
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise UserError(f"tokenizer {name} has a chat template: applying it needs jinja2 (pip install jinja2)") from None
 
     def raise_exception(message: str):
         raise TemplateError(message)
@@ -172,12 +183,15 @@ def _compiled(template: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(template)
+    try:
+        return env.from_string(template)
+    except TemplateError as exc:
+        raise ConfigError(f"tokenizer {name}: its chat_template does not compile ({exc})") from None
 
 
 def render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """The tokenizer's chat template applied to `messages` (text; specials still as their text)."""
-    return _compiled(tok.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+    return _compiled(tok.chat_template, tok.name).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                **tok.special_strings)
 
 
@@ -186,6 +200,7 @@ def template_chunks(messages: list[dict], tok: Tokenizer, where: str) -> list[Ch
     with each message's content replaced by a unique marker (private-use characters)."""
     marks = [f"\ue000{k}\ue001" for k in range(len(messages))]
     marked = [{"role": m["role"], "content": s} for m, s in zip(messages, marks)]
+    check_template(tok)  # a broken template or a missing jinja2 is the configuration's fault, not the record's
     try:
         full = render(tok, marked)
         pos = []

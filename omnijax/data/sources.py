@@ -395,6 +395,8 @@ def open_sources(specs: list[SourceSpec], world_cfg: Any = None, tokenizer: Any 
     names = [s.name or (Path(s.path).stem if s.path else "world") for s in specs]
     if len(set(names)) != len(names):
         raise UserError(f"source names must be unique, got {names}")
+    if tokenizer is not None and "jsonl" in kinds:
+        formats.check_template(tokenizer)  # fail at open, not as one skipped record per conversation
     groups = [shard_paths(s.path) for s, k in zip(specs, kinds) if k == "arrayrecord"]
     for s, k in zip(specs, kinds):
         if k == "arrayrecord":
