@@ -179,7 +179,18 @@ def _probe(path: Path, container) -> tuple[object, Fraction, Fraction | None, in
 
     Duration: the stream's own (mp4: exact sum of sample durations) > frame count / rate > the container's
     (mkv/webm carry no per-stream duration) > the packets' timestamps (demuxed, not decoded)."""
+    try:
+        return _probe_header(path, container)
+    except BadSample:
+        raise
+    except Exception as exc:  # a damaged header: no codec context, nonsense rates...
+        raise _corrupt(path, "video", exc) from None
+
+
+def _probe_header(path: Path, container) -> tuple[object, Fraction, Fraction | None, int, int]:
     s = container.streams.video[0]
+    if s.codec_context is None:
+        raise BadSample(f"{path}: corrupt or truncated video (unknown video codec)")
     h, w = int(s.codec_context.height or 0), int(s.codec_context.width or 0)
     if h <= 0 or w <= 0:
         raise BadSample(f"{path}: corrupt or truncated video (frame size {w}x{h})")
@@ -241,7 +252,8 @@ def video_shape(path: Path, cfg: MediaConfig) -> tuple[int, int, int, int]:
 
 
 def load_video(path: Path, cfg: MediaConfig) -> np.ndarray:
-    """The frames shown at `frame_times` (the last frame whose timestamp is <= each target), RGB float32.
+    """The frames nearest to `frame_times` (ties: the earlier one; robust to containers rounding timestamps
+    to milliseconds), RGB float32. Targets past the last decoded frame get the last frame.
 
     Only the kept frames are converted to RGB; the rest are decoded (inter-frame codecs need them) unless a
     keyframe lies between two far-apart targets, where seeking skips them. Display-rotation metadata is not
@@ -292,7 +304,7 @@ def _decode_at(container, s, times: list[Fraction], h: int, w: int, stats: dict 
         return cache[1]
 
     origin: int | None = None
-    prev = None
+    prev, prev_t = None, Fraction(0)
     k, index = 0, 0
     frames: Iterator = container.decode(s)
     just_sought, sought, before = False, -1, Fraction(0)
@@ -315,12 +327,13 @@ def _decode_at(container, s, times: list[Fraction], h: int, w: int, stats: dict 
             if t <= before:  # it landed behind where we were: correct but no gain, stop seeking
                 keys = []
             just_sought = False
-        while k < len(times) and t > times[k]:
-            out.append(rgb(prev))
+        while k < len(times) and t > times[k]:  # frame is past target k: it or prev is the nearest
+            nearer_prev = prev is not None and times[k] - prev_t <= t - times[k]
+            out.append(rgb(prev if nearer_prev else frame))
             k += 1
         if k == len(times):
             break
-        prev = frame
+        prev, prev_t = frame, t
         if keys and k != sought and times[k] - t >= SEEK_GAP_S:  # at most one seek per target
             target = origin + int(times[k] / tb)
             i = bisect.bisect_right(keys, target - delay) - 1
