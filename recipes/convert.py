@@ -187,6 +187,9 @@ def main(argv: list[str]) -> int:
     if cfg.shards < 0 or cfg.records_per_shard <= 0 or cfg.workers <= 0:
         raise ConfigError(f"shards={cfg.shards}, records_per_shard={cfg.records_per_shard}, workers={cfg.workers}: "
                           f"shards must be >= 0 (0 = automatic), the others > 0")
+    if cfg.media.video_fps <= 0 or cfg.media.max_video_frames < 0:
+        raise ConfigError(f"media.video_fps={cfg.media.video_fps} must be > 0 and media.max_video_frames="
+                          f"{cfg.media.max_video_frames} >= 0 (0 = no cap)")
     if cfg.media_root and not os.path.isdir(cfg.media_root):
         raise ConfigError(f"media_root={cfg.media_root}: folder not found")
     if cfg.input.startswith("world") and cfg.tokenizer.path:

@@ -157,3 +157,22 @@ def test_8bit_pixels_are_stored_as_uint8_and_decode_to_the_same_floats():
         assert f'"dtype": "{dtype}"' in raw[8:200].decode(errors="ignore")
         back = records.decode(raw).segments[0].data
         assert back.dtype == np.float32 and np.array_equal(back.view(np.uint32), x.view(np.uint32))
+
+
+def test_video_conversation_follows_media_settings(tmp_path, capsys):
+    from omnijax.data import media
+    media.write_video(tmp_path / "v.mp4", np.random.default_rng(0).random((8, 16, 16, 3)), fps=4)  # 2 seconds
+    rec = {"video": "v.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
+                                               {"from": "gpt", "value": "Noise."}]}
+    (tmp_path / "v.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n")
+    frames = {}
+    for fps in (1, 2):
+        out = tmp_path / f"fps{fps}"
+        summary, _ = _convert(capsys, f"input={tmp_path / 'v.jsonl'}", f"output={out}", f"media.video_fps={fps}",
+                              "workers=2", "shards=2")
+        assert summary["records"] == 2 and summary["skipped_bad"] == 0
+        (ar,) = sources.open_sources([sources.SourceSpec("v", path=str(out))])
+        (seg,) = [s for s in ar.get(1).segments if s.modality == "video"]
+        frames[fps] = seg.data.shape[0]
+        assert sources.dataset_info(out)["media"]["video_fps"] == fps
+    assert frames == {1: 2, 2: 4}
