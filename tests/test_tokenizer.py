@@ -77,10 +77,13 @@ def test_hf_round_trip_specials_and_placeholders(hf, hf_dir):
 def test_specials_from_special_tokens_map_and_fallbacks(tmp_path):
     d = make_hf(tmp_path / "a", specials=("<s>", "</s>", "<unk>"), template=None,
                 config={"eos_token": None, "pad_token": None})
+    (d / "tokenizer_config.json").write_text("{}")
     (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "</s>"}, "bos_token": "<s>"}))
     tok = T.load_tokenizer(str(d))
     assert (tok.bos, tok.eos, tok.pad) == (tok._tok.token_to_id("<s>"), tok._tok.token_to_id("</s>"),
                                            tok._tok.token_to_id("</s>"))  # pad falls back to eos
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": None}))
+    assert T.load_tokenizer(str(d)).bos is None  # an explicit null: no bos even though "<s>" exists
     assert tok.chat_template is None
     bare = make_hf(tmp_path / "b", specials=("<unk>",), template=None, config={"eos_token": None, "pad_token": None})
     with pytest.raises(UserError, match="no end-of-sequence token"):

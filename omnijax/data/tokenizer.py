@@ -234,7 +234,9 @@ class HFTokenizer(Tokenizer):
                     return text, int(self._tok.token_to_id(text))
             return None, None
 
-        bos_t, self.bos = pick("bos_token", _BOS_NAMES)
+        # an explicit "bos_token": null (Qwen-style) means no bos, not "guess one"
+        no_bos = any(key_src.get("bos_token", "") is None for key_src in (config, smap))
+        bos_t, self.bos = (None, None) if no_bos else pick("bos_token", _BOS_NAMES)
         eos_t, eos = pick("eos_token", _EOS_NAMES)
         if eos is None:
             raise UserError(f"tokenizer.path={path}: no end-of-sequence token (no eos_token in tokenizer_config.json "
