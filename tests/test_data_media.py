@@ -180,9 +180,20 @@ def test_audio_resampling_keeps_a_440hz_sine(tmp_path, ext, tol):
     x = _load(tmp_path / f"s{ext}", "audio")
     assert x.shape == (16000,)
     ref = 0.5 * np.sin(2 * np.pi * 440 * np.arange(16000) / SAMPLE_RATE)
-    assert np.abs(x - ref)[200:-200].max() < tol  # linear interpolation would not reach this
+    assert np.abs(x - ref)[200:-200].max() < tol
     spec = np.abs(np.fft.rfft(x * np.hanning(x.size)))
     assert abs(np.argmax(spec) * SAMPLE_RATE / x.size - 440) <= 1
+
+
+def test_audio_resampling_removes_what_16khz_cannot_hold(tmp_path):
+    """A 12 kHz tone at 44.1 kHz is above the 8 kHz Nyquist limit: a proper low-pass resampler drops it,
+    interpolation would fold it onto 4 kHz."""
+    rate = 44100
+    t = np.arange(rate) / rate
+    media.write_audio(tmp_path / "mix.wav", 0.4 * np.sin(2 * np.pi * 440 * t) + 0.4 * np.sin(2 * np.pi * 12000 * t), rate)
+    x = _load(tmp_path / "mix.wav", "audio")
+    ref = 0.4 * np.sin(2 * np.pi * 440 * np.arange(16000) / SAMPLE_RATE)
+    assert np.abs(x - ref)[200:-200].max() < 2e-3
 
 
 def test_audio_channels_are_averaged(tmp_path):
