@@ -23,10 +23,10 @@ DESCRIPTION = "convert: peak RSS of N vs 10N records (streaming: ratio ~1), reco
 
 @dataclass
 class BenchConfig:
-    records: int = 2000           # N
+    records: int = 1000           # N
     scale: int = 10               # the second run converts scale * N records
     workers: int = 2
-    records_per_shard: int = 500
+    records_per_shard: int = 250
     image_px: int = 32
     audio_samples: int = 4000
     seed: int = 0
