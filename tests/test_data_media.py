@@ -157,6 +157,20 @@ def test_video_cut_short_repeats_its_last_frame(tmp_path):
     assert idx == list(range(idx[-1] + 1)) + [idx[-1]] * (19 - idx[-1])
 
 
+def test_mp4_display_rotation_is_applied(tmp_path):
+    """Phone portrait clips: landscape frames plus a rotation in the header; both paths show them upright."""
+    import av
+    px = np.zeros((2, 16, 32, 3))
+    px[:, :8, :8] = 1.0  # a white top-left corner
+    for deg in (0, 90, 180, 270):
+        p = tmp_path / f"r{deg}.mp4"
+        media.write_video(p, px, 5, rotation=deg)
+        with av.open(str(p)) as c:
+            assert media.mp4_rotation(p) == next(c.decode(video=0)).rotation % 360 == deg  # FFmpeg agrees
+        x = _load(p, "video")
+        assert np.allclose(x, np.rot90(px, deg // 90, axes=(1, 2)), atol=0.05), deg
+
+
 def test_write_video_rejects_odd_sides(tmp_path):
     with pytest.raises(ValueError, match="even"):
         media.write_video(tmp_path / "o.mp4", np.zeros((2, 31, 32, 3)), 5)

@@ -242,12 +242,73 @@ def frame_times(duration: Fraction, cfg: MediaConfig, rate: Fraction | None = No
     return [Fraction(k) / fps for k in range(n)]
 
 
+_MP4_LIKE = (".mp4", ".m4v", ".mov")
+
+
+def _boxes(f, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """(type, payload start, payload end) of the ISO-BMFF boxes in [start, end) of an open file."""
+    pos = start
+    while pos + 8 <= end:
+        f.seek(pos)
+        head = f.read(16)
+        if len(head) < 8:
+            return
+        size, kind = int.from_bytes(head[:4], "big"), head[4:8]
+        hdr = 8
+        if size == 1 and len(head) == 16:
+            size, hdr = int.from_bytes(head[8:16], "big"), 16
+        elif size == 0:
+            size = end - pos
+        if size < hdr:
+            return
+        yield kind, pos + hdr, min(pos + size, end)
+        pos += size
+
+
+def mp4_rotation(path: Path) -> int:
+    """Counter-clockwise degrees (0/90/180/270) the video track's tkhd matrix turns the stored frames for
+    display (how phones store portrait clips). Read from the header boxes (the same value FFmpeg reports as
+    a decoded frame's `rotation`; PyAV exposes no header-level getter). Anything unreadable -> 0."""
+    import math as _m
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            for kind, a, b in _boxes(f, 0, size):
+                if kind != b"moov":
+                    continue
+                for tkind, ta, tb in _boxes(f, a, b):
+                    if tkind != b"trak":
+                        continue
+                    matrix, handler = None, None
+                    for ckind, ca, cb in _boxes(f, ta, tb):
+                        if ckind == b"tkhd":
+                            f.seek(ca)
+                            body = f.read(min(cb - ca, 92))
+                            off = 4 + (32 if body[0] == 1 else 20) + 16  # version/flags, times/ids/duration, reserved..volume
+                            matrix = [int.from_bytes(body[off + 4 * i: off + 4 * i + 4], "big", signed=True)
+                                      for i in range(9)]
+                        elif ckind == b"mdia":
+                            for mkind, ma, mb in _boxes(f, ca, cb):
+                                if mkind == b"hdlr":
+                                    f.seek(ma + 8)
+                                    handler = f.read(4)
+                    if handler == b"vide" and matrix and len(matrix) == 9:
+                        deg = -_m.degrees(_m.atan2(matrix[1], matrix[0]))
+                        return int(round(deg / 90.0)) % 4 * 90
+    except (OSError, ValueError, IndexError):
+        return 0
+    return 0
+
+
 def video_shape(path: Path, cfg: MediaConfig) -> tuple[int, int, int, int]:
     container = _open_video(path)
     try:
         _, dur, rate, h, w = _probe(path, container)
     finally:
         container.close()
+    if Path(path).suffix.lower() in _MP4_LIKE and mp4_rotation(path) in (90, 270):
+        h, w = w, h
     return (len(frame_times(dur, cfg, rate)), h, w, 3)
 
 
@@ -256,8 +317,8 @@ def load_video(path: Path, cfg: MediaConfig) -> np.ndarray:
     to milliseconds), RGB float32. Targets past the last decoded frame get the last frame.
 
     Only the kept frames are converted to RGB; the rest are decoded (inter-frame codecs need them) unless a
-    keyframe lies between two far-apart targets, where seeking skips them. Display-rotation metadata is not
-    applied (frames come out as stored, matching the header's width and height)."""
+    keyframe lies between two far-apart targets, where seeking skips them. mp4/mov display rotation (phone
+    portrait clips) is applied; other containers' frames come out as stored."""
     container = _open_video(path)
     try:
         s, dur, rate, h, w = _probe(path, container)
@@ -273,7 +334,9 @@ def load_video(path: Path, cfg: MediaConfig) -> np.ndarray:
     if not frames:
         raise BadSample(f"{path}: corrupt or truncated video (no frame could be decoded)")
     frames += [frames[-1]] * (len(times) - len(frames))  # header claimed more than the decoder gave
-    return np.stack(frames).astype(np.float32) / 255.0
+    out = np.stack(frames).astype(np.float32) / 255.0
+    turns = mp4_rotation(path) // 90 if Path(path).suffix.lower() in _MP4_LIKE else 0
+    return np.ascontiguousarray(np.rot90(out, k=turns, axes=(1, 2))) if turns else out
 
 
 def _keyframe_ts(s) -> list[int]:
@@ -347,8 +410,11 @@ def _decode_at(container, s, times: list[Fraction], h: int, w: int, stats: dict 
     return out
 
 
-def write_video(path: Path, frames: np.ndarray, fps: float, crf: int = 18, gop: int | None = None) -> None:
-    """float [T, H, W, 3] in [0, 1] -> mp4/mkv/mov (libx264, yuv420p) or webm (VP9). H and W must be even."""
+def write_video(path: Path, frames: np.ndarray, fps: float, crf: int = 18, gop: int | None = None,
+                rotation: int = 0) -> None:
+    """float [T, H, W, 3] in [0, 1] -> mp4/mkv/mov (libx264, yuv420p) or webm (VP9). H and W must be even.
+
+    `rotation` (counter-clockwise degrees) is stored as display metadata, the way phones store portrait clips."""
     import av
     px = np.clip(np.round(np.asarray(frames, np.float64) * 255), 0, 255).astype(np.uint8)
     if px.ndim != 4 or px.shape[-1] != 3 or px.shape[0] == 0:
@@ -365,6 +431,8 @@ def write_video(path: Path, frames: np.ndarray, fps: float, crf: int = 18, gop: 
         s.width, s.height, s.pix_fmt = w, h, "yuv420p"
         opts = {"crf": str(crf)} | ({"b": "0"} if webm else {}) | ({"g": str(gop)} if gop else {})
         s.options = opts
+        if rotation:
+            s.set_display_rotation(rotation)
         for i in range(t):
             for pkt in s.encode(av.VideoFrame.from_ndarray(px[i], format="rgb24")):
                 c.mux(pkt)
