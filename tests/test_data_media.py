@@ -243,7 +243,7 @@ def _valid_files(tmp_path):
 
 
 def test_corrupt_files_are_bad_samples_naming_the_file(tmp_path):
-    files = _valid_files(tmp_path)
+    _valid_files(tmp_path)
     data = (tmp_path / "ok.jpg").read_bytes()
     (tmp_path / "trunc.jpg").write_bytes(data[: len(data) // 2])
     with pytest.raises(BadSample, match=r"trunc\.jpg: corrupt or truncated image"):

@@ -20,6 +20,7 @@ import numpy as np
 
 from omnijax.config import MediaConfig
 from omnijax.data.sample import SAMPLE_RATE, BadSample
+from omnijax.errors import ConfigError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi")
@@ -232,7 +233,7 @@ def frame_times(duration: Fraction, cfg: MediaConfig, rate: Fraction | None = No
     max_video_frames, that many spread evenly over the whole clip (coverage beats keeping its first seconds)."""
     fps = Fraction(cfg.video_fps).limit_denominator(1_000_000)
     if fps <= 0:
-        raise BadSample(f"video_fps={cfg.video_fps} must be > 0")
+        raise ConfigError(f"data.media.video_fps={cfg.video_fps} must be > 0")
     if rate and rate > 0:
         fps = min(fps, Fraction(rate))
     n = max(1, math.ceil(duration * fps))
@@ -269,7 +270,6 @@ def mp4_rotation(path: Path) -> int:
     """Counter-clockwise degrees (0/90/180/270) the video track's tkhd matrix turns the stored frames for
     display (how phones store portrait clips). Read from the header boxes (the same value FFmpeg reports as
     a decoded frame's `rotation`; PyAV exposes no header-level getter). Anything unreadable -> 0."""
-    import math as _m
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
@@ -294,7 +294,7 @@ def mp4_rotation(path: Path) -> int:
                                     f.seek(ma + 8)
                                     handler = f.read(4)
                     if handler == b"vide" and matrix and len(matrix) == 9:
-                        deg = -_m.degrees(_m.atan2(matrix[1], matrix[0]))
+                        deg = -math.degrees(math.atan2(matrix[1], matrix[0]))
                         return int(round(deg / 90.0)) % 4 * 90
     except (OSError, ValueError, IndexError):
         return 0
@@ -348,7 +348,9 @@ def _keyframe_ts(s) -> list[int]:
 
 
 def _decode_at(container, s, times: list[Fraction], h: int, w: int, stats: dict | None = None) -> list[np.ndarray]:
-    """Frames shown at `times`; `stats` (if given) counts frames decoded, seeks and restarts (tests, bench)."""
+    """uint8 RGB frames nearest to `times` (seconds from the first frame; ties go to the earlier frame).
+
+    `stats` (if given) counts frames decoded, seeks and restarts (tests, bench)."""
     stats = {} if stats is None else stats
     stats.update(decoded=0, seeks=0, restarts=0)
     tb = Fraction(s.time_base) if s.time_base else Fraction(1, 1000)
@@ -375,7 +377,7 @@ def _decode_at(container, s, times: list[Fraction], h: int, w: int, stats: dict 
         frame = next(frames, None)
         if frame is None:
             break
-        pts = frame.pts if frame.pts is not None else None
+        pts = frame.pts
         if origin is None:
             origin = pts if pts is not None else 0
         t = (pts - origin) * tb if pts is not None else Fraction(index) / rate
