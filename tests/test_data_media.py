@@ -186,7 +186,7 @@ def test_resampled_length_formula(tmp_path, rate):
         assert _load(tmp_path / "a.flac", "audio").shape == (media.resampled_len(n, rate),)
 
 
-@pytest.mark.parametrize("ext,tol", [(".wav", 2e-3), (".flac", 2e-3), (".ogg", 0.05)])
+@pytest.mark.parametrize("ext,tol", [(".wav", 2e-3), (".flac", 2e-3), (".ogg", 0.05), (".mp3", None)])
 def test_audio_resampling_keeps_a_440hz_sine(tmp_path, ext, tol):
     rate = 44100
     wave = 0.5 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)
@@ -194,7 +194,8 @@ def test_audio_resampling_keeps_a_440hz_sine(tmp_path, ext, tol):
     x = _load(tmp_path / f"s{ext}", "audio")
     assert x.shape == (16000,)
     ref = 0.5 * np.sin(2 * np.pi * 440 * np.arange(16000) / SAMPLE_RATE)
-    assert np.abs(x - ref)[200:-200].max() < tol
+    if tol is not None:  # mp3 decoders shift the signal by the codec delay: frequency check only
+        assert np.abs(x - ref)[200:-200].max() < tol
     spec = np.abs(np.fft.rfft(x * np.hanning(x.size)))
     assert abs(np.argmax(spec) * SAMPLE_RATE / x.size - 440) <= 1
 

@@ -24,7 +24,7 @@ from omnijax.errors import ConfigError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi")
-AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".oga")
+AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".oga", ".mp3")
 SUFFIXES = {"image": IMAGE_SUFFIXES, "video": VIDEO_SUFFIXES, "audio": AUDIO_SUFFIXES}
 _PIL_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")  # Image.open tries only these decoders
 _MIN_AUDIO_RATE = 1000  # below this a "sample rate" is a broken header; soxr's output would explode
@@ -491,13 +491,13 @@ def load_audio(path: Path) -> np.ndarray:
 
 
 def write_audio(path: Path, wave_f32: np.ndarray, rate: int = SAMPLE_RATE) -> None:
-    """float [N] or [N, C] in [-1, 1] -> 16-bit WAV/FLAC or Vorbis OGG, the format from the suffix."""
+    """float [N] or [N, C] in [-1, 1] -> 16-bit WAV/FLAC, Vorbis OGG or MP3, the format from the suffix."""
     import soundfile as sf
     suffix = Path(path).suffix.lower()
     fmt = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS"),
-           ".oga": ("OGG", "VORBIS")}.get(suffix)
+           ".oga": ("OGG", "VORBIS"), ".mp3": ("MP3", "MPEG_LAYER_III")}.get(suffix)
     if fmt is None:
-        raise ValueError(f"{path}: write_audio writes .wav, .flac or .ogg")
+        raise ValueError(f"{path}: write_audio writes .wav, .flac, .ogg or .mp3")
     sf.write(str(path), np.clip(np.asarray(wave_f32, np.float32), -1, 1), rate, format=fmt[0], subtype=fmt[1])
 
 
