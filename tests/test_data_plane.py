@@ -140,7 +140,8 @@ def test_resume_identical_with_other_host_counts():
                     assert all(np.array_equal(a[k], b[k]) for k in a)
                     assert np.array_equal(_rank_slice(part["microbatches"][m], ref["layout"], i, "vision"),
                                           _rank_slice(ref["microbatches"][m], ref["layout"], r, "vision"))
-    assert state == {"step": 3, "seed": 0, "schedule": one.schedule.fingerprint()}
+    assert {k: state[k] for k in ("step", "seed", "schedule", "window")} == {
+        "step": 3, "seed": 0, "schedule": one.schedule.fingerprint(), "window": 1}
     with pytest.raises(UserError, match="same data config"):
         Loader(LoaderConfig(**{**CFG, "seed": 1})).restore(state)
 
@@ -215,3 +216,57 @@ def test_tp_peers_share_one_dp_rank_load():
     assert batch["microbatches"][0]["tokens"].shape[0] == 2 * batch["layout"].rows
     with pytest.raises(ConfigError):
         host_ranks([])
+
+
+# --------------------------------------------------------------------- deferred, never dropped
+TIGHT = dict(samples_per_step=24, dp=2, microbatches=1, window=2, row_len=128, max_rows=2)
+
+
+def _placed(wp):
+    return [(wp.entries[k].source, wp.entries[k].record, wp.entries[k].piece) for b in wp.plan.bins for k, _ in b]
+
+
+def test_samples_with_no_room_are_deferred_not_dropped():
+    """Drawing more than fits: every drawn sample is packed exactly once (later if need be), none lost."""
+    loader = Loader(LoaderConfig(**TIGHT))
+    windows = [loader.window_plan(w) for w in range(8)]
+    assert all(why.startswith("over capacity") for wp in windows for _, _, why in wp.dropped)  # only unusable ones
+    assert sum(len(wp.deferred) for wp in windows) > 0           # the pool really overflowed
+    placed = [e for wp in windows for e in _placed(wp)]
+    fresh = [(e.source, e.record, e.piece) for wp in windows
+             for e in wp.entries[len(wp.start.deferred):]]       # first drawn in this window
+    left = [(e.source, e.record, e.piece) for e in windows[-1].deferred]
+    assert sorted(placed + left) == sorted(fresh)                # each drawn entry: placed once or still waiting
+    for prev, nxt in zip(windows, windows[1:]):                  # deferred entries go first into the next window
+        assert nxt.entries[:len(prev.deferred)] == tuple(e.__class__(e.source, e.record, e.piece, 0) for e in prev.deferred)
+    # the pool stays bounded: fresh draws fill it only up to samples_per_step * window
+    assert all(len(wp.entries) <= TIGHT["samples_per_step"] * TIGHT["window"] + 8 for wp in windows)
+
+
+def test_resume_with_deferred_samples_reproduces_the_batches():
+    one = Loader(LoaderConfig(**TIGHT))
+    it = iter(one)
+    first = [next(it) for _ in range(5)]           # mid-window (window = 2 steps)
+    state = one.state()
+    rest = [next(it) for _ in range(5)]
+    assert any(one.window_plan(w).deferred for w in range(5))
+    again = Loader(LoaderConfig(**TIGHT))
+    again.restore(state)
+    assert state["start"]["deferred"] or state["start"]["prefix"] != [0]
+    it2 = iter(again)
+    resumed = [next(it2) for _ in range(5)]
+    for a, b in zip(rest, resumed):
+        assert a["step"] == b["step"]
+        assert all(np.array_equal(a["microbatches"][0][k], b["microbatches"][0][k]) for k in a["microbatches"][0])
+    assert first[0]["step"] == 0
+
+
+def test_mix_weights_follow_the_training_step_with_deferral():
+    cfg = LoaderConfig(sources=[SourceSpec("a", kind="world", split="train"), SourceSpec("b", kind="world", split="eval")],
+                       mix=[{"step": 0, "weights": {"a": 1}}, {"step": 3, "weights": {"a": 1}},
+                            {"step": 4, "weights": {"b": 1}}], **TIGHT)
+    loader = Loader(cfg)
+    for w in range(4):
+        wp = loader.window_plan(w)
+        fresh = {loader.names[e.source] for e in wp.entries[len(wp.start.deferred):]}
+        assert fresh == ({"a"} if w * TIGHT["window"] < 4 else {"b"})

@@ -6,6 +6,12 @@ of G steps every host computes the same plan from metadata alone (`window_plan`)
 packs only the samples of its own dp ranks. The state is (step, seed, schedule fingerprint):
 resuming at a step gives the identical batches, with any number of hosts.
 
+Nothing is lost to packing: a window's pool is its deferred samples (those the previous window's
+plan had no room for, oldest first) plus fresh draws from the mixer that fill it up to
+`samples_per_step * window`; what does not fit is deferred again, never dropped. So a window's plan
+is a pure function of (config, seed, per-source draw counts, deferred samples) — its `WindowStart`,
+which the loader state carries for exact resume — and the mix weights follow the training step.
+
 Bad data: a sample whose metadata is invalid or that is over capacity is dropped at planning
 (identically on every host) and counted; an over-long text-only sample is split into row-sized
 pieces; a record that fails to decode or validate is skipped by the host that reads it, counted,
@@ -71,6 +77,20 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class WindowStart:
+    """What a window's plan depends on besides the config: draws of each source so far, deferred entries."""
+    prefix: tuple[int, ...]
+    deferred: tuple[Entry, ...] = ()
+
+    def to_state(self) -> dict:
+        return {"prefix": list(self.prefix), "deferred": [[e.source, e.record, e.piece] for e in self.deferred]}
+
+    @classmethod
+    def from_state(cls, d: dict) -> "WindowStart":
+        return cls(tuple(int(x) for x in d["prefix"]), tuple(Entry(int(a), int(b), int(c)) for a, b, c in d["deferred"]))
+
+
+@dataclass(frozen=True)
 class WindowPlan:
     first_step: int
     entries: tuple[Entry, ...]              # by item key
@@ -79,6 +99,9 @@ class WindowPlan:
     dropped: tuple[tuple[str, int, str], ...]  # (source, record, reason)
     split: int                              # samples split into pieces
     items: tuple[balance.Item, ...]
+    start: WindowStart | None = None        # what this window began from
+    deferred: tuple[Entry, ...] = ()        # entries with no room here: first in the next window
+    next_prefix: tuple[int, ...] = ()       # draws of each source after this window
 
 
 class Loader:
@@ -114,42 +137,56 @@ class Loader:
         self._plan_lock = threading.Lock()
         self._planned: dict[int, tuple[int, int]] = {}
         self._plans: dict[int, WindowPlan] = {}
+        self._first = WindowStart(tuple([0] * len(self.sources)))
+        self._starts: dict[int, WindowStart] = {0: self._first}  # window -> its start (0 always kept)
         self.skipped = Counter()            # this host's decode failures per source
         self.shapes = packing.ShapeCounter()
         self.step = 0
 
     # ------------------------------------------------------------------------------ planning
-    def _items(self, step0: int) -> tuple[list[Entry], list[balance.Item], list, int]:
+    def _items(self, step0: int, start: WindowStart) -> tuple[list[Entry], list[balance.Item], list, int, tuple]:
+        """The window's pool: deferred entries first (oldest first), then fresh draws up to the pool size."""
         cfg = self.cfg
         entries, items, dropped, split = [], [], [], 0
-        for g in range(cfg.window):
-            src, rec = self.mixer.batch(step0 + g)
-            for s, r in zip(src.tolist(), rec.tolist()):
-                source = self.sources[s]
-                try:
-                    meta = validate_meta(source.meta(r))
-                    c = sample_cost(meta, self.cost_model, self.mm_cfg)
-                except (BadSample, UserError) as exc:
-                    dropped.append((source.name, r, f"bad metadata: {exc}"))
-                    continue
-                enc = tuple(dict(c.encoder_rows).get(n, 0) for n in self.enc_names)
-                if c.llm_tokens > cfg.row_len and not any(enc) and all(x.modality == "text" for x in meta.segments):
-                    pieces = math.ceil(c.llm_tokens / cfg.row_len)
-                    split += 1
-                    for p in range(pieces):
-                        n = min(cfg.row_len, c.llm_tokens - p * cfg.row_len)
-                        items.append(balance.Item(len(entries), float(self.cost_model.llm(n)), n, enc))
-                        entries.append(Entry(s, r, p, g))
-                    continue
-                item = balance.Item(len(entries), c.total, c.llm_tokens, enc)
-                if not self.capacity.fits_alone(item):
-                    dropped.append((source.name, r, f"over capacity ({c.llm_tokens} LLM tokens, encoder rows "
-                                                     f"{dict(c.encoder_rows)}; row_len={cfg.row_len}, "
-                                                     f"encoder capacity {self.enc_cap})"))
-                    continue
-                items.append(item)
-                entries.append(Entry(s, r, -1, g))
-        return entries, items, dropped, split
+        for e in start.deferred:  # already checked when first drawn; their metadata is recomputed, not stored
+            meta = self.sources[e.source].meta(e.record)
+            c = sample_cost(meta, self.cost_model, self.mm_cfg)
+            enc = tuple(dict(c.encoder_rows).get(n, 0) for n in self.enc_names)
+            if e.piece >= 0:
+                n = min(cfg.row_len, c.llm_tokens - e.piece * cfg.row_len)
+                items.append(balance.Item(len(entries), float(self.cost_model.llm(n)), n, enc))
+            else:
+                items.append(balance.Item(len(entries), c.total, c.llm_tokens, enc))
+            entries.append(Entry(e.source, e.record, e.piece, 0))
+        fresh = max(0, cfg.samples_per_step * cfg.window - len(start.deferred))
+        src, rec, prefix = self.mixer.draw(np.asarray(start.prefix), step0, fresh)
+        for j, (s, r) in enumerate(zip(src.tolist(), rec.tolist())):
+            g = j * cfg.window // max(fresh, 1)  # the step within the window it was drawn for (arrival baseline)
+            source = self.sources[s]
+            try:
+                meta = validate_meta(source.meta(r))
+                c = sample_cost(meta, self.cost_model, self.mm_cfg)
+            except (BadSample, UserError) as exc:
+                dropped.append((source.name, r, f"bad metadata: {exc}"))
+                continue
+            enc = tuple(dict(c.encoder_rows).get(n, 0) for n in self.enc_names)
+            if c.llm_tokens > cfg.row_len and not any(enc) and all(x.modality == "text" for x in meta.segments):
+                pieces = math.ceil(c.llm_tokens / cfg.row_len)
+                split += 1
+                for p in range(pieces):
+                    n = min(cfg.row_len, c.llm_tokens - p * cfg.row_len)
+                    items.append(balance.Item(len(entries), float(self.cost_model.llm(n)), n, enc))
+                    entries.append(Entry(s, r, p, g))
+                continue
+            item = balance.Item(len(entries), c.total, c.llm_tokens, enc)
+            if not self.capacity.fits_alone(item):
+                dropped.append((source.name, r, f"over capacity ({c.llm_tokens} LLM tokens, encoder rows "
+                                                 f"{dict(c.encoder_rows)}; row_len={cfg.row_len}, "
+                                                 f"encoder capacity {self.enc_cap})"))
+                continue
+            items.append(item)
+            entries.append(Entry(s, r, -1, g))
+        return entries, items, dropped, split, tuple(int(x) for x in prefix)
 
     def window_plan(self, window: int) -> WindowPlan:
         """The plan of window `window` (steps [window*G, (window+1)*G)): identical on every host.
@@ -158,16 +195,25 @@ class Loader:
         with self._plan_lock:
             wp = self._plans.get(window)
             if wp is None:
-                wp = self._plans[window] = self._window_plan(window)
+                # windows chain through their deferred samples: plan the missing ones in order
+                known = max((w for w in self._starts if w <= window), default=0)
+                for w in range(known, window + 1):
+                    if w in self._plans and w + 1 in self._starts:
+                        continue
+                    wp = self._plans[w] = self._window_plan(w, self._starts[w])
+                    self._starts[w + 1] = WindowStart(wp.next_prefix, wp.deferred)
+                    self._planned[w] = (len(wp.dropped), wp.split, len(wp.deferred))
                 while len(self._plans) > 4:  # keep the few windows that prefetch threads may still read
                     self._plans.pop(next(iter(self._plans)))
-            self._planned[window] = (len(wp.dropped), wp.split)  # once per window, even if recomputed
+                for w in sorted(self._starts)[1:-8]:  # window 0 and the recent starts
+                    self._starts.pop(w)
+                wp = self._plans[window]
             return wp
 
-    def _window_plan(self, window: int) -> WindowPlan:
+    def _window_plan(self, window: int, start: WindowStart) -> WindowPlan:
         cfg = self.cfg
         step0 = window * cfg.window
-        entries, items, dropped, split = self._items(step0)
+        entries, items, dropped, split, next_prefix = self._items(step0, start)
         if cfg.reorder:
             plan = balance.plan_window(items, cfg.window, cfg.dp, cfg.microbatches, self.capacity)
         else:  # baseline: each step keeps its own samples in arrival order
@@ -181,9 +227,7 @@ class Loader:
                 loads += p.loads
                 unplaced += p.unplaced
             plan = balance.Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
-        for key in plan.unplaced:
-            e = entries[key]
-            dropped.append((self.names[e.source], e.record, "fits in no bin of its window"))
+        deferred = tuple(entries[k] for k in sorted(plan.unplaced))  # oldest first into the next window
         per_step_bins = cfg.dp * cfg.microbatches
         by_key = {it.key: it for it in items}
         layouts = []
@@ -204,7 +248,8 @@ class Loader:
                                           tuple((n, packing.pick(self.enc_buckets[n], enc_need[n])) for n in self.enc_names)))
         for name, rec, why in dropped:
             log.info("dropped %s[%d]: %s", name, rec, why)
-        return WindowPlan(step0, tuple(entries), plan, tuple(layouts), tuple(dropped), split, tuple(items))
+        return WindowPlan(step0, tuple(entries), plan, tuple(layouts), tuple(dropped), split, tuple(items),
+                          start, deferred, next_prefix)
 
     # ------------------------------------------------------------------------------ loading
     def _load(self, entry: Entry):
@@ -262,8 +307,14 @@ class Loader:
             yield batch
 
     def state(self) -> dict[str, Any]:
-        """Small and host-independent: saved with the model checkpoint."""
-        return {"step": int(self.step), "seed": int(self.cfg.seed), "schedule": self.schedule.fingerprint()}
+        """Small and host-independent: saved with the model checkpoint. Holds the start of the window
+        of the next step (draw counts + deferred entries), so resume needs no replay of earlier windows."""
+        window = self.step // self.cfg.window
+        self.window_plan(max(window - 1, 0))  # makes sure the window's start is known
+        with self._plan_lock:
+            start = self._starts[window]
+        return {"step": int(self.step), "seed": int(self.cfg.seed), "schedule": self.schedule.fingerprint(),
+                "window": window, "start": start.to_state()}
 
     def restore(self, state: dict[str, Any]) -> None:
         if int(state["seed"]) != self.cfg.seed or state["schedule"] != self.schedule.fingerprint():
@@ -271,6 +322,15 @@ class Loader:
                             f"this run has seed {self.cfg.seed} and schedule {self.schedule.fingerprint()}: "
                             f"resume with the same data config")
         self.step = int(state["step"])
+        with self._plan_lock:
+            self._plans.clear()
+            self._starts = {0: self._first}
+            if "start" in state:  # older states without it replay the windows from 0 (same result, slower)
+                start = WindowStart.from_state(state["start"])
+                if len(start.prefix) != len(self.sources):
+                    raise UserError(f"loader state has {len(start.prefix)} sources, this run has {len(self.sources)}: "
+                                    "resume with the same data config")
+                self._starts[int(state["window"])] = start
 
     # the trainer's loader protocol
     get_state = state
@@ -282,8 +342,9 @@ class Loader:
         return {"skipped_bad_records": int(sum(self.skipped.values())),
                 "skipped_by_source": dict(self.skipped),
                 "dropped_in_window": len(wp.dropped), "split_in_window": wp.split,
-                "dropped_total": sum(d for d, _ in self._planned.values()),
-                "split_total": sum(x for _, x in self._planned.values()),
+                "deferred_in_window": len(wp.deferred),
+                "dropped_total": sum(d for d, _, _ in self._planned.values()),
+                "split_total": sum(x for _, x, _ in self._planned.values()),
                 "distinct_shapes": len(self.shapes.shapes), "padded_fraction": self.shapes.padded_fraction}
 
 

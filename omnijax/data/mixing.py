@@ -182,6 +182,34 @@ class Mixer:
                          for p, m, k, e in zip(pos, n, labels, epoch)], np.int64)
         return labels.astype(np.int32), recs
 
+    def draw(self, prefix: np.ndarray, step: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`n` draws with the schedule's weights at `step`, continuing each source's sequence at `prefix`
+        (draws of each source so far): (source ids [n], record ids [n], the new prefix).
+
+        For callers that draw a varying number of samples per step (the loader draws only what its
+        deferred samples leave room for): each source still walks through its records one epoch (a
+        fresh permutation) at a time, and the result is a pure function of (seed, prefix, step, n)."""
+        prefix = np.asarray(prefix, np.int64)
+        if n <= 0:
+            return np.zeros(0, np.int32), np.zeros(0, np.int64), prefix.copy()
+        cdf = np.cumsum(self.schedule.at(np.array([step], np.int64))[0])
+        cdf[-1] = 1.0
+        edges = np.clip(np.ceil(cdf * n - _u(self.seed ^ 0x5EED, np.array([step]))[0]).astype(np.int64), 0, n)
+        counts = np.diff(np.concatenate([[0], edges]))
+        labels = np.repeat(np.arange(len(self.sizes)), counts)
+        labels = labels[np.random.default_rng([self.seed, step, n, 0x647277]).permutation(n)]
+        rank = np.zeros(n, np.int64)
+        seen = np.zeros(len(self.sizes), np.int64)
+        for slot, k in enumerate(labels):
+            rank[slot] = seen[k]
+            seen[k] += 1
+        draws = prefix[labels] + rank
+        sizes = self.sizes[labels]
+        epoch, pos = draws // sizes, draws % sizes
+        recs = np.array([_position(int(p), int(m), _seed32(self.seed, int(k), int(e)))
+                         for p, m, k, e in zip(pos, sizes, labels, epoch)], np.int64)
+        return labels.astype(np.int32), recs, prefix + seen
+
     def index(self, i: int) -> tuple[int, int]:
         """(source, record) of global sample index i."""
         step, slot = divmod(int(i), self.batch_size)
