@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
@@ -408,8 +409,10 @@ def source_specs(key: str, paths: list[str], split: str) -> list:
     return specs
 
 
-def plane_config(cfg: OmniConfig, sources: list, mix, seed: int):
-    """The data plane's config for this recipe: one dp rank per device, fixed shapes (one program)."""
+def plane_config(cfg: OmniConfig, sources: list, mix, seed: int, samples_per_step: int = 0):
+    """The data plane's config for this recipe: one dp rank per device, fixed shapes (one program).
+
+    Each window draws 4 samples per row (more than fit: the packer picks, the rest wait for the next window)."""
     import jax
 
     from omnijax.data.loader import LoaderConfig
@@ -418,20 +421,29 @@ def plane_config(cfg: OmniConfig, sources: list, mix, seed: int):
     if cfg.data.batch_size % ranks or any(c % ranks for c in cfg.capacity.values()):
         raise ConfigError(f"data.batch_size={cfg.data.batch_size} and capacity {cfg.capacity} must split over "
                           f"{ranks} data-parallel ranks (one per device)")
-    return LoaderConfig(sources=sources, mix=mix, samples_per_step=4 * cfg.data.batch_size, dp=ranks, microbatches=1,
+    return LoaderConfig(sources=sources, mix=mix, samples_per_step=samples_per_step or 4 * cfg.data.batch_size,
+                        dp=ranks, microbatches=1,
                         window=4, row_len=cfg.data.seq_len, max_rows=cfg.data.batch_size // ranks, fixed_shapes=True,
                         max_encoder_rows={k: v // ranks for k, v in cfg.capacity.items()}, seed=seed)
 
 
-def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix, seed: int):
-    """A data-plane Loader over `paths` (sources opened once, checked against the tokenizer)."""
+def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix, seed: int, steps: int = 0):
+    """A data-plane Loader over `paths` (sources opened once, checked against the tokenizer).
+
+    steps > 0: the loader will serve only `steps` steps and draws no more than the sources hold, so no
+    record repeats (the held-out set)."""
     from omnijax.data.loader import Loader
     from omnijax.data.sources import open_sources
 
     specs = source_specs(key, paths, split)
     sources = open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media)
-    return Loader(plane_config(cfg, specs, mix, seed), mm_cfg=cfg.model, world_cfg=cfg.world, sources=sources,
-                  tokenizer=tok)
+    per_step = 0
+    if steps:
+        window = plane_config(cfg, specs, mix, seed).window
+        per_step = max(1, min(4 * cfg.data.batch_size,
+                              sum(len(s) for s in sources) // (window * -(-steps // window))))
+    return Loader(plane_config(cfg, specs, mix, seed, per_step), mm_cfg=cfg.model, world_cfg=cfg.world,
+                  sources=sources, tokenizer=tok)
 
 
 def loader_kind(cfg: OmniConfig) -> str:
@@ -451,10 +463,13 @@ def make_loader(cfg: OmniConfig, world, packer: Packer, tok=None):
 
 
 def held_out_batches(cfg: OmniConfig, tok=None):
-    """() -> the held-out host batches of `data.eval_sources` (planned once, packed like training, then cached)."""
+    """() -> the held-out host batches of `data.eval_sources` (planned once, packed like training, then cached).
+
+    `data.eval_batches` batches, each record at most once (a larger set is evaluated on its first part)."""
     if not cfg.data.eval_sources:
         return None
-    loader = open_plane(cfg, "data.eval_sources", cfg.data.eval_sources, "eval", tok, None, seed=0)
+    loader = open_plane(cfg, "data.eval_sources", cfg.data.eval_sources, "eval", tok, None, seed=0,
+                        steps=cfg.data.eval_batches)
     cache: list[dict] = []
 
     def batches() -> list[dict]:
@@ -483,6 +498,9 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
 
     setup_devices(argv)
     cfg = load(argv, name)
+    from omnijax.train.launch import maybe_initialize_distributed
+
+    maybe_initialize_distributed()  # --coordinator/--num-processes/--process-id, or Slurm/MPI/k8s: one job
     t0 = time.perf_counter()
 
     import jax
@@ -503,8 +521,10 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     world_eval = WORLD in (cfg.data.sources or [WORLD])
 
     train_world = World(cfg.world, "train")
-    eval_world = World(cfg.world, "eval")
     packer = Packer(cfg.model, cfg.data.batch_size, cfg.data.seq_len, cfg.capacity)
+    loader = make_loader(cfg, train_world, packer, tok)  # opens (and checks) the data before the model is built
+    held_out = held_out_batches(cfg, tok)
+    eval_world = World(cfg.world, "eval")
     scale = -(-cfg.eval.batch_size // cfg.data.batch_size)
     eval_packer = Packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len,
                          {k: v * scale for k, v in cfg.capacity.items()})
@@ -543,9 +563,8 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
             trainer_ref["zeroed"], _ = accuracy_by_modality(dec, params, few, zero_encoders=True)
         return acc
 
-    loader = make_loader(cfg, train_world, packer, tok)
     trainer = Trainer(cfg, train_model, loss_fn, loader, placement=placement,
-                      eval_fn=evaluate if world_eval else None, eval_data=held_out_batches(cfg, tok), step_flops=flops)
+                      eval_fn=evaluate if world_eval else None, eval_data=held_out, step_flops=flops)
     trainer_ref["t"] = trainer
     result = trainer.fit()
     if result.status != "finished":
