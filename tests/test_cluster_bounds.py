@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnijax.cluster.bounds import alone_bound, concave_cuts, lp_bound
+from omnijax.cluster.bounds import alone_bound, concave_cuts, lagrangian_bound, lp_bound
 from omnijax.cluster.jobs import Job
 from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, Tiresias
 from omnijax.cluster.simulator import SimConfig, jobs_from_specs, run_workload, simulate
@@ -72,6 +72,37 @@ def test_lp_bound_is_below_every_scheduler_on_a_trace():
     assert all(bound.avg_jct_s < r for r in results.values()), (bound, results)
     # the relaxation knows the cluster is shared, so it is tighter than the no-queueing bound here
     assert bound.avg_jct_s > alone
+
+
+def test_lagrangian_bound_charges_true_completion_on_a_hand_computed_case():
+    """Two devices, 60 s slots, 30 s restart, both jobs arrive at 0 (so progress starts at 30).
+
+    A takes 2000 s on one device and 1500 s on two; B runs on one device only, 2000 s. Best: both on one
+    device, done at 2030 (A on two first ends at 1530 but B at 3530: average 2530). FIFO runs exactly that.
+    The LP charges A only M_A + p_A/2 = 1030 + 750 (B: 1030 + 1000): (1780 + 2030)/2 = 1905. The Lagrangian
+    bound charges A's real completion; it only loses, in A's last interval, work done at one device's
+    rate but timed at two devices' (a quarter of that interval)."""
+    cfg = SimConfig(num_nodes=1, gpus_per_node=2, cpus_per_node=64, slot_s=60.0, restart_s=30.0, profile_sizes=())
+    times = {("a", 1): 2000.0, ("a", 2): 1500.0, ("b", 1): 2000.0}
+    step = lambda job, n, nodes: times[(job.name, n)]  # noqa: E731
+
+    def jobs():
+        return [Job("a", 0.0, "x", 2, 1, 1.0, max_replicas=2), Job("b", 0.0, "x", 1, 1, 1.0, max_replicas=1)]
+    fifo = simulate(jobs(), step, FIFO(), cfg).avg_jct_s
+    assert fifo == pytest.approx(2030.0)
+    got = lagrangian_bound(jobs(), step, cfg, interval_s=60.0)
+    assert 1905.0 - 60.0 <= got.lp_avg_jct_s <= 1905.0 + 1e-6
+    assert 2030.0 - 60.0 / 4 - 15.0 <= got.avg_jct_s <= fifo + 1e-6
+    assert got.avg_jct_s <= got.master_avg_jct_s + 1e-6
+
+
+def test_lagrangian_bound_is_between_the_lp_and_every_scheduler_on_a_trace():
+    specs = load_workload("workloads/workload-1", limit=25)
+    cfg = SimConfig(num_nodes=4)
+    lag = lagrangian_bound(*jobs_from_specs(specs, cfg), cfg, interval_s=300.0)
+    results = {s().name: run_workload(specs, s(), cfg).avg_jct_s for s in (FIFO, DRF, Tiresias, FittedModel)}
+    assert lag.avg_jct_s > 1.02 * lag.lp_avg_jct_s, lag      # tighter than the LP on the same intervals
+    assert all(lag.avg_jct_s < r for r in results.values()), (lag, results)
 
 
 def test_lp_bound_rejects_bad_input():

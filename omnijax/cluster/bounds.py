@@ -47,9 +47,8 @@ def speedup_rates(job: Job, step_time: StepTimeFn, cluster: Cluster) -> np.ndarr
     return np.maximum.accumulate(np.array(rates))      # holding more devices may idle the extra ones
 
 
-def concave_cuts(rates: np.ndarray) -> list[tuple[float, float]]:
-    """The upper concave envelope of points (n, rates[n]), n = 0.., as lines (slope, intercept) whose
-    minimum is the envelope on [0, len − 1]."""
+def envelope_vertices(rates: np.ndarray) -> list[int]:
+    """Indices n of the points (n, rates[n]) on their upper concave envelope, in order."""
     hull: list[int] = []
     for n in range(len(rates)):
         while len(hull) >= 2:
@@ -60,6 +59,13 @@ def concave_cuts(rates: np.ndarray) -> list[tuple[float, float]]:
             else:
                 break
         hull.append(n)
+    return hull
+
+
+def concave_cuts(rates: np.ndarray) -> list[tuple[float, float]]:
+    """The upper concave envelope of points (n, rates[n]), n = 0.., as lines (slope, intercept) whose
+    minimum is the envelope on [0, len − 1]."""
+    hull = envelope_vertices(rates)
     cuts = []
     for a, b in zip(hull, hull[1:]):
         slope = (rates[b] - rates[a]) / (b - a)
@@ -80,6 +86,8 @@ class LPBound:
     intervals: int
     interval_s: float
     solve_s: float
+    starts: np.ndarray | None = None   # interval starts
+    prices: tuple[np.ndarray, np.ndarray] | None = None   # optimal duals of the device and CPU rows per interval
 
 
 def lp_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, interval_s: float = 300.0) -> LPBound:
@@ -116,13 +124,14 @@ def lp_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, interva
         span *= 2
     total = res[0] + float(np.sum(fastest / 2.0 - np.array([j.arrival for j in jobs])))
     return LPBound(avg_jct_s=total / len(jobs), intervals=len(starts), interval_s=interval_s,
-                   solve_s=time.perf_counter() - t0)
+                   solve_s=time.perf_counter() - t0, starts=starts, prices=(res[2], res[3]))
 
 
-def _solve(jobs, rates, release, starts, dt, cluster, sp, linprog) -> tuple[float, bool] | None:
+def _solve(jobs, rates, release, starts, dt, cluster, sp, linprog) -> tuple[float, bool, np.ndarray, np.ndarray] | None:
     """min Σ_j Σ_k [y_jk·s_jk + w_jk] over the relaxation, s_jk = max(t_k, r_j) and w_jk ≥ y_jk²/(2ρ_j)
     (work done at most at rate ρ_j cannot all happen at s_jk; tangent cuts of the parabola);
-    returns (optimum, whether the last interval is used), None if the horizon is infeasible."""
+    returns (optimum, whether the last interval is used, device and CPU prices per interval), None if the
+    horizon is infeasible."""
     cols_j, cols_k, eff = [], [], []
     for j, r in enumerate(release):
         run = np.clip(starts + dt - r, 0.0, dt)     # seconds of interval k the job may run
@@ -175,4 +184,146 @@ def _solve(jobs, rates, release, starts, dt, cluster, sp, linprog) -> tuple[floa
     if res.status != 0:
         raise RuntimeError(f"lp_bound: HiGHS failed: {res.message}")
     last = ck == len(starts) - 1
-    return float(res.fun), bool(np.any(res.x[y[last]] > 1e-9))
+    # capacity prices per interval (per device, per CPU held on average over the interval); 0 where no row
+    duals = -res.ineqlin.marginals[nrow - 2 * len(ks):]
+    lam, mu = np.zeros(len(starts)), np.zeros(len(starts))
+    lam[ks], mu[ks] = duals[:len(ks)], duals[len(ks):]
+    return float(res.fun), bool(np.any(res.x[y[last]] > 1e-9)), lam, mu
+
+
+# ----------------------------------------------------------------------------- Lagrangian bound
+class _JobPricer:
+    """One job's best schedule when devices and CPUs cost given prices per second in each interval.
+
+    A schedule picks the interval K it completes in and buys work in intervals up to K along its
+    speed-up envelope (segment i of the envelope turns device-seconds into work at slope a_i, at most
+    (width_i × seconds the job may run there) device-seconds per interval). Its completion is at least
+    the start of K (or the release) plus the work done in K divided by the fastest rate ρ: work done at
+    most at rate ρ takes that long. So for each K the cheapest schedule is a fractional knapsack: buy
+    the offers of intervals before K at price/a_i per unit of work and those of K at price/a_i + 1/ρ,
+    cheapest first, until the work is done. Completing after the horizon costs its end plus 1/ρ."""
+
+    def __init__(self, rates: np.ndarray, cpus: float, release: float, starts: np.ndarray, dt: float):
+        hull = envelope_vertices(rates)
+        widths = np.diff(hull).astype(float)
+        slopes = np.diff(rates[hull]) / widths
+        keep = slopes > 0
+        widths, slopes = widths[keep], slopes[keep]
+        self.cpus, self.rho, self.release, self.ns = cpus, float(rates.max()), release, len(slopes)
+        run = np.clip(starts + dt - release, 0.0, dt)
+        self.ks = np.nonzero(run > 0)[0]                       # intervals the job may run in
+        self.t0 = np.maximum(starts[self.ks], release)         # completion in interval K is after this
+        self.pos = np.repeat(np.arange(len(self.ks)), self.ns)   # offers: interval position x segment
+        self.cap = (slopes * widths * run[self.ks][:, None]).ravel()   # work each offer can buy
+        self.dpw = np.tile(1.0 / slopes, len(self.ks))        # device-seconds per unit of work
+        self.tail = max(starts[-1] + dt, release) + 1.0 / self.rho
+
+    def price(self, lam: np.ndarray, mu: np.ndarray, chunk: int = 16) -> tuple[float, float, np.ndarray | None]:
+        """(min over schedules of C + priced device and CPU seconds, that schedule's C, its device-seconds
+        per interval in `ks` (None: completes after the horizon)). Completion intervals are tried in time
+        order, in chunks, until their start alone exceeds the best value found."""
+        unit = ((lam + mu * self.cpus)[self.ks])[self.pos] * self.dpw
+        best_v, best = self.tail, None
+        nk = len(self.ks)
+        for k0 in range(0, nk, chunk):
+            if self.t0[k0] >= best_v:
+                break
+            k1 = min(nk, k0 + chunk)
+            O = k1 * self.ns                                   # only offers of intervals < k1 can help
+            units = np.concatenate([unit[:O], unit[:O] + 1.0 / self.rho])
+            order = np.argsort(units, kind="stable")
+            units, final = units[order], order >= O
+            caps, pos = np.tile(self.cap[:O], 2)[order], np.tile(self.pos[:O], 2)[order]
+            K = np.arange(k0, k1)[:, None]
+            w = caps[None, :] * np.where(final[None, :], pos[None, :] == K, pos[None, :] < K)
+            cum = np.cumsum(w, axis=1)
+            idx = np.argmax(cum >= 1.0 - 1e-12, axis=1)
+            w_at = np.take_along_axis(w, idx[:, None], 1)[:, 0]
+            before = np.take_along_axis(cum, idx[:, None], 1)[:, 0] - w_at
+            cost = np.take_along_axis(np.cumsum(w * units[None, :], axis=1), idx[:, None], 1)[:, 0] - w_at * units[idx]
+            val = np.where(cum[:, -1] >= 1.0 - 1e-12, self.t0[k0:k1] + cost + units[idx] * (1.0 - before), np.inf)
+            b = int(np.argmin(val))
+            if val[b] < best_v:
+                take = np.minimum(w[b], np.maximum(0.0, 1.0 - (cum[b] - w[b])))
+                dev = np.zeros(nk)
+                np.add.at(dev, pos, take * np.tile(self.dpw[:O], 2)[order])
+                best_v, best = float(val[b]), (float(self.t0[k0 + b] + np.sum(take * final) / self.rho), dev)
+        return (best_v, self.tail, None) if best is None else (best_v, *best)
+
+
+@dataclass
+class LagrangianBound:
+    avg_jct_s: float          # the bound: the best L(prices) found
+    lp_avg_jct_s: float       # the LP bound on the same intervals (its prices start the search)
+    master_avg_jct_s: float   # the last restricted master: the most this relaxation could still give
+    iterations: int
+    interval_s: float
+    solve_s: float
+
+
+def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, interval_s: float = 300.0,
+                     iterations: int = 80, tolerance: float = 2e-3, smoothing: float = 0.9,
+                     lp: LPBound | None = None) -> LagrangianBound:
+    """Average-JCT lower bound that charges every job its true completion time, not its mean progress time.
+
+    The LP relaxation (`lp_bound`) bounds C_j by M_j + p_j/2, which is loose for a job that runs slower than
+    its fastest: run on 8 devices for 40000 s, its mean progress is only halfway. Here the capacity rows
+    (devices and CPUs per interval) are priced instead (Lagrangian relaxation): for prices λ ≥ 0,
+
+        L(λ) = Σ_j min over job j's own schedules of [C_j + λ · its device and CPU seconds] − λ · capacity
+
+    is below Σ_j C_j of every schedule the simulator can run (each job's part of it is one of its own
+    schedules, and it stays within capacity), whatever λ. Each job's minimum is `_JobPricer`: exact
+    completion accounting, the speed-up envelope for speed. The prices start at the LP's optimal duals
+    on the same intervals and are improved by column generation: a master LP over the schedules priced
+    so far (convex combinations per job within capacity) proposes prices, smoothed towards the best
+    ones so far; it stops when the master is within `tolerance` of the best L or after `iterations`.
+    The bound is the best L found (valid at any stopping point), or the LP bound where that is higher.
+    """
+    import time
+
+    import scipy.sparse as sp
+    from scipy.optimize import linprog
+
+    t0 = time.perf_counter()
+    if lp is None or lp.interval_s != interval_s:
+        lp = lp_bound(jobs, step_time, cfg, interval_s=interval_s)
+    cluster, dt, starts = cfg.cluster, interval_s, lp.starts
+    nk, J = len(starts), len(jobs)
+    release = [math.ceil(j.arrival / cfg.slot_s) * cfg.slot_s + cfg.restart_s for j in jobs]
+    pricers = [_JobPricer(speedup_rates(j, step_time, cluster), j.cpus_per_replica, r, starts, dt)
+               for j, r in zip(jobs, release)]
+    cpu = np.array([j.cpus_per_replica for j in jobs], float)
+    arrivals = float(sum(j.arrival for j in jobs))
+    cap = np.concatenate([np.full(nk, cluster.gpus * dt), np.full(nk, cluster.cpus * dt)])
+    # columns: every job may complete after the horizon without using any capacity (keeps the master feasible)
+    col_job, col_c, col_dev = list(range(J)), [p.tail for p in pricers], [np.zeros(nk) for _ in pricers]
+    lam, mu = lp.prices[0] / dt, lp.prices[1] / dt           # per device-second and CPU-second
+    best, best_lam, best_mu, master, it = -np.inf, lam, mu, np.inf, 0
+    for it in range(1, iterations + 1):
+        total = 0.0
+        for j, p in enumerate(pricers):
+            v, c, dev = p.price(lam, mu)
+            total += v
+            full = np.zeros(nk)
+            if dev is not None:
+                full[p.ks] = dev
+            col_job.append(j), col_c.append(c), col_dev.append(full)
+        L = total - float(np.sum(lam * cap[:nk]) + np.sum(mu * cap[nk:]))
+        if L > best:
+            best, best_lam, best_mu = L, lam, mu
+        D = sp.csc_matrix(np.array(col_dev).T)
+        A_ub = sp.vstack([D, D @ sp.diags(cpu[col_job])]).tocsr()
+        A_eq = sp.csr_matrix((np.ones(len(col_job)), (col_job, np.arange(len(col_job)))), shape=(J, len(col_job)))
+        res = linprog(np.array(col_c), A_ub=A_ub, b_ub=cap, A_eq=A_eq, b_eq=np.ones(J), bounds=(0, None), method="highs")
+        if res.status != 0:
+            raise RuntimeError(f"lagrangian_bound: HiGHS failed on the master: {res.message}")
+        master = float(res.fun)
+        if master - best <= tolerance * abs(master):
+            break
+        duals = -res.ineqlin.marginals
+        lam = smoothing * best_lam + (1 - smoothing) * duals[:nk]
+        mu = smoothing * best_mu + (1 - smoothing) * duals[nk:]
+    return LagrangianBound(avg_jct_s=(max(best, lp.avg_jct_s * J + arrivals) - arrivals) / J,
+                           lp_avg_jct_s=lp.avg_jct_s, master_avg_jct_s=(master - arrivals) / J, iterations=it,
+                           interval_s=dt, solve_s=time.perf_counter() - t0)
