@@ -59,6 +59,9 @@ class LLMConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     max_seq_len: int = 256
+    # attention implementation: auto (cudnn on GPUs where it fits, blockwise, dense for tiny lengths) |
+    # reference (dense, the test oracle) | blockwise (pure-JAX flash) | cudnn (NVIDIA GPUs only)
+    attention: Literal["auto", "reference", "blockwise", "cudnn"] = "auto"
 
 
 @dataclass

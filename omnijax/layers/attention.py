@@ -1,23 +1,40 @@
-"""Grouped-query attention over packed buffers.
+"""Grouped-query attention over packed buffers, with pluggable implementations.
 
 `dot_product_attention` is a pure function: which key a query may see is decided only by segment ids
 (same non-zero document) and positions (causality), never by buffer index. Context-parallel attention
 can therefore call it on any permuted/sharded layout and merge partial results with the returned
 log-sum-exp.
+
+Implementations (`impl`, carried by configs as `model.attention` / `model.encoders.<name>.attention`):
+- ``reference``: dense float32 scores [B, KVH, G, Lq, Lk]; the test oracle (`reference_attention`).
+- ``blockwise``: pure-JAX flash attention (`omnijax.layers.flash`): linear memory, fully masked blocks
+  skipped, a custom backward that honours the lse cotangent.
+- ``cudnn``: the cuDNN fused kernel on NVIDIA GPUs where the packed layout fits it (contiguous segments,
+  consecutive positions, bf16/fp16, no lse wanted); anything else, checked at trace time and at run time
+  (`lax.cond`), goes to ``blockwise``. On other backends it is a ConfigError.
+- ``auto``: ``reference`` for tiny problems (Lq*Lk <= 128*128), else ``cudnn`` where it applies on a GPU,
+  else ``blockwise``.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from omnijax.config import LLMConfig
+from omnijax.errors import ConfigError
 from omnijax.layers import rope
+from omnijax.layers.flash import blockwise_attention
+
+AttentionImpl = Literal["auto", "reference", "blockwise", "cudnn"]
+IMPLS: tuple[str, ...] = ("auto", "reference", "blockwise", "cudnn")
+TINY_SCORES = 128 * 128  # auto: at or below Lq*Lk this many, the dense reference is faster than blocks
 
 
 def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, q_positions: jax.Array,
@@ -29,10 +46,10 @@ def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, q_positi
     return mask
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array,
-                          kv_segment_ids: jax.Array, q_positions: jax.Array, kv_positions: jax.Array,
-                          causal: bool = True, scale: float | None = None, return_lse: bool = False):
-    """Masked softmax attention; q [B, Lq, H, Dh], k/v [B, Lk, KVH, Dh], H a multiple of KVH.
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array,
+                        kv_segment_ids: jax.Array, q_positions: jax.Array, kv_positions: jax.Array,
+                        causal: bool = True, scale: float | None = None, return_lse: bool = False):
+    """Dense masked softmax attention (the oracle every other implementation is tested against); q [B, Lq, H, Dh], k/v [B, Lk, KVH, Dh], H a multiple of KVH.
 
     Query head h uses kv head h // (H // KVH). Scores, softmax and the normaliser are float32; the
     output has q's dtype. Rows with no visible key return 0 (and lse = -inf), never NaN.
@@ -61,6 +78,137 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment
         return out
     lse = jnp.where(denom > 0, jnp.log(safe) + m, -jnp.inf)[..., 0]  # [B, KVH, G, Lq]
     return out, jnp.moveaxis(lse, 3, 1).reshape(b, lq, h)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array,
+                          kv_segment_ids: jax.Array, q_positions: jax.Array, kv_positions: jax.Array,
+                          causal: bool = True, scale: float | None = None, return_lse: bool = False,
+                          impl: AttentionImpl = "auto", block_q: int = 128, block_k: int = 128):
+    """Masked softmax attention; q [B, Lq, H, Dh], k/v [B, Lk, KVH, Dh], H a multiple of KVH.
+
+    Query head h uses kv head h // (H // KVH). Scores, softmax and the normaliser are float32; the
+    output has q's dtype. Rows with no visible key return 0 (and lse = -inf), never NaN.
+    With return_lse=True also returns lse [B, Lq, H] (float32), log of the softmax denominator, so
+    partial results over disjoint key sets merge as sum_i exp(lse_i - lse) * out_i (and gradients flow
+    through the lse). `impl` picks the implementation (module docstring); all agree to float tolerance.
+    """
+    if impl not in IMPLS:
+        raise ConfigError(f"attention impl={impl!r}: must be one of {', '.join(IMPLS)}")
+    if impl == "cudnn" and not cudnn_available():
+        raise ConfigError(f"attention impl='cudnn' needs an NVIDIA GPU with cuDNN (backend here: "
+                          f"{jax.default_backend()}); use attention=auto or attention=blockwise")
+    kw = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+              kv_positions=kv_positions, causal=causal, scale=scale)
+    if impl == "auto":
+        if q.shape[1] * k.shape[1] <= TINY_SCORES:
+            impl = "reference"
+        elif cudnn_available() and _cudnn_shapes_fit(q, k, v, return_lse):
+            impl = "cudnn"
+        else:
+            impl = "blockwise"
+    if impl == "reference":
+        return reference_attention(q, k, v, return_lse=return_lse, **kw)
+    blockwise = functools.partial(blockwise_attention, block_q=block_q, block_k=block_k, **kw)
+    if impl == "cudnn" and _cudnn_shapes_fit(q, k, v, return_lse):
+        return _cudnn_or_blockwise(q, k, v, blockwise, **kw)
+    out, lse = blockwise(q, k, v)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------ cuDNN
+@functools.cache
+def cudnn_available() -> bool:
+    """Whether the default backend is an NVIDIA GPU (CUDA), where cuDNN's fused attention exists."""
+    import jax.extend
+
+    try:
+        version = str(jax.extend.backend.get_backend().platform_version).lower()
+    except RuntimeError:  # no usable backend: no cuDNN
+        return False
+    return jax.default_backend() == "gpu" and "cuda" in version
+
+
+def _compute_capability() -> tuple[int, ...]:
+    cc = getattr(jax.devices()[0], "compute_capability", "0.0")
+    return tuple(int(x) for x in str(cc).split("."))
+
+
+def _cudnn_shapes_fit(q: jax.Array, k: jax.Array, v: jax.Array, return_lse: bool) -> bool:
+    """Static part of "does cuDNN apply": self-attention shapes, bf16/fp16, head dim, and no lse wanted.
+
+    jax 0.10.2's cuDNN path drops the lse's gradient, so any caller that merges by lse (ring CP) stays
+    on blockwise."""
+    dh = q.shape[-1]
+    max_dh = 256 if _compute_capability() >= (9, 0) else 128
+    return (not return_lse and q.shape[1] == k.shape[1] and q.dtype == k.dtype == v.dtype
+            and q.dtype in (jnp.bfloat16, jnp.float16) and dh % 8 == 0 and dh <= max_dh)
+
+
+def cudnn_layout(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, q_positions: jax.Array,
+                 kv_positions: jax.Array, *, causal: bool, max_segments: int):
+    """(fits, seqlens [B, M], offsets [B, M+1]) describing a packed buffer the way cuDNN wants it.
+
+    `fits` (a traced bool) says whether cuDNN computes exactly the reference's mask: queries and keys
+    share ids (and positions, if causal); each non-zero segment id is one contiguous run with ids
+    increasing along the row; inside a run positions go up by 1 (cuDNN's causality is by index); at most
+    `max_segments` runs per row. Unused entries are -1, as jax's packed cuDNN API expects."""
+    seg, pos = jnp.asarray(q_segment_ids).astype(jnp.int32), jnp.asarray(q_positions).astype(jnp.int32)
+    b, n = seg.shape
+    live = seg != 0
+    changed = seg[:, 1:] != seg[:, :-1]
+    start = jnp.concatenate([jnp.ones((b, 1), bool), changed], axis=1) & live
+    end = jnp.concatenate([changed, jnp.ones((b, 1), bool)], axis=1) & live
+    prev_max = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jax.lax.cummax(seg, axis=1)[:, :-1]], axis=1)
+    fits = jnp.all(~start | (seg > prev_max))                      # ids never come back
+    fits &= jnp.all(jnp.sum(start, axis=1) <= max_segments)
+    fits &= jnp.all(seg == jnp.asarray(kv_segment_ids).astype(jnp.int32))
+    if causal:
+        prev_pos = jnp.concatenate([pos[:, :1] - 1, pos[:, :-1]], axis=1)
+        fits &= jnp.all(start | ~live | (pos == prev_pos + 1))
+        fits &= jnp.all(pos == jnp.asarray(kv_positions).astype(jnp.int32))
+    starts = jax.vmap(lambda r: jnp.nonzero(r, size=max_segments + 1, fill_value=-1)[0])(start).astype(jnp.int32)
+    ends = jax.vmap(lambda r: jnp.nonzero(r, size=max_segments, fill_value=-1)[0])(end).astype(jnp.int32)
+    seqlens = jnp.where(starts[:, :max_segments] >= 0, ends - starts[:, :max_segments] + 1, -1)
+    return fits, seqlens, starts
+
+
+def _cudnn_or_blockwise(q, k, v, blockwise: Callable, *, q_segment_ids, kv_segment_ids, q_positions,
+                        kv_positions, causal, scale):
+    """cuDNN where the buffer's layout fits it (decided at run time by `lax.cond`), blockwise otherwise.
+
+    Hopper and later: jax's packed cuDNN API (per-segment lengths and offsets). Earlier GPUs: only one
+    segment per row starting at index 0 (jax.nn.dot_product_attention's per-row lengths). Known limits
+    of jax 0.10.2 handled here: packed cuDNN with grouped-query attention strides K/V by the query head
+    count (so K/V heads are repeated there), and rows outside every segment are never written (zeroed)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused  # private: the packed API is not public
+
+    b, n, h, dh = q.shape
+    g = h // k.shape[2]
+    scale = 1.0 / math.sqrt(dh) if scale is None else float(scale)
+    packed = _compute_capability() >= (9, 0)
+    max_segments = min(n, max(64, n // 16)) if packed else 1
+    fits, seqlens, offsets = cudnn_layout(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                                          causal=causal, max_segments=max_segments)
+    live = jnp.asarray(q_segment_ids) != 0
+    if not packed:  # one run per row, starting at index 0
+        fits &= jnp.all((offsets[:, 0] <= 0))
+
+    def run_cudnn(q, k, v):
+        if packed:
+            kr, vr = (jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)) if g > 1 else (k, v)
+            mask = fused.MaskType.PADDING_CAUSAL if causal else fused.MaskType.PADDING
+            out = fused.dot_product_attention(q, kr, vr, None, None, seqlens, seqlens, offsets, offsets,
+                                              scale=scale, mask_type=mask, qkv_layout="BTNH")
+        else:
+            lengths = jnp.maximum(seqlens[:, 0], 0)
+            out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, query_seq_lengths=lengths,
+                                               key_value_seq_lengths=lengths, implementation="cudnn")
+        return jnp.where(live[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+    try:
+        return jax.lax.cond(fits, run_cudnn, lambda q, k, v: blockwise(q, k, v)[0], q, k, v)
+    except (NotImplementedError, RuntimeError):  # this cuDNN/GPU cannot take the shape: blockwise
+        return blockwise(q, k, v)[0]
 
 
 _ATTENTION: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("omnijax_attention", default=None)
@@ -106,6 +254,7 @@ class Attention(nnx.Module):
         inv_freq, rope_scale = rope.inv_frequencies(dh, cfg.rope)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a compile-time constant
         self.rope_scale = rope_scale
+        self.impl = cfg.attention  # static: which attention implementation (module docstring)
 
     def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, L, D] -> rotated q [B, L, H, Dh], rotated k and v [B, L, KVH, Dh]."""
@@ -127,5 +276,5 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         q, k, v = self.project_qkv(x, positions)
         attn = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                     q_positions=positions, kv_positions=positions, causal=True)
+                                     q_positions=positions, kv_positions=positions, causal=True, impl=self.impl)
         return self.output(attn)

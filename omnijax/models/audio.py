@@ -32,8 +32,8 @@ class AudioEncoder(nnx.Module):
         self.out_dim = d
         self.downsample = linear(r * cfg.n_mels, d, (None, "embed"), rngs)
         self.inv_freq = as_static(rope_inv_freq(d // cfg.num_heads, 1, cfg.rope_theta))
-        self.blocks = nnx.List([EncoderBlock(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs)
-                                for _ in range(cfg.num_layers)])
+        self.blocks = nnx.List([EncoderBlock(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs,
+                                             attention=cfg.attention) for _ in range(cfg.num_layers)])
         self.post_norm = layer_norm(d, cfg.norm_eps, rngs)
 
     @property

@@ -73,9 +73,10 @@ def linear(d_in: int, d_out: int, axes: tuple[str | None, str | None], rngs: nnx
 class SelfAttention(nnx.Module):
     """Bidirectional multi-head attention with biases (ViT/SigLIP style), per-head parameter shapes."""
 
-    def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs, attention: str = "auto"):
         dh = dim // heads
         self.heads, self.head_dim = heads, dh
+        self.impl = attention  # static: attention implementation (omnijax.layers.attention)
         for name in ("q", "k", "v"):
             setattr(self, name, nnx.Param(_normal(rngs, (dim, heads, dh), dim), out_sharding=("embed", "heads", "head_dim")))
             setattr(self, name + "_bias", nnx.Param(jnp.zeros((heads, dh), jnp.float32), out_sharding=("heads", "head_dim")))
@@ -92,7 +93,7 @@ class SelfAttention(nnx.Module):
             q, k = apply_rope_nd(q, positions, inv_freq), apply_rope_nd(k, positions, inv_freq)
         flat = jnp.zeros(segment_ids.shape, jnp.int32)  # non-causal: positions only matter for rope
         out = attention_fn()(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                    q_positions=flat, kv_positions=flat, causal=False)
+                             q_positions=flat, kv_positions=flat, causal=False, impl=self.impl)
         return jnp.einsum("blhk,hkd->bld", out, self.o[...].astype(dt)) + self.o_bias[...].astype(dt)
 
 
@@ -108,9 +109,9 @@ class GeluMLP(nnx.Module):
 class EncoderBlock(nnx.Module):
     """x + attn(ln1(x)); x + mlp(ln2(x))."""
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int, eps: float, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, heads: int, mlp_dim: int, eps: float, *, rngs: nnx.Rngs, attention: str = "auto"):
         self.ln1 = layer_norm(dim, eps, rngs)
-        self.attn = SelfAttention(dim, heads, rngs=rngs)
+        self.attn = SelfAttention(dim, heads, rngs=rngs, attention=attention)
         self.ln2 = layer_norm(dim, eps, rngs)
         self.mlp = GeluMLP(dim, mlp_dim, rngs=rngs)
 

@@ -36,6 +36,7 @@ class VisionConfig:
     post_norm: bool = True       # layernorm after the last block (SigLIP's post_layernorm)
     head: bool = False           # attention-pooling head per image (SigLIP's head); not fed to the LLM
     patch_bias: bool = True
+    attention: Literal["auto", "reference", "blockwise", "cudnn"] = "auto"  # as model.llm.attention
 
 
 @dataclass
@@ -53,6 +54,7 @@ class AudioConfig:
     mlp_dim: int = 128
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    attention: Literal["auto", "reference", "blockwise", "cudnn"] = "auto"  # as model.llm.attention
 
 
 @dataclass

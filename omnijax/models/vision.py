@@ -42,8 +42,9 @@ def relative_coordinate_features(positions: jax.Array, segment_ids: jax.Array, f
 class PoolingHead(nnx.Module):
     """Attention pooling with a learned probe query, one vector per segment (SigLIP's head)."""
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int, eps: float, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, heads: int, mlp_dim: int, eps: float, *, rngs: nnx.Rngs, attention: str = "auto"):
         self.heads = heads
+        self.impl = attention
         self.probe = nnx.Param(jax.random.normal(rngs.params(), (dim,), jnp.float32), out_sharding=("embed",))
         self.q = linear(dim, dim, ("embed", "heads"), rngs)
         self.k = linear(dim, dim, ("embed", "heads"), rngs)
@@ -63,7 +64,7 @@ class PoolingHead(nnx.Module):
         kv_seg = jnp.broadcast_to(segment_ids[None].astype(jnp.int32), (num_segments, n))
         zero_q, zero_kv = jnp.zeros_like(q_seg), jnp.zeros_like(kv_seg)
         out = dot_product_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                                    q_positions=zero_q, kv_positions=zero_kv, causal=False)
+                                    q_positions=zero_q, kv_positions=zero_kv, causal=False, impl=self.impl)
         h = self.o(out.reshape(num_segments, d))
         return h + self.mlp(self.norm(h))
 
@@ -89,10 +90,11 @@ class VisionEncoder(nnx.Module):
             self.inv_freq = as_static(rope_inv_freq(d // cfg.num_heads, 3, cfg.rope_theta))
         self.abs_freqs = cfg.abs_freqs
         self.abs_pos = (linear(6 * cfg.abs_freqs, d, (None, "embed"), rngs) if cfg.abs_position else None)
-        self.blocks = nnx.List([EncoderBlock(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs)
-                                for _ in range(cfg.num_layers)])
+        self.blocks = nnx.List([EncoderBlock(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs,
+                                             attention=cfg.attention) for _ in range(cfg.num_layers)])
         self.post_norm = layer_norm(d, cfg.norm_eps, rngs) if cfg.post_norm else None
-        self.head = PoolingHead(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs) if cfg.head else None
+        self.head = (PoolingHead(d, cfg.num_heads, cfg.mlp_dim, cfg.norm_eps, rngs=rngs, attention=cfg.attention)
+                     if cfg.head else None)
 
     @property
     def cfg(self) -> VisionConfig:

@@ -202,11 +202,12 @@ class LLMParallel:
         return PipelinedLLM(model, self.schedule) if self.schedule else model
 
     def _attention(self, q, k, v, seg, pos, inside_pipeline: bool):
+        impl = getattr(self.model_cfg, "attention", "auto")  # model.attention: which implementation
         if self.layout.cp > 1 and not inside_pipeline:
             return context.cp_attention(q, k, v, seg, seg, pos, pos, mesh=self.mesh, impl=self.cp_impl,
-                                        attention_fn=dot_product_attention)
+                                        attention_impl=impl)
         return dot_product_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
-                                     kv_positions=pos, causal=True)
+                                     kv_positions=pos, causal=True, impl=impl)
 
     def _moe(self, moe, h, seg):
         if self.layout.ep > 1 and self.ep_impl == "alltoall":
