@@ -90,7 +90,7 @@ def test_lagrangian_bound_charges_true_completion_on_a_hand_computed_case():
         return [Job("a", 0.0, "x", 2, 1, 1.0, max_replicas=2), Job("b", 0.0, "x", 1, 1, 1.0, max_replicas=1)]
     fifo = simulate(jobs(), step, FIFO(), cfg).avg_jct_s
     assert fifo == pytest.approx(2030.0)
-    got = lagrangian_bound(jobs(), step, cfg, interval_s=60.0)
+    got = lagrangian_bound(jobs(), step, cfg, interval_s=60.0, iterations=100)
     assert 1905.0 - 60.0 <= got.lp_avg_jct_s <= 1905.0 + 1e-6
     assert 2030.0 - 60.0 / 4 - 15.0 <= got.avg_jct_s <= fifo + 1e-6
     assert got.avg_jct_s <= got.master_avg_jct_s + 1e-6

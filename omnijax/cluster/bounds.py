@@ -196,12 +196,17 @@ class _JobPricer:
     """One job's best schedule when devices and CPUs cost given prices per second in each interval.
 
     A schedule picks the interval K it completes in and buys work in intervals up to K along its
-    speed-up envelope (segment i of the envelope turns device-seconds into work at slope a_i, at most
-    (width_i × seconds the job may run there) device-seconds per interval). Its completion is at least
-    the start of K (or the release) plus the work done in K divided by the fastest rate ρ: work done at
-    most at rate ρ takes that long. So for each K the cheapest schedule is a fractional knapsack: buy
-    the offers of intervals before K at price/a_i per unit of work and those of K at price/a_i + 1/ρ,
-    cheapest first, until the work is done. Completing after the horizon costs its end plus 1/ρ."""
+    speed-up envelope f (segment s of f turns device-seconds into work at slope a_s, at most width_s ×
+    the seconds the job may run there per interval). Its completion is at least the start of K (or the
+    release) plus the time u it runs in K. Work W done in K with D device-seconds there obeys
+    W ≤ u·f(D/u) ≤ a·D + b·u for every line (a, b) above f (f is concave), so u ≥ (W − a·D)/b for each
+    line with b > 0; the flat line (0, ρ) gives u ≥ W/ρ. For one line and one K the cheapest schedule
+    is a fractional knapsack: buy the offers of intervals before K at price/a_s per unit of work and
+    those of K at price/a_s + (1 − a/a_s)/b, cheapest first, until the work is done (and every offer of
+    negative cost: a relaxation that may over-cover, so that a true schedule's image is always in it). Since
+    min over schedules of the max over lines ≥ the max over lines of each line's minimum, the job's
+    value is min over K of max over lines of those knapsacks: a lower bound on its exact minimum, which
+    is all the Lagrangian bound needs. Completing after the horizon costs its end plus 1/ρ."""
 
     def __init__(self, rates: np.ndarray, cpus: float, release: float, starts: np.ndarray, dt: float):
         hull = envelope_vertices(rates)
@@ -210,6 +215,7 @@ class _JobPricer:
         keep = slopes > 0
         widths, slopes = widths[keep], slopes[keep]
         self.cpus, self.rho, self.release, self.ns = cpus, float(rates.max()), release, len(slopes)
+        self.lines = [(a, b) for a, b in concave_cuts(rates) if b > 1e-15 * self.rho]   # includes (0, ρ)
         run = np.clip(starts + dt - release, 0.0, dt)
         self.ks = np.nonzero(run > 0)[0]                       # intervals the job may run in
         self.t0 = np.maximum(starts[self.ks], release)         # completion in interval K is after this
@@ -218,10 +224,33 @@ class _JobPricer:
         self.dpw = np.tile(1.0 / slopes, len(self.ks))        # device-seconds per unit of work
         self.tail = max(starts[-1] + dt, release) + 1.0 / self.rho
 
+    def _knapsack(self, unit: np.ndarray, timed: np.ndarray, k0: int, k1: int, O: int):
+        """Per completion interval K in [k0, k1): the cheapest cover of the work with offers of intervals
+        before K at `unit` and of K at `unit + timed`; returns (values, and what rebuilds a solution)."""
+        units = np.concatenate([unit[:O], unit[:O] + timed[:O]])
+        order = np.argsort(units, kind="stable")
+        units, final = units[order], order >= O
+        caps, pos = np.tile(self.cap[:O], 2)[order], np.tile(self.pos[:O], 2)[order]
+        K = np.arange(k0, k1)[:, None]
+        w = caps[None, :] * np.where(final[None, :], pos[None, :] == K, pos[None, :] < K)
+        cum = np.cumsum(w, axis=1)
+        idx = np.argmax(cum >= 1.0 - 1e-12, axis=1)
+        w_at = np.take_along_axis(w, idx[:, None], 1)[:, 0]
+        before = np.take_along_axis(cum, idx[:, None], 1)[:, 0] - w_at
+        cost = np.take_along_axis(np.cumsum(w * units[None, :], axis=1), idx[:, None], 1)[:, 0] - w_at * units[idx]
+        cost = cost + units[idx] * (1.0 - before)
+        # offers of negative cost (time charges of lines steeper than their segment) are all worth taking,
+        # even past the work needed: the relaxation may over-cover, so stopping at 1 would not be a minimum
+        neg = units < 0
+        over = (w[:, neg].sum(axis=1) >= 1.0) & np.any(neg)
+        cost = np.where(over, (w[:, neg] * units[neg][None, :]).sum(axis=1), cost)
+        val = np.where(cum[:, -1] >= 1.0 - 1e-12, self.t0[k0:k1] + cost, np.inf)
+        return val, (w, cum, order, final, pos)
+
     def price(self, lam: np.ndarray, mu: np.ndarray, chunk: int = 16) -> tuple[float, float, np.ndarray | None]:
-        """(min over schedules of C + priced device and CPU seconds, that schedule's C, its device-seconds
-        per interval in `ks` (None: completes after the horizon)). Completion intervals are tried in time
-        order, in chunks, until their start alone exceeds the best value found."""
+        """(a lower bound on min over schedules of C + priced device and CPU seconds, a schedule's C, its
+        device-seconds per interval in `ks` (None: completes after the horizon)). Completion intervals
+        are tried in time order, in chunks, until their start alone exceeds the best value found."""
         unit = ((lam + mu * self.cpus)[self.ks])[self.pos] * self.dpw
         best_v, best = self.tail, None
         nk = len(self.ks)
@@ -230,24 +259,20 @@ class _JobPricer:
                 break
             k1 = min(nk, k0 + chunk)
             O = k1 * self.ns                                   # only offers of intervals < k1 can help
-            units = np.concatenate([unit[:O], unit[:O] + 1.0 / self.rho])
-            order = np.argsort(units, kind="stable")
-            units, final = units[order], order >= O
-            caps, pos = np.tile(self.cap[:O], 2)[order], np.tile(self.pos[:O], 2)[order]
-            K = np.arange(k0, k1)[:, None]
-            w = caps[None, :] * np.where(final[None, :], pos[None, :] == K, pos[None, :] < K)
-            cum = np.cumsum(w, axis=1)
-            idx = np.argmax(cum >= 1.0 - 1e-12, axis=1)
-            w_at = np.take_along_axis(w, idx[:, None], 1)[:, 0]
-            before = np.take_along_axis(cum, idx[:, None], 1)[:, 0] - w_at
-            cost = np.take_along_axis(np.cumsum(w * units[None, :], axis=1), idx[:, None], 1)[:, 0] - w_at * units[idx]
-            val = np.where(cum[:, -1] >= 1.0 - 1e-12, self.t0[k0:k1] + cost + units[idx] * (1.0 - before), np.inf)
+            per_line = [self._knapsack(unit, (1.0 - a * self.dpw) / b, k0, k1, O) for a, b in self.lines]
+            vals = np.array([v for v, _ in per_line])
+            line = np.argmax(vals, axis=0)
+            val = vals[line, np.arange(k1 - k0)]
             b = int(np.argmin(val))
             if val[b] < best_v:
+                w, cum, order, final, pos = per_line[line[b]][1]
                 take = np.minimum(w[b], np.maximum(0.0, 1.0 - (cum[b] - w[b])))
+                dpw = np.tile(self.dpw[:O], 2)[order]
                 dev = np.zeros(nk)
-                np.add.at(dev, pos, take * np.tile(self.dpw[:O], 2)[order])
-                best_v, best = float(val[b]), (float(self.t0[k0 + b] + np.sum(take * final) / self.rho), dev)
+                np.add.at(dev, pos, take * dpw)
+                work, devs = float(np.sum(take * final)), float(np.sum(take * final * dpw))
+                c = self.t0[k0 + b] + max(max((work - a * devs) / bb for a, bb in self.lines), 0.0)
+                best_v, best = float(val[b]), (float(c), dev)
         return (best_v, self.tail, None) if best is None else (best_v, *best)
 
 
@@ -255,14 +280,14 @@ class _JobPricer:
 class LagrangianBound:
     avg_jct_s: float          # the bound: the best L(prices) found
     lp_avg_jct_s: float       # the LP bound on the same intervals (its prices start the search)
-    master_avg_jct_s: float   # the last restricted master: the most this relaxation could still give
+    master_avg_jct_s: float   # the last restricted master LP (its gap to the bound: how far from converged)
     iterations: int
     interval_s: float
     solve_s: float
 
 
 def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, interval_s: float = 300.0,
-                     iterations: int = 80, tolerance: float = 2e-3, smoothing: float = 0.9,
+                     iterations: int = 20, tolerance: float = 2e-3, smoothing: float = 0.9,
                      lp: LPBound | None = None) -> LagrangianBound:
     """Average-JCT lower bound that charges every job its true completion time, not its mean progress time.
 
