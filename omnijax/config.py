@@ -137,6 +137,7 @@ class TrainerConfig:
     keep_checkpoints: int = 3
     max_nonfinite_in_row: int = 5
     progress: bool = True
+    prefetch: int = 2        # batches read, planned and transferred ahead in a background thread (0 = inline)
     # Stale data parallelism (omnijax/train/staleness.py): apply the all-reduced gradient one step late.
     staleness: Literal["sync", "stale1", "stale1+dc", "stale1+wp", "stale1+dc+wp"] = "sync"
     dc_lambda: float = 0.04          # delay compensation strength (stale1+dc)
@@ -163,7 +164,7 @@ _POSITIVE = {
 _NON_NEGATIVE = {"trainer.seed", "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip",
                  "parallel.cpu_devices", "parallel.microbatches", "trainer.checkpoint_every",
                  "trainer.eval_every", "data.eval_batches", "data.workers",
-                 "trainer.dc_lambda", "trainer.stale_warmup_steps"}
+                 "trainer.dc_lambda", "trainer.stale_warmup_steps", "trainer.prefetch"}
 
 
 def validate(cfg: Config) -> Config:

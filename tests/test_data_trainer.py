@@ -44,6 +44,7 @@ def test_loader_state_checkpointed_and_resumed_exactly(tmp_path):
 
     _, first = _fit(run_dir, hooks=(preempt,))
     assert first.status == "preempted"
-    _, second = _fit(run_dir)
-    assert second.status == "finished"
+    seen = []
+    _, second = _fit(run_dir, hooks=(lambda t, step, row: seen.append(step),))
+    assert second.status == "finished" and seen[0] == 3  # resumed after step 2, not from 0
     assert _losses(run_dir) == _losses(ref_dir)

@@ -17,10 +17,11 @@ from flax import nnx
 from omnijax.config import Config, to_dict
 from omnijax.errors import UserError
 from omnijax.train import metrics as metrics_lib
-from omnijax.train.checkpoint import Checkpointer
+from omnijax.train.checkpoint import Checkpointer, abstract_like
 from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
 from omnijax.train.placement import DataParallel
-from omnijax.train.state import TrainState, init_state
+from omnijax.train.prefetch import Prefetcher
+from omnijax.train.state import TrainState, sharded_init, sharded_opt_init
 from omnijax.train.step import LossFn, make_train_step
 from omnijax.utils import runs_root
 
@@ -76,7 +77,7 @@ class Trainer:
     Hooks are `hook(trainer, step, metrics)` called after each logged step (Levanter-style).
     """
 
-    def __init__(self, cfg: Config, model: nnx.Module, loss_fn: LossFn, loader: Loader, *,
+    def __init__(self, cfg: Config, model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, loader: Loader, *,
                  placement: Any | None = None, eval_fn: Callable[[Any], dict] | None = None,
                  flops_per_token: float | None = None, aux_weights: dict[str, float] | None = None,
                  hooks: tuple[Callable, ...] = (), run_dir: Path | None = None,
@@ -88,14 +89,14 @@ class Trainer:
         self.step_flops = step_flops  # host batch -> model FLOPs on its real segment lengths (metrics.FlopCounter)
         self.loss_fn = loss_fn
         self._eval_step = None
+        self._consumed: dict | None = None  # loader state after the last consumed batch
         self.hooks = hooks
         self.placement = placement or DataParallel()
         self.run_dir = run_dir or runs_root() / cfg.trainer.run_name
         self.flops_per_token = flops_per_token
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.optimizer = make_optimizer(cfg.optimizer, cfg.trainer.steps)
         self.lr_schedule = learning_rate_schedule(cfg.optimizer, cfg.trainer.steps)
-        state = init_state(params, self.optimizer)
+        state = self._initial_state(model)
         if cfg.trainer.staleness != "sync":  # stale data parallelism: omnijax/train/staleness.py
             from omnijax.train.staleness import make_stale_train_step
 
@@ -103,15 +104,33 @@ class Trainer:
                 cfg.trainer, self.graphdef, self.rest, loss_fn, self.optimizer, self.placement, state,
                 compute_dtype=jnp.dtype(cfg.trainer.compute_dtype), aux_weights=aux_weights)
         else:
-            self.state = self.placement.put_state(state)
+            self.state = state
             step = make_train_step(self.graphdef, self.rest, loss_fn, self.optimizer,
                                    grad_accum=cfg.trainer.grad_accum, aux_weights=aux_weights,
-                                   compute_dtype=jnp.dtype(cfg.trainer.compute_dtype))
+                                   compute_dtype=jnp.dtype(cfg.trainer.compute_dtype),
+                                   state_shardings=self.placement.state_shardings(state),
+                                   grads_fn=getattr(self.placement, "grads_fn", lambda _: None)(loss_fn))
         self._step = jax.jit(step, donate_argnums=0)
         self.checkpointer = (Checkpointer(self.run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
                              if cfg.trainer.checkpoint_every else None)
 
     # ------------------------------------------------------------------------------ utilities
+    def _initial_state(self, model: nnx.Module | Callable[[], nnx.Module]) -> TrainState:
+        """Parameters and optimizer state in the placement's shardings; sets graphdef and rest.
+
+        A constructor (`() -> module`, the module in the placement's form) is traced abstractly and
+        initialised shard by shard on the devices, so nothing full-size ever sits on one device (an
+        8B model's state does not fit one). A ready module's parameters are placed as they are, and only
+        its optimizer state is created in place."""
+        if isinstance(model, nnx.Module):
+            self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+            return sharded_opt_init(self.placement.put_state(params), self.optimizer, self.placement.state_shardings)
+        if not callable(model):
+            raise UserError(f"Trainer(model=...) takes an nnx.Module or a function that builds one, got {type(model).__name__}")
+        self.graphdef, self.rest, state = sharded_init(model, self.optimizer, self.placement.state_shardings,
+                                                       self.placement.mesh)
+        return state
+
     @property
     def model(self) -> nnx.Module:
         """The current model (fp32 master weights)."""
@@ -124,7 +143,9 @@ class Trainer:
     def _restore(self) -> int:
         if not self.checkpointer or self.checkpointer.latest_step() is None:
             return 0
-        self.state, loader_state, step = self.checkpointer.restore(self.state)
+        target = abstract_like(self.state)  # shapes and this layout's shardings
+        self.state = None  # drop the fresh state before the restored one arrives: one copy on the devices
+        self.state, loader_state, step = self.checkpointer.restore(target)
         if loader_state:
             self.loader.set_state(loader_state)
         self._truncate_metrics(step)
@@ -138,8 +159,9 @@ class Trainer:
             path.write_text("".join(r + "\n" for r in rows))
 
     def _save(self, step: int, force: bool = False) -> None:
-        if self.checkpointer:
-            self.checkpointer.save(step, self.state, self.loader.get_state(), force=force)
+        if self.checkpointer:  # the consumed position (batches prefetched beyond it are read again on resume)
+            state = self._consumed if self._consumed is not None else self.loader.get_state()
+            self.checkpointer.save(step, self.state, state, force=force)
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> FitResult:
@@ -159,14 +181,18 @@ class Trainer:
         window_flops = 0.0
         global_tokens: list = []  # the steps' own token counts (global batch, counted once), read at log time
         window_start = time.perf_counter()
+        window_wait = 0.0
         pending: tuple[int, dict] | None = None
+        prefetch = Prefetcher(self.loader, self.placement.put_batch, tcfg.prefetch,
+                              getattr(self.placement, "metrics", None))
         try:
             with _Preemption() as preempt:
                 for step in range(start + 1, tcfg.steps + 1):
-                    host_batch = next(self.loader)
+                    item = next(prefetch)  # read, decoded, planned and on the devices ahead of time
+                    host_batch, self._consumed = item.host_batch, item.loader_state
+                    window_wait += prefetch.wait_s
                     window_samples += int(np.asarray(host_batch["segment_ids"]).max(axis=-1).sum())
-                    batch = self.placement.put_batch(host_batch)
-                    self.state, step_metrics = self._step(self.state, batch)
+                    self.state, step_metrics = self._step(self.state, item.batch)
                     if pending is not None:  # read the previous step's scalars: keeps one step in flight
                         self._check_finite(*pending)
                     pending = (step, step_metrics)
@@ -198,12 +224,13 @@ class Trainer:
                             "skipped_updates": int(self.state.skipped_updates),
                             "compiled_programs": self.compiled_programs(),
                             "bubble_fraction": float(getattr(self.placement, "bubble_fraction", 0.0)),
+                            "host_wait_s": window_wait / max(steps_in_window, 1),
                         }
                         row.update({k: float(v) for k, v in m.items()
                                     if k not in {"loss", "grad_norm", "tokens", "update_skipped", "nonfinite_in_row"}})
-                        for source in (self.loader, self.placement):  # padding, imbalance, skipped records
-                            if hasattr(source, "metrics"):
-                                row.update(source.metrics())
+                        if hasattr(self.loader, "metrics"):  # padding, skipped records
+                            row.update(self.loader.metrics())
+                        row.update(item.metrics)  # this batch's plan: imbalance, padding
                         if eval_now:
                             row.update(self.evaluate(self.state.params))
                         writer.write(step, row)
@@ -213,7 +240,7 @@ class Trainer:
                         bar.update(step - bar.n)
                         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
                         window_tokens = window_samples = 0
-                        window_flops = 0.0
+                        window_flops = window_wait = 0.0
                         global_tokens = []
                         window_start = time.perf_counter()
                     saved = False
@@ -230,6 +257,7 @@ class Trainer:
             if pending is not None:
                 self._check_finite(*pending)
         finally:
+            prefetch.close()
             bar.close()
             writer.close()
             if self.checkpointer:
