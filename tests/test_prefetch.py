@@ -29,7 +29,8 @@ def test_items_carry_the_consumed_position(depth):
         deadline = time.time() + 5
         while loader.i < 3 + depth and time.time() < deadline:  # the thread runs ahead ...
             time.sleep(0.01)
-        assert loader.i == 3 + depth
+        time.sleep(0.05)
+        assert 3 + depth <= loader.i <= 3 + depth + 1  # depth queued, one more in hand at most
     assert [it.loader_state for it in items] == [{"i": 1}, {"i": 2}, {"i": 3}]   # ... the items do not
     assert [it.batch for it in items] == [10, 20, 30]
     pre.close()
