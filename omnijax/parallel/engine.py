@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from omnijax.errors import ConfigError
 from omnijax.layers.attention import dot_product_attention
-from omnijax.models.llm import AUX_KEYS, LLM, default_packing, zero_aux
-from omnijax.parallel import context, expert, hosts, pipeline, rules as rules_lib
+from omnijax.models.llm import AUX_KEYS, LLM, default_packing, is_moe_layer, zero_aux
+from omnijax.parallel import context, embedding, expert, hosts, pipeline, rules as rules_lib
 from omnijax.parallel.mesh import Layout, make_mesh, parse_layout
 from omnijax.train.losses import masked_cross_entropy
 
@@ -96,6 +96,10 @@ def unstack_params(pipelined_params: nnx.State, schedule: pipeline.Schedule) -> 
     layers = pipeline.unstack_layers(stages, schedule)
     pure["blocks"] = {i: layer for i, layer in enumerate(layers)}
     return pure
+
+
+def _is_embedding(path: tuple) -> bool:
+    return bool(path) and getattr(path[0], "key", None) == "embedding"
 
 
 # ---------------------------------------------------------------------------------------- engine
@@ -278,9 +282,19 @@ class LLMParallel:
         return y, aux
 
     def embed(self, model: nnx.Module, tokens: jax.Array) -> jax.Array:
-        """``model.embed`` with the table gathered over its ``embed`` split first (as FSDP gathers any
-        weight before use), so the row lookup lands directly in the batch/seq layout."""
+        """``model.embed`` on the table in its own (vocab/FSDP) sharding: token ids and looked-up rows
+        move between devices, never the table (:func:`omnijax.parallel.embedding.sharded_lookup`); the
+        table's gradient stays in its shard. A layout whose column split does not follow the batch split
+        gathers the table's columns first, as FSDP gathers any weight before use."""
         table = model.embedding[...]
+        names = model.embedding.get_metadata().get("out_sharding") or ("vocab", "embed")
+        stored = self.rules.spec(names, table.shape, self.mesh, "params")
+        ids = self.rules.spec(("batch", "seq"), tokens.shape, self.mesh, "activations")
+        if embedding.can_shard_lookup(stored, ids):
+            table = jax.lax.with_sharding_constraint(table, NamedSharding(self.mesh, stored))
+            tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(self.mesh, ids))
+            rows = embedding.sharded_lookup(table, tokens, mesh=self.mesh, table_spec=stored, ids_spec=ids)
+            return self.constrain(rows, "batch", "seq", "embed")
         spec = self.rules.spec(("vocab", None), table.shape, self.mesh, "params")
         table = jax.lax.with_sharding_constraint(table, NamedSharding(self.mesh, spec))
         return self.constrain(jnp.take(table, tokens, axis=0), "batch", "seq", "embed")
@@ -291,6 +305,66 @@ class LLMParallel:
         logits, aux = self.forward_embeddings(model, x, batch["segment_ids"], batch["positions"])
         loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
         return loss_sum, count, aux
+
+    # ---------------------------------------------------------------- explicit FSDP gradients
+    def grads_fn(self, loss_fn: Callable) -> Callable | None:
+        """``loss_and_grads`` replacement for layouts that only split the batch (dp x fsdp, a dense LLM),
+        or None where GSPMD keeps the step.
+
+        XLA:CPU lowers a sharded weight's gradient as an all-reduce of the full gradient followed by a
+        slice; here the whole forward/backward runs per device inside one ``shard_map``: each weight is
+        gathered over the axes that split it (ZeRO-3), and the transpose of that gather reduce-scatters
+        its gradient straight into the shard. The embedding table is not gathered for the lookup unless
+        the logits need it (tied embeddings)."""
+        lay = self.layout
+        dense = not any(is_moe_layer(self.model_cfg, i) for i in range(self.model_cfg.num_layers))
+        if loss_fn != self.loss_fn or not dense or lay.tp * lay.cp * lay.pp * lay.ep != 1 or lay.fsdp == 1:
+            return None
+        return self._manual_loss_and_grads
+
+    def _manual_loss_and_grads(self, graphdef: Any, rest: Any, loss_fn: Callable, params: Any, batch: dict, *,
+                               grad_accum: int = 1, compute_dtype: Any = jnp.float32,
+                               aux_weights: dict[str, float] | None = None) -> tuple[jax.Array, Any, dict]:
+        from omnijax.train.step import loss_and_grads
+
+        is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        p_specs = jax.tree.map(lambda v: v.get_value().spec, self.state_shardings(params), is_leaf=is_var)
+        p_specs = jax.tree.map(lambda v: v.get_value() if is_var(v) else v, p_specs, is_leaf=is_var)
+        b_specs = {k: v.spec for k, v in self.batch_sharding(batch).items()}
+        total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        tied = self.model_cfg.tie_embeddings
+        table_spec = p_specs["embedding"]
+        axes = embedding.spec_axes(b_specs["tokens"])  # the axes that split the batch
+
+        def gather(x: jax.Array, spec: Any) -> jax.Array:
+            for dim, entry in enumerate(spec):
+                if entry is not None:
+                    x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
+            return x
+
+        def body(p_local, b_local, total):
+            def local_loss(model, mb):
+                if tied:
+                    x = jnp.take(model.embedding[...], mb["tokens"], axis=0)
+                else:
+                    x = embedding.local_lookup(model.embedding[...], mb["tokens"], mesh=self.mesh,
+                                               table_spec=table_spec, ids_spec=b_specs["tokens"])
+                logits, aux = model.forward_embeddings(x, mb["segment_ids"], mb["positions"])
+                loss_sum, count = masked_cross_entropy(logits, mb["targets"], mb["loss_mask"])
+                return loss_sum, count, aux
+
+            def full(p):
+                return jax.tree_util.tree_map_with_path(
+                    lambda path, v, sp: v if (not tied and _is_embedding(path)) else v.replace(gather(v[...], sp)),
+                    p, p_specs, is_leaf=is_var)
+
+            loss, grads, aux = loss_and_grads(graphdef, rest, local_loss, p_local, b_local, grad_accum=grad_accum,
+                                              compute_dtype=compute_dtype, aux_weights=aux_weights, total=total,
+                                              params_fn=full)
+            return jax.lax.psum(loss, axes), grads, jax.tree.map(lambda a: jax.lax.psum(a, axes), aux)
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(p_specs, b_specs, P()), out_specs=(P(), p_specs, P()))
+        return fn(params, batch, total)
 
     # ------------------------------------------------------------------------------ train step
     def jit_train_step(self, graphdef: Any, rest: Any, optimizer: Any, state: Any, batch: dict,

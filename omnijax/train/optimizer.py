@@ -30,7 +30,20 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     return optax.chain(*chain, core)
 
 
+# Leading axes the pipeline adds when it stacks blocks (omnijax.parallel.engine.PipelinedLLM): not part of
+# a weight's own rank, so a stacked norm scale is still a vector (not decayed) under pp.
+STACKED_AXES = ("stage", None, "layers")
+
+
 def _matrices(params):
     import jax
+    from flax import nnx
 
-    return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
+    def is_matrix(x):
+        if not isinstance(x, nnx.Variable):
+            return getattr(x, "ndim", 0) >= 2
+        names = tuple(x.get_metadata().get("out_sharding") or ())
+        stacked = len(STACKED_AXES) if names[:len(STACKED_AXES)] == STACKED_AXES else 0
+        return x.replace(getattr(x.get_value(), "ndim", 0) - stacked >= 2)
+
+    return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))

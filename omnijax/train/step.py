@@ -37,17 +37,21 @@ def split_microbatches(batch: dict, count: int) -> dict:
 def loss_and_grads(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, params: Any, batch: dict, *,
                    grad_accum: int = 1, compute_dtype: jnp.dtype = jnp.float32,
                    aux_weights: dict[str, float] | None = None,
-                   total: jax.Array | None = None) -> tuple[jax.Array, Any, dict]:
+                   total: jax.Array | None = None,
+                   params_fn: Callable[[Any], Any] | None = None) -> tuple[jax.Array, Any, dict]:
     """Global-mean loss, its gradient w.r.t. `params`, and summed aux metrics.
 
     `total` is the loss denominator (default: this batch's target tokens); code that sees only its
-    own rows of the global batch (inside shard_map) passes the global count so the parts sum up."""
+    own rows of the global batch (inside shard_map) passes the global count so the parts sum up.
+    `params_fn` maps the (compute-dtype) params before the model sees them, inside the differentiated
+    function: e.g. gathering FSDP shards, whose transpose then reduce-scatters the gradients."""
     aux_weights = aux_weights or {}
     if total is None:
         total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
 
     def objective(p, mb):
-        model = nnx.merge(graphdef, cast_floating(p, compute_dtype), rest)
+        p = cast_floating(p, compute_dtype)
+        model = nnx.merge(graphdef, params_fn(p) if params_fn else p, rest)
         loss_sum, _, aux = loss_fn(model, mb)
         obj = loss_sum / total
         for name, weight in aux_weights.items():
@@ -78,31 +82,44 @@ def loss_and_grads(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, params: A
 
 def apply_update(state: TrainState, grads: Any, optimizer: optax.GradientTransformation,
                  finite: jax.Array) -> TrainState:
-    """Apply the optimizer where `finite`; otherwise keep everything and count the skip."""
-    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    skipped = 1 - finite.astype(jnp.int32)
-    return state.replace(
-        step=state.step + finite.astype(jnp.int32),
-        params=keep(new_params, state.params),
-        opt_state=keep(new_opt, state.opt_state),
-        nonfinite_in_row=jnp.where(finite, 0, state.nonfinite_in_row + 1),
-        skipped_updates=state.skipped_updates + skipped,
-    )
+    """Apply the optimizer where `finite`; otherwise keep everything and count the skip.
+
+    A `lax.cond`, not `where(finite, new, old)`: the select would keep both versions of every donated
+    parameter and moment alive and make XLA copy each leaf; the cond updates in place or not at all."""
+    def update(st: TrainState) -> TrainState:
+        updates, new_opt = optimizer.update(grads, st.opt_state, st.params)
+        return st.replace(step=st.step + 1, params=optax.apply_updates(st.params, updates), opt_state=new_opt,
+                          nonfinite_in_row=jnp.zeros_like(st.nonfinite_in_row))
+
+    def skip(st: TrainState) -> TrainState:
+        return st.replace(nonfinite_in_row=st.nonfinite_in_row + 1, skipped_updates=st.skipped_updates + 1)
+
+    return jax.lax.cond(finite, update, skip, state)
 
 
 def make_train_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimizer: optax.GradientTransformation,
                     *, grad_accum: int = 1, compute_dtype: jnp.dtype = jnp.float32,
-                    aux_weights: dict[str, float] | None = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """Build `step(state, batch) -> (state, metrics)`; jit it with the shardings of your layout."""
+                    aux_weights: dict[str, float] | None = None,
+                    state_shardings: Any = None, grads_fn: Callable | None = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """Build `step(state, batch) -> (state, metrics)`; jit it with the shardings of your layout.
+
+    `state_shardings` (the placement's shardings of the TrainState) pins the gradients to their
+    parameters' layout as soon as they are computed, so the batch reduction of a sharded (FSDP) weight's
+    gradient is a reduce-scatter into its shard rather than a full all-reduce that is sliced afterwards
+    (XLA:CPU does not make that rewrite by itself), and keeps the new state in the layout it came in.
+    `grads_fn` replaces `loss_and_grads` (same signature), e.g. a placement's explicit-collective version."""
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads, aux = loss_and_grads(graphdef, rest, loss_fn, state.params, batch, grad_accum=grad_accum,
-                                          compute_dtype=compute_dtype, aux_weights=aux_weights)
+        loss, grads, aux = (grads_fn or loss_and_grads)(graphdef, rest, loss_fn, state.params, batch,
+                                                        grad_accum=grad_accum, compute_dtype=compute_dtype,
+                                                        aux_weights=aux_weights)
+        if state_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new_state = apply_update(state, grads, optimizer, finite)
+        if state_shardings is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
         metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": jnp.sum(batch["loss_mask"]),
                    "update_skipped": 1 - finite.astype(jnp.int32),
                    "nonfinite_in_row": new_state.nonfinite_in_row, **aux}
