@@ -240,10 +240,10 @@ def _lm_run(impl: str, layout: str | None = None, **kw):
     return _LM[key]
 
 
-@pytest.mark.parametrize("layout, kw", [(None, {}), ("cp2", {}), ("pp2", {"microbatches": 2})])
+@pytest.mark.parametrize("layout, kw", [(None, {}), ("dp2xtp2", {}), ("cp2", {}), ("pp2", {"microbatches": 2})])
 def test_llm_blockwise_matches_reference(layout, kw):
-    """model.attention=blockwise through the LLM's own Attention, ring CP and the pipeline:
-    same loss and gradients as the dense reference on one device."""
+    """model.attention=blockwise through the LLM's own Attention, GSPMD batch/head sharding, ring CP and
+    the pipeline: same loss and gradients as the dense reference on one device."""
     ref_loss, ref_grads, ref_flash = _lm_run("reference")
     loss, grads, flash = _lm_run("blockwise", layout, **kw)
     assert flash and not ref_flash  # the config's choice reached the attention call
@@ -316,3 +316,33 @@ def test_ulysses_sequence_parallel_passes_impl(monkeypatch):
     ref = attn.reference_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=zero,
                                    kv_positions=zero, causal=False)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (8, 0)])
+def test_cudnn_path_traces_where_it_applies(monkeypatch, cc):
+    """No GPU here: pretend one (abstract tracing only) so the cuDNN branch is at least traced, forward and
+    backward, on Hopper (packed segments) and earlier (one segment per row); fp32 or wanting the lse
+    stays on blockwise."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda c: cc >= tuple(int(x) for x in c.split(".")))
+    monkeypatch.setattr(fused, "is_cuda_compute_capability_equal", lambda c: False)
+    monkeypatch.setattr(attn, "cudnn_available", lambda: True)
+    monkeypatch.setattr(attn, "_compute_capability", lambda: cc)
+    seg = np.repeat(np.array([1, 2, 0], np.int32), [200, 250, 62])[None].repeat(2, 0)
+    pos = np.concatenate([np.arange(200), np.arange(250), np.zeros(62)]).astype(np.int32)[None].repeat(2, 0)
+    kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+
+    def traced(dtype, **extra):
+        q, k = jnp.ones((2, 512, 4, 64), dtype), jnp.ones((2, 512, 2, 64), dtype)
+
+        def loss(q, k, v):
+            out = attn.dot_product_attention(q, k, v, **kw, **extra)
+            return jnp.sum((out[0] if isinstance(out, tuple) else out).astype(jnp.float32))
+        return str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, k))
+
+    jp = traced(jnp.bfloat16)
+    assert "dot_product_attention_fwd_wrapper" in jp and "dot_product_attention_bwd" in jp and "cond" in jp
+    assert "dot_product_attention_fwd_wrapper" not in traced(jnp.float32)
+    assert "dot_product_attention_fwd_wrapper" not in traced(jnp.bfloat16, return_lse=True, impl="cudnn")

@@ -179,21 +179,27 @@ def _cudnn_or_blockwise(q, k, v, blockwise: Callable, *, q_segment_ids, kv_segme
     Hopper and later: jax's packed cuDNN API (per-segment lengths and offsets). Earlier GPUs: only one
     segment per row starting at index 0 (jax.nn.dot_product_attention's per-row lengths). Known limits
     of jax 0.10.2 handled here: packed cuDNN with grouped-query attention strides K/V by the query head
-    count (so K/V heads are repeated there), and rows outside every segment are never written (zeroed)."""
+    count (so K/V heads are repeated there), and rows outside every segment are never written, forward
+    or backward (zeroed on both sides). Self-attention only (kv ids/positions equal the queries')."""
     from jax._src.cudnn import fused_attention_stablehlo as fused  # private: the packed API is not public
 
     b, n, h, dh = q.shape
     g = h // k.shape[2]
     scale = 1.0 / math.sqrt(dh) if scale is None else float(scale)
     packed = _compute_capability() >= (9, 0)
-    max_segments = min(n, max(64, n // 16)) if packed else 1
+    # jax treats offsets with one segment column as unpacked (unscaled), so the packed bound is >= 2
+    max_segments = max(2, min(n, max(64, n // 16))) if packed else 1
     fits, seqlens, offsets = cudnn_layout(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
                                           causal=causal, max_segments=max_segments)
     live = jnp.asarray(q_segment_ids) != 0
-    if not packed:  # one run per row, starting at index 0
-        fits &= jnp.all((offsets[:, 0] <= 0))
+    if not packed:  # exactly one run per row, starting at index 0 (no empty rows: cuDNN's 0-length rows)
+        fits &= jnp.all(offsets[:, 0] == 0)
 
     def run_cudnn(q, k, v):
+        # cuDNN writes neither outputs nor input gradients of rows outside every segment: `where` on the
+        # way in and out makes those rows exact zeros in both directions (select drops whatever is there)
+        keep = lambda x: jnp.where(live[:, :, None, None], x, jnp.zeros((), x.dtype))  # noqa: E731
+        q, k, v = keep(q), keep(k), keep(v)
         if packed:
             kr, vr = (jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)) if g > 1 else (k, v)
             mask = fused.MaskType.PADDING_CAUSAL if causal else fused.MaskType.PADDING
@@ -203,7 +209,7 @@ def _cudnn_or_blockwise(q, k, v, blockwise: Callable, *, q_segment_ids, kv_segme
             lengths = jnp.maximum(seqlens[:, 0], 0)
             out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, query_seq_lengths=lengths,
                                                key_value_seq_lengths=lengths, implementation="cudnn")
-        return jnp.where(live[:, :, None, None], out, jnp.zeros((), out.dtype))
+        return keep(out)
 
     try:
         return jax.lax.cond(fits, run_cudnn, lambda q, k, v: blockwise(q, k, v)[0], q, k, v)
