@@ -92,7 +92,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
                    "iterations": int(max(b.iterations for b in lgs)), "interval_s": cfg.lagrange_interval_s,
                    "solve_s": round(sum(b.solve_s for b in lgs), 1),
                    "note": "Lagrangian relaxation of capacity with each job's true completion time (column generation "
-                           "from the LP's prices): no scheduler can be lower; master_s: the most this relaxation can reach"}
+                           "from the LP's prices): no scheduler can be lower; master_s: the restricted master LP (its gap to "
+                           "avg_jct_s: how far the column generation is from converged)"}
             best = {i: max(best.get(i, 0.0), b.avg_jct_s) for i, b in zip(specs, lgs)}
             yield _vs(row, rows)
         if best:
