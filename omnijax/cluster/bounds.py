@@ -1,6 +1,6 @@
 """Lower bounds on the average JCT any scheduler can reach in the simulator.
 
-Two bounds, both computed from the hidden truth (job lengths and measured step times), so they are
+Three bounds, all computed from the hidden truth (job lengths and measured step times), so they are
 references for the bench, never inputs to a scheduler:
 
 - `alone_bound`: every job alone on its fastest size from its arrival. Loose when the cluster is
@@ -9,6 +9,9 @@ references for the bench, never inputs to a scheduler:
   release time (the simulator starts a job at a slot boundary and charges a restart before its first
   step) and its speed-up curve, and relaxes everything else (fractional devices, free resizing,
   no placement). Its optimum is below the average JCT of every schedule the simulator can run.
+- `lagrangian_bound`: prices the same capacity instead of enforcing it and charges each job its true
+  completion time rather than its mean progress time (its docstring; `_JobPricer`). Tighter where jobs
+  run slower than their fastest, which is where the LP is loose.
 
 Why the LP is a valid bound. Let F_j(t) be job j's completed fraction. Its mean progress time
 M_j = ∫ t dF_j satisfies C_j ≥ M_j + p_j/2, where p_j is its fastest running time alone: F_j rises at
@@ -206,7 +209,7 @@ class _JobPricer:
     negative cost: a relaxation that may over-cover, so that a true schedule's image is always in it). Since
     min over schedules of the max over lines ≥ the max over lines of each line's minimum, the job's
     value is min over K of max over lines of those knapsacks: a lower bound on its exact minimum, which
-    is all the Lagrangian bound needs. Completing after the horizon costs its end plus 1/ρ."""
+    is all the Lagrangian bound needs. Completing after the horizon costs at least its end."""
 
     def __init__(self, rates: np.ndarray, cpus: float, release: float, starts: np.ndarray, dt: float):
         hull = envelope_vertices(rates)
@@ -222,7 +225,7 @@ class _JobPricer:
         self.pos = np.repeat(np.arange(len(self.ks)), self.ns)   # offers: interval position x segment
         self.cap = (slopes * widths * run[self.ks][:, None]).ravel()   # work each offer can buy
         self.dpw = np.tile(1.0 / slopes, len(self.ks))        # device-seconds per unit of work
-        self.tail = max(starts[-1] + dt, release) + 1.0 / self.rho
+        self.tail = max(starts[-1] + dt, release + 1.0 / self.rho)   # completing after the horizon
 
     def _knapsack(self, unit: np.ndarray, timed: np.ndarray, k0: int, k1: int, O: int):
         """Per completion interval K in [k0, k1): the cheapest cover of the work with offers of intervals
