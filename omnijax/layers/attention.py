@@ -49,7 +49,8 @@ def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, q_positi
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array,
                         kv_segment_ids: jax.Array, q_positions: jax.Array, kv_positions: jax.Array,
                         causal: bool = True, scale: float | None = None, return_lse: bool = False):
-    """Dense masked softmax attention (the oracle every other implementation is tested against); q [B, Lq, H, Dh], k/v [B, Lk, KVH, Dh], H a multiple of KVH.
+    """Dense masked softmax attention, the oracle the other implementations are tested against;
+    q [B, Lq, H, Dh], k/v [B, Lk, KVH, Dh], H a multiple of KVH.
 
     Query head h uses kv head h // (H // KVH). Scores, softmax and the normaliser are float32; the
     output has q's dtype. Rows with no visible key return 0 (and lse = -inf), never NaN.

@@ -93,7 +93,8 @@ def _ring_body(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, axis, size, causal, att
                                              kv_positions=kv_pos, causal=causal, return_lse=True, impl=attention_impl)
             return out.astype(jnp.float32), lse
 
-        empty = lambda k, v: (jnp.zeros((b, sq, h, d), jnp.float32), jnp.full((b, sq, h), -jnp.inf, jnp.float32))  # noqa: E731
+        def empty(k, v):
+            return jnp.zeros((b, sq, h, d), jnp.float32), jnp.full((b, sq, h), -jnp.inf, jnp.float32)
         return lax.cond(visible, run, empty, k, v)
 
     out, lse = attend(k, v, kv_seg, kv_pos)
