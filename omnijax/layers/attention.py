@@ -96,8 +96,9 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment
     if impl not in IMPLS:
         raise ConfigError(f"attention impl={impl!r}: must be one of {', '.join(IMPLS)}")
     if impl == "cudnn" and not cudnn_available():
-        raise ConfigError(f"attention impl='cudnn' needs an NVIDIA GPU with cuDNN (backend here: "
-                          f"{jax.default_backend()}); use attention=auto or attention=blockwise")
+        raise ConfigError(f"attention impl='cudnn' (model.attention or model.encoders.<name>.attention) needs an "
+                          f"NVIDIA GPU with cuDNN (backend here: {jax.default_backend()}); use attention=auto or "
+                          "attention=blockwise")
     kw = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
               kv_positions=kv_positions, causal=causal, scale=scale)
     if impl == "auto":
