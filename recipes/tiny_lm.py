@@ -54,13 +54,14 @@ def main(argv: list[str]) -> int:
     eval_batches = [{k: np.stack([r[k] for r in eval_rows[i:i + cfg.data.batch_size]]) for k in eval_rows[0]}
                     for i in range(0, len(eval_rows), cfg.data.batch_size)]
 
-    model = LLM(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))
+    # a constructor, not a model: the trainer creates the parameters directly in their shardings
+    model = lambda: LLM(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))  # noqa: E731
     placement, loss_fn = None, lm_loss
     if cfg.parallel.llm:  # a 5D layout; otherwise plain data parallelism over every device
         from omnijax.parallel.engine import LLMParallel
 
         placement = LLMParallel.from_config(cfg)
-        model, loss_fn = placement.prepare(model), placement.loss_fn
+        build, model, loss_fn = model, lambda: placement.prepare(build()), placement.loss_fn
     # this host loads exactly the rows its devices hold (hosts that share a batch shard, e.g. across pp
     # or tp, load the same rows), for batches of the train and the held-out split alike
     from omnijax.parallel.hosts import take_rows

@@ -528,7 +528,8 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     scale = -(-cfg.eval.batch_size // cfg.data.batch_size)
     eval_packer = Packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len,
                          {k: v * scale for k, v in cfg.capacity.items()})
-    model = MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))
+    build = lambda: MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))  # noqa: E731
+    model = nnx.eval_shape(build)  # shapes only: the trainer creates the parameters in their shardings
     counts = describe(model)
     print(f"{name}: params {counts}", file=sys.stderr)
     flops = FlopCounter.for_model(cfg.model.llm, encoder_configs(cfg.model),
@@ -537,7 +538,8 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     # Evaluation decodes with the single-device model; a parallel layout's params are mapped back to it.
     eval_graph, eval_params, eval_rest = nnx.split(model, nnx.Param, ...)
     placement = multiplexed(cfg)
-    train_model, loss_fn = (model, mm_loss) if placement is None else (placement.prepare(model), placement.loss_fn)
+    train_model, loss_fn = ((build, mm_loss) if placement is None else
+                            (lambda: placement.prepare(build()), placement.loss_fn))
 
     def single_device(params):
         if placement is None:

@@ -1,10 +1,34 @@
-"""Training-step throughput of the LLM backbone: tokens/s, model FLOPs per token and MFU."""
+"""Training-step throughput of the LLM backbone: tokens/s, model FLOPs per token and MFU.
+
+Two rows, measured side by side in one process: the step on one device (``1dev``), and the step under
+``parallel.llm`` on every device (plain data parallelism when it is empty; no second row on one device). Each row names its
+``layout`` and ``state_bytes_per_device`` (parameters + optimizer state resident on the fullest device,
+read from the arrays' own shards), so a layout that was not applied shows.
+"""
 from __future__ import annotations
 
+import os
 import time
 from typing import Iterator
 
-DESCRIPTION = "LLM train-step throughput: tokens/s, FLOPs/token (6N + 12·L·H·Dh·T) and MFU vs device peak"
+DESCRIPTION = ("LLM train-step throughput on 1 device and under parallel.llm (side by side): tokens/s, "
+               "FLOPs/token (6N + 12·L·H·Dh·T), MFU, per-device state bytes")
+
+
+def state_bytes_per_device(tree) -> int:
+    """Bytes of the arrays' shards on the device that holds the most of them."""
+    import jax
+
+    per: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", []):
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return max(per.values(), default=0)
+
+
+def allocator() -> str:
+    preload = os.environ.get("LD_PRELOAD", "")
+    return "tcmalloc" if "tcmalloc" in preload else "jemalloc" if "jemalloc" in preload else "glibc malloc"
 
 
 def run(overrides: list[str]) -> Iterator[dict]:
@@ -22,40 +46,64 @@ def run(overrides: list[str]) -> Iterator[dict]:
 
     from omnijax.data import stdlib_text
     from omnijax.models.llm import LLM
+    from omnijax.parallel.engine import LLMParallel
     from omnijax.train.loop import Trainer
     from omnijax.train.losses import lm_loss
     from omnijax.train.metrics import device_peak_flops, llm_flops_per_token, llm_param_counts, mfu
+    from omnijax.train.placement import DataParallel
     from recipes.common import IndexedLoader
 
     source = stdlib_text.packed("train", cfg.data.seq_len, seed=cfg.trainer.seed)
-    loader = IndexedLoader(source, cfg.data.batch_size)
     cfg.trainer.progress = False
     cfg.trainer.checkpoint_every = 0
-    trainer = Trainer(cfg, LLM(cfg.model, rngs=nnx.Rngs(0)), lm_loss, loader)
-    batches = [trainer.placement.put_batch(next(loader)) for _ in range(4)]
-    state = trainer.state
-    t0 = time.perf_counter()
-    state, m = trainer._step(state, batches[0])
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    for i in range(opts.get("warmup", 2)):
-        state, m = trainer._step(state, batches[i % 4])
-    jax.block_until_ready(m)
-    steps = opts.get("steps", 10)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        state, m = trainer._step(state, batches[i % 4])
-    jax.block_until_ready(m)
-    step_s = (time.perf_counter() - t0) / steps
+    loader = IndexedLoader(source, cfg.data.batch_size)
+    host_batches = [next(loader) for _ in range(4)]
     tokens = cfg.data.batch_size * cfg.data.seq_len
     fpt = llm_flops_per_token(cfg.model, cfg.data.seq_len)
     peak, kind = device_peak_flops()
-    tok_s = tokens / step_s
     total, active = llm_param_counts(cfg.model)
-    yield {"variant": "tiny_lm", "tokens_per_s": round(tok_s, 1), "flops_per_token": fpt,
-           "mfu": mfu(tok_s, fpt, jax.device_count(), peak), "device": kind, "num_devices": jax.device_count(),
-           "peak_flops_per_device": peak, "step_s": round(step_s, 4), "compile_s": round(compile_s, 2),
-           "params": total, "active_params": active, "seq_len": cfg.data.seq_len,
-           "batch_size": cfg.data.batch_size, "loss": float(np.asarray(m["loss"])),
-           "flops_formula": "6*N_active + 12*layers*heads*head_dim*seq_len",
-           **({} if peak else {"mfu_note": f"no datasheet peak FLOP/s for device kind '{kind}'; MFU not computed"})}
+    build = lambda: LLM(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))  # noqa: E731
+
+    variants = [("1dev", "1 device", DataParallel(jax.devices()[:1]), lm_loss)]
+    if cfg.parallel.llm:
+        par = LLMParallel.from_config(cfg)
+        variants.append((cfg.parallel.llm, str(par.layout), par, par.loss_fn))
+    elif jax.device_count() > 1:
+        variants.append((f"dp{jax.device_count()}", f"dp{jax.device_count()} (parameters replicated)",
+                         DataParallel(), lm_loss))
+
+    base_step_s = None
+    for name, layout, placement, loss_fn in variants:
+        model = (lambda p=placement: p.prepare(build())) if hasattr(placement, "prepare") else build
+        trainer = Trainer(cfg, model, loss_fn, loader, placement=placement)
+        batches = [placement.put_batch(b) for b in host_batches]
+        state = trainer.state
+        state_bytes = state_bytes_per_device((state.params, state.opt_state))
+        t0 = time.perf_counter()
+        state, m = trainer._step(state, batches[0])
+        jax.block_until_ready(m)
+        compile_s = time.perf_counter() - t0
+        for i in range(opts.get("warmup", 2)):
+            state, m = trainer._step(state, batches[i % 4])
+        jax.block_until_ready(m)
+        steps = opts.get("steps", 10)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            state, m = trainer._step(state, batches[i % 4])
+        jax.block_until_ready(m)
+        step_s = (time.perf_counter() - t0) / steps
+        n_dev = placement.mesh.size
+        tok_s = tokens / step_s
+        row = {"variant": name, "layout": layout, "num_devices": n_dev, "state_bytes_per_device": state_bytes,
+               "tokens_per_s": round(tok_s, 1), "step_s": round(step_s, 4), "compile_s": round(compile_s, 2),
+               "flops_per_token": fpt, "mfu": mfu(tok_s, fpt, n_dev, peak), "device": kind,
+               "peak_flops_per_device": peak, "params": total, "active_params": active, "seq_len": cfg.data.seq_len,
+               "batch_size": cfg.data.batch_size, "loss": float(np.asarray(m["loss"])), "allocator": allocator(),
+               "flops_formula": "6*N_active + 12*layers*heads*head_dim*seq_len",
+               **({} if peak else {"mfu_note": f"no datasheet peak FLOP/s for device kind '{kind}'; MFU not computed"})}
+        if base_step_s is None:
+            base_step_s = step_s
+        else:
+            row.update({"vs": "1dev", "step_time_ratio": round(step_s / base_step_s, 3)})
+        del trainer, state, batches
+        yield row
