@@ -774,3 +774,162 @@ def fit_capacities(parts: list[dict], grid: DeviceGrid, reductions: dict[str, in
         for k, v in plan.capacities:
             out[k] = max(v, out.get(k, 0))
     return out
+
+
+# ------------------------------------------------------------------- metadata-only entry points
+# The plan needs only per-segment metadata (encoder, input rows, cost); these entry points run the
+# same placement as `build_plan` without a packed batch, payload buffers or routing tables, so a
+# host can plan a step of any size (and `recipes bench scale` can run the planner on abstract grids).
+def segments_from_metadata(encoders: list[str], rows: list[int] | np.ndarray, reductions: dict[str, int],
+                           cost_fn: Callable[[str, int], float]) -> list[Segment]:
+    """Segments of a step from metadata alone: one per (encoder, input rows), in arrival order.
+
+    Starts are the running offsets per encoder (as in a packed `<enc>_inputs`); destinations are
+    left empty (the placement does not read them)."""
+    if len(encoders) != len(rows):
+        raise ConfigError(f"segments_from_metadata: {len(encoders)} encoders for {len(rows)} row counts")
+    start: dict[str, int] = {}
+    out, empty = [], np.zeros(0, np.int64)
+    for name, n in zip(encoders, rows):
+        if name not in reductions:
+            raise ConfigError(f"segments_from_metadata: unknown encoder {name!r}; known: {', '.join(sorted(reductions))}")
+        n, r = int(n), reductions[name]
+        if n <= 0 or n % r:
+            raise ConfigError(f"segments_from_metadata: {name} segment of {n} rows is not a positive multiple of {r}")
+        a = start.get(name, 0)
+        out.append(Segment(name, a, n, r, empty, float(cost_fn(name, n))))
+        start[name] = a + n
+    return out
+
+
+def place_segments(segments: list[Segment], grid: DeviceGrid, reductions: dict[str, int], *,
+                   long_short: bool = True, long_factor: float = 1.0, capacities: dict | None = None,
+                   min_rows: int = 16, growth: float = BUCKET_GROWTH) -> tuple[Assignment, dict]:
+    """The balanced placement `build_plan(mode="balanced")` makes, from metadata: (assignment, capacities).
+
+    Exactly `_place_balanced` on one part (same capacity search, same tie-breaking), without the
+    payload buffers and routing tables that `_materialize` builds."""
+    names = sorted({s.encoder for s in segments})
+    (assignment,), caps = _place_balanced([segments], grid, names, long_short, long_factor, dict(capacities or {}),
+                                          min_rows, growth, reductions)
+    return assignment, caps
+
+
+def lpt_bins(costs: np.ndarray, bins: int, per_bin: int | None = None, sizes: np.ndarray | None = None,
+             room: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Longest-processing-time first with a heap: (bin of each item, -1 if it fits none; load per bin).
+
+    Items in order (-cost, index), each onto the least-loaded bin with room (ties: lowest bin): at
+    most `per_bin` items, and sizes summing to at most `room`, per bin. The greedy of `_lpt`, of
+    `balance_rows`' shard assignment and of the data plane's `plan_step` over ranks, in
+    O(n log bins) instead of O(n bins), so it runs at tens of thousands of bins."""
+    import heapq
+
+    costs = np.asarray(costs, np.float64)
+    if bins <= 0:
+        raise ConfigError(f"lpt_bins: bins={bins} must be > 0")
+    if per_bin is not None and per_bin * bins < costs.size:
+        raise ConfigError(f"lpt_bins: {costs.size} items do not fit {bins} bins of {per_bin}")
+    size = np.zeros(costs.size) if sizes is None else np.asarray(sizes, np.float64)
+    cap = math.inf if room is None else float(room)
+    order = np.lexsort((np.arange(costs.size), -costs))
+    heap = [(0.0, b) for b in range(bins)]
+    count = np.zeros(bins, np.int64)
+    used = np.zeros(bins)
+    out = np.full(costs.size, -1, np.int64)
+    for i in order.tolist():
+        held = []
+        while heap:
+            load, b = heapq.heappop(heap)
+            if used[b] + size[i] <= cap:
+                out[i] = b
+                count[b] += 1
+                used[b] += size[i]
+                if per_bin is None or count[b] < per_bin:
+                    heapq.heappush(heap, (load + float(costs[i]), b))
+                break
+            held.append((load, b))
+        for h in held:
+            heapq.heappush(heap, h)
+    ok = out >= 0
+    loads = np.bincount(out[ok], weights=costs[ok], minlength=bins) if ok.any() else np.zeros(bins)
+    return out, loads
+
+
+def row_costs_from_lengths(lengths: list[list[int]], coeffs: tuple[float, float]) -> np.ndarray:
+    """LLM cost of each packed row from its documents' token counts (`llm_row_costs` without a batch)."""
+    a, b = coeffs
+    out = np.zeros(len(lengths))
+    for r, docs in enumerate(lengths):
+        n = np.asarray(docs, np.float64)
+        out[r] = float((a * n + b * n * n).sum())
+    return out
+
+
+def shard_rows(row_costs: np.ndarray, shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """`balance_rows`' assignment of packed rows to batch shards from their LLM costs alone:
+    (shard of each row, LLM cost per shard); each shard gets B/shards rows."""
+    B = len(row_costs)
+    if shards <= 0 or B % shards:
+        raise ConfigError(f"{B} rows do not split over {shards} batch shards")
+    return lpt_bins(row_costs, shards, B // shards)
+
+
+def lpt_rounds(costs: np.ndarray, bins: int, sizes: np.ndarray | None = None,
+               room: float | None = None, head_rounds: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """LPT in rounds, vectorized: (bin of each item, -1 if it fits none; load per bin).
+
+    The `head_rounds * bins` largest items are placed by exact LPT (`lpt_bins`); the rest, sorted by
+    (-cost, index), are dealt in rounds to the bins below the final mean load (heavy bins sit out):
+    the round's k-th largest item goes to the k-th least-loaded bin (ties: lowest bin). It equals
+    `lpt_bins` whenever no bin would take two items of one round, and costs a numpy sort per round
+    instead of a Python heap step per item: 10^5 items over 10^4 bins per step on every host. With `sizes`/`room`: an item that does not fit its bin goes to the
+    least-loaded bin where it fits, if any."""
+    costs = np.asarray(costs, np.float64)
+    if bins <= 0:
+        raise ConfigError(f"lpt_rounds: bins={bins} must be > 0")
+    size = np.zeros(costs.size) if sizes is None else np.asarray(sizes, np.float64)
+    cap = math.inf if room is None else float(room)
+    order = np.lexsort((np.arange(costs.size), -costs))
+    load, used = np.zeros(bins), np.zeros(bins)
+    out = np.full(costs.size, -1, np.int64)
+    head = order[:head_rounds * bins]        # the largest items: exact LPT (a heavy tail needs it)
+    if head.size:
+        sub, _ = lpt_bins(costs[head], bins, sizes=size[head], room=room)
+        out[head] = sub
+        ok = sub >= 0
+        np.add.at(load, sub[ok], costs[head][ok])
+        np.add.at(used, sub[ok], size[head][ok])
+    left = float(costs[order[head.size:]].sum())
+    lo = head.size
+    while lo < order.size:
+        # only bins under the final water level take items this round: heavy bins sit rounds out
+        level = (load.sum() + left) / bins
+        k = max(1, int((load < level).sum()))
+        chunk = order[lo:lo + k]
+        lo += chunk.size
+        left -= float(costs[chunk].sum())
+        b = np.argsort(load, kind="stable")[:chunk.size]
+        ok = used[b] + size[chunk] <= cap
+        out[chunk[ok]] = b[ok]
+        load[b[ok]] += costs[chunk[ok]]
+        used[b[ok]] += size[chunk[ok]]
+        for i in chunk[~ok].tolist():          # its bin is full: the least-loaded bin with room
+            fit = np.flatnonzero(used + size[i] <= cap)
+            if fit.size:
+                j = int(fit[np.argmin(load[fit])])
+                out[i] = j
+                load[j] += costs[i]
+                used[j] += size[i]
+    return out, load
+
+
+def fit_segment_capacities(parts: list[list[Segment]], grid: DeviceGrid, reductions: dict[str, int], *,
+                           long_short: bool = True, long_factor: float = 1.0, min_rows: int = 16,
+                           growth: float = BUCKET_GROWTH) -> dict:
+    """Common encoder capacities for several placements on grids of the same shape (a window's
+    batches, or the hosts of one step, each planning its own devices), searched jointly as
+    `fit_capacities` does: per encoder the smallest (long, short) pair that every part fits."""
+    names = sorted({s.encoder for p in parts for s in p})
+    _, caps = _place_balanced(parts, grid, names, long_short, long_factor, {}, min_rows, growth, reductions)
+    return caps

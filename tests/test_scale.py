@@ -1,0 +1,185 @@
+"""Scale evidence: the metadata-only planner equals the packed-batch planner, the step model takes the
+slowest device, and each baseline keeps its defining assumption."""
+import numpy as np
+import pytest
+
+from omnijax.errors import ConfigError
+from omnijax.parallel import context, routing, scale
+
+RED = {"vision": 4, "audio": 4}
+COSTS = scale.Costs((45.0, 0.0008), {"vision": (3.3, 0.0004), "audio": (0.7, 0.0001)}, RED)
+
+
+def _packed_batch(encs: list[str], rows: list[int], B: int = 8, L: int = 512) -> dict:
+    """A packed global batch holding these encoder segments (in this order, per encoder) with
+    destinations in the LLM rows, as the packer lays them out."""
+    batch = {"tokens": np.ones((B, L), np.int32), "segment_ids": np.ones((B, L), np.int32)}
+    flat = 0
+    for name in ("audio", "vision"):
+        mine = [n for e, n in zip(encs, rows) if e == name]
+        if not mine:
+            continue
+        total = sum(mine)
+        seg = np.zeros(total, np.int32)
+        dest = np.full(total // RED[name], -1, np.int32)
+        a = 0
+        for k, n in enumerate(mine):
+            seg[a:a + n] = k % 2 + 1          # alternating ids: adjacent segments stay apart
+            t = n // RED[name]
+            dest[a // RED[name]:a // RED[name] + t] = np.arange(flat, flat + t) % (B * L)
+            flat += t
+            a += n
+        batch[f"{name}_segment_ids"], batch[f"{name}_dest"] = seg, dest
+        batch[f"{name}_inputs"] = np.zeros((total, 3), np.float32)
+        batch[f"{name}_positions"] = np.zeros((total, 3), np.int32)
+    return batch
+
+
+def _device_segments(plan: routing.Plan, encs: list[str], grid: routing.DeviceGrid) -> list[set]:
+    """Per device, the (encoder, k-th segment of that encoder) pairs in its short / long buffers."""
+    order = {}
+    for name in ("audio", "vision"):
+        ids = [i for i, e in enumerate(encs) if e == name]
+        order[name] = ids
+    all_sorted = order["audio"] + order["vision"]  # segments_of's order: encoders by name, then buffer order
+    out = [set() for _ in range(grid.num_devices)]
+    for key, arr in plan.arrays.items():
+        if key.endswith("_segment_ids"):
+            for d in range(grid.num_devices):
+                for sid in np.unique(arr[d][arr[d] > 0]):
+                    out[d].add(all_sorted[int(sid) - 1])
+    return out
+
+
+@pytest.mark.parametrize("sizes,esp", [((2, 2, 1, 1, 1, 2), 2), ((1, 1, 1, 8, 1, 1), 1)])
+def test_metadata_placement_equals_packed_batch_planner(sizes, esp):
+    rng = np.random.default_rng(3)
+    encs = list(rng.choice(["vision", "audio"], 40, p=[0.7, 0.3]))
+    rows = [int(rng.integers(4, 400)) * 4 for _ in encs]
+    grid = routing.DeviceGrid(sizes, esp)
+    batch = _packed_batch(encs, rows)
+    plan = routing.build_plan(batch, grid, RED, {"vision": 3, "audio": 3}, COSTS.encoder_fn,
+                              order=context.balanced_order, mode="balanced", long_short=esp > 1)
+    # the metadata path: segments in segments_of's order (encoders by name, arrival within each)
+    order = [i for i, e in enumerate(encs) if e == "audio"] + [i for i, e in enumerate(encs) if e == "vision"]
+    segs = routing.segments_from_metadata([encs[i] for i in order], [rows[i] for i in order], RED, COSTS.encoder_fn)
+    assignment, caps = routing.place_segments(segs, grid, RED, long_short=esp > 1)
+    plan_caps = {k: v for k, v in plan.capacities if k != "route"}
+    assert caps == plan_caps
+    meta_dev = [set() for _ in range(grid.num_devices)]
+    for d in range(grid.num_devices):
+        for i in assignment.short[d] + (assignment.long_whole or [[]] * grid.num_devices)[d]:
+            meta_dev[d].add(order[i])
+    for g, ids in enumerate(assignment.long):
+        for i in ids:
+            for k in range(esp):
+                meta_dev[g * esp + k].add(order[i])
+    assert meta_dev == _device_segments(plan, encs, grid)
+    # and the scale driver on one host of this shape reproduces the same device costs
+    meta = scale.StepMeta(np.array(encs, object), np.array(rows), np.array([r // 4 + 10 for r in rows]))
+    layout = scale.Layout("t", pp=1, tp=sizes[5], ep=sizes[3], esp=esp, rows_per_device=1, row_len=4096)
+    hp = scale.plan_step_hosts(meta, layout, 8, COSTS, [0])
+    np.testing.assert_allclose(np.sort(hp.device_enc[0]), np.sort(assignment.device_cost))
+    assert hp.caps[0] == caps
+
+
+def test_shard_rows_is_balance_rows():
+    rng = np.random.default_rng(0)
+    B, L, shards = 32, 64, 4
+    seg = np.zeros((B, L), np.int32)
+    for r in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, L), rng.integers(0, 4), replace=False))
+        for k, (a, b) in enumerate(zip([0, *cuts], [*cuts, L])):
+            seg[r, a:b] = k + 1
+        seg[r, L - rng.integers(0, 20):] = 0
+    tokens = np.arange(B * L).reshape(B, L)        # unique rows, to follow them
+    batch = {"tokens": tokens, "segment_ids": seg}
+    coeffs = (1.0, 0.05)
+    out = routing.balance_rows(batch, shards, coeffs, ())
+    shard_of, loads = routing.shard_rows(routing.llm_row_costs(batch, coeffs), shards)
+    per = B // shards
+    for s in range(shards):
+        moved = {int(r[0]) // L for r in out["tokens"][s * per:(s + 1) * per]}
+        assert moved == set(np.flatnonzero(shard_of == s).tolist())
+    np.testing.assert_allclose(loads, routing.llm_row_costs(out, coeffs).reshape(shards, -1).sum(1))
+
+
+def test_lpt_rounds_respects_room_and_balances():
+    rng = np.random.default_rng(1)
+    costs = rng.lognormal(0, 1, 5000)
+    sizes = rng.integers(1, 100, 5000)
+    room = sizes.sum() / 64 * 1.05
+    where, load = routing.lpt_rounds(costs, 64, sizes=sizes, room=room)
+    used = np.bincount(where[where >= 0], weights=sizes[where >= 0], minlength=64)
+    assert used.max() <= room
+    assert (where >= 0).mean() > 0.99
+    assert load.max() / load.mean() < 1.02
+    exact, exact_load = routing.lpt_bins(costs, 64)
+    assert exact_load.max() / exact_load.mean() < 1.02
+    with pytest.raises(ConfigError):
+        routing.lpt_rounds(costs, 0)
+
+
+def test_step_is_the_slowest_device_and_cpu_mode_sums():
+    enc, route, llm = np.array([1.0, 1.0, 3.0, 1.0]), np.array([0.1, 0.2]), np.array([2.0, 5.0])
+    ph = scale.Phases(enc, route, llm, fixed=0.5)
+    assert ph.step_s() == pytest.approx(3.0 + 0.2 + 5.0 + 0.5)
+    enc2 = enc.copy()
+    enc2[0] = 4.0          # one straggler moves the step by exactly its excess over the old max
+    assert scale.Phases(enc2, route, llm, 0.5).step_s() == pytest.approx(ph.step_s() + 1.0)
+    assert ph.step_s(cpu_mode=True) == pytest.approx(enc.sum() + route.sum() + llm.sum() + 0.5)
+    assert scale.Phases(enc, route, llm, 0.5, overlapped=True).step_s() == pytest.approx(5.0 + 0.2 + 0.5)
+
+
+def _meta(devices: int, mix: str = "video", seed: int = 0) -> scale.StepMeta:
+    return scale.sample_step(scale.MIXES[mix], 0, 2 * devices * 4096 * 9 // 10, np.random.default_rng(seed))
+
+
+def test_coupled_puts_all_encoder_time_on_stage0_split_over_tp():
+    layout, devices = scale.LAYOUTS["omni_8b"], 64
+    model = scale.StepModel(scale.HARDWARE["h100"], layout)
+    meta = _meta(devices)
+    grid = layout.grid(devices)
+    stage0 = grid.axis("pp") == 0
+    total = model.compute_s(COSTS.encoder_cost(meta.encoder, meta.enc_rows)).sum()
+    coupled = scale.coupled_phases(meta, layout, devices, COSTS, model, 0.0)
+    assert np.all(coupled.enc[~stage0] == 0) and coupled.enc[stage0].sum() == pytest.approx(total)
+    replicated = scale.coupled_phases(meta, layout, devices, COSTS, model, 0.0, replicate=True)
+    assert replicated.enc[stage0].sum() == pytest.approx(total * layout.tp * layout.cp)
+    assert replicated.step_s() > coupled.step_s()
+
+
+def test_disaggregated_and_global_lpt_assumptions():
+    layout, devices = scale.LAYOUTS["omni_8b"], 128
+    model = scale.StepModel(scale.HARDWARE["h100"], layout)
+    meta = _meta(devices, seed=2)
+    ph, n_enc = scale.disaggregated_phases(meta, layout, devices, COSTS, model, 0.25)
+    assert n_enc == 32 and len(ph.enc) == n_enc and len(ph.llm) == devices - n_enc and ph.overlapped
+    assert ph.step_s() == pytest.approx(max(ph.enc.max(), ph.llm.max()) + ph.route.max() + ph.fixed)
+    g, gather_s, greedy_s = scale.global_lpt_phases(meta, layout, devices, COSTS, model, 0.0)
+    assert gather_s > 0 and g.fixed == pytest.approx(gather_s + greedy_s)
+    biggest = model.compute_s(COSTS.encoder_cost(meta.encoder, meta.enc_rows)).max()
+    assert g.enc.max() >= biggest - 1e-12     # a segment is indivisible without sequence parallelism
+
+
+def test_scaling_row_keys_and_weak_scaling():
+    layout = scale.LAYOUTS["omni_moe"]
+    model = scale.StepModel(scale.HARDWARE["h100"], layout)
+    row = scale.scaling_row(layout, 64, scale.MIXES["image"], COSTS, model, steps=1)
+    for key in ("variant", "devices", "mix", "plan_s_per_host", "enc_cost_max_over_mean", "llm_cost_max_over_mean",
+                "padded_fraction", "inter_host_bytes_fraction", "modeled_step_s", "speedup_vs_coupled",
+                "speedup_vs_replicated", "speedup_vs_disaggregated", "speedup_vs_global_lpt"):
+        assert key in row
+    assert row["llm_tokens_per_device"] == pytest.approx(2 * 4096 * 0.95, rel=0.02)
+    assert 0 <= row["padded_fraction"] < 1 and row["enc_cost_max_over_mean"] >= 1
+
+
+def test_bad_input_is_one_line_config_error():
+    with pytest.raises(ConfigError):
+        routing.segments_from_metadata(["vision"], [6], RED, COSTS.encoder_fn)   # not a multiple of 4
+    with pytest.raises(ConfigError):
+        routing.segments_from_metadata(["pixels"], [8], RED, COSTS.encoder_fn)
+    with pytest.raises(ConfigError):
+        scale.LAYOUTS["omni_8b"].grid(100)
+    with pytest.raises(ConfigError):
+        scale.sample_step(scale.Mix("bad", ({"smell": 1.0},)), 0, 1000, np.random.default_rng(0))
