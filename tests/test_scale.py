@@ -183,3 +183,13 @@ def test_bad_input_is_one_line_config_error():
         scale.LAYOUTS["omni_8b"].grid(100)
     with pytest.raises(ConfigError):
         scale.sample_step(scale.Mix("bad", ({"smell": 1.0},)), 0, 1000, np.random.default_rng(0))
+
+
+def test_visited_blocks_follows_blockwise_skipping():
+    assert scale.visited_blocks(np.ones(256, np.int32)) == 4            # one segment over 2 blocks: 2 x 2
+    two = np.concatenate([np.full(128, 1), np.full(128, 2)])
+    assert scale.visited_blocks(two) == 2                               # two segments, one block each
+    # flash.visible_blocks is conservative about padding (id 0): padding blocks visit each other
+    assert scale.visited_blocks(np.zeros(512, np.int32)) == 16
+    tail = np.concatenate([np.full(128, 1), np.zeros(128, np.int32)])
+    assert scale.visited_blocks(tail) == 2                              # the padding tail: only itself

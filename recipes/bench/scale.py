@@ -22,9 +22,9 @@ DESCRIPTION = "planner on 1k-16k abstract devices + modeled joint step vs couple
 
 
 def _options(overrides: list[str]) -> dict:
-    opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe", "mixes": "image,video,audio_text",
+    opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_esp8", "mixes": "image,video,audio_text",
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 3, "cal_batch_size": 32,
-            "plot": "1"}
+            "plot": "1", "long_factor": 0.25}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.")
@@ -41,7 +41,7 @@ def mm_config(name: str):
     import yaml
 
     from omnijax.config import from_dict
-    from omnijax.models.mm_config import MMConfig
+    from omnijax.mm_config import MMConfig
     from recipes.common import CONFIGS
 
     def load(n: str) -> dict:
@@ -60,7 +60,7 @@ def calibration(opts: dict) -> dict:
     import numpy as np
 
     from omnijax.config import from_dict
-    from omnijax.models.mm_config import MMConfig
+    from omnijax.mm_config import MMConfig
     from omnijax.parallel import scale
     from omnijax.parallel.engine import LLMParallel
     from omnijax.parallel.multiplex import Multiplexer
@@ -125,11 +125,11 @@ def plot(rows: list[dict], path: Path) -> None:
     mixes = sorted({r["mix"] for r in rows})
     fig, axes = plt.subplots(1, len(mixes), figsize=(5 * len(mixes), 4), squeeze=False)
     for ax, mix in zip(axes[0], mixes):
-        for layout, style in (("omni_8b", "-"), ("omni_moe", "--")):
+        for layout, style in (("omni_8b", "-"), ("omni_moe", "--"), ("omni_moe_esp8", ":")):
             sel = sorted((r for r in rows if r["mix"] == mix and r["variant"] == layout), key=lambda r: r["devices"])
             if not sel:
                 continue
-            for base in ("coupled", "replicated", "disaggregated", "global_lpt"):
+            for base in ("coupled", "disaggregated", "global_lpt_without_greedy"):
                 ax.plot([r["devices"] for r in sel], [r[f"speedup_vs_{base}"] for r in sel], style, marker="o",
                         label=f"{layout} vs {base}")
         ax.axhline(1.0, color="grey", lw=0.5)
@@ -161,14 +161,16 @@ def run(overrides: list[str]) -> Iterator[dict]:
         if name not in scale.LAYOUTS:
             raise ConfigError(f"bench scale: layout {name!r}; known: {', '.join(scale.LAYOUTS)}")
         layout = scale.LAYOUTS[name]
-        costs = scale.Costs.from_mm(mm_config(name))
+        costs = scale.Costs.from_mm(mm_config(name.removesuffix("_esp8")))
         model = scale.StepModel(hw, layout)
         for devices in [int(x) for x in opts["devices"].split(",") if x]:
             for mix in [x for x in opts["mixes"].split(",") if x]:
                 if mix not in scale.MIXES:
                     raise ConfigError(f"bench scale: mix {mix!r}; known: {', '.join(scale.MIXES)}")
                 t0 = time.perf_counter()
-                row = scale.scaling_row(layout, devices, scale.MIXES[mix], costs, model, steps=opts["steps"])
+                row = scale.scaling_row(layout, devices, scale.MIXES[mix], costs, model, steps=opts["steps"],
+                                        long_factor=opts["long_factor"])
+                row["long_factor"] = opts["long_factor"]
                 row["bench_s"] = round(time.perf_counter() - t0, 1)
                 rows.append(row)
                 yield row
