@@ -7,3 +7,7 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """An invalid configuration value; the message names the field and what is allowed."""
+
+
+class BadSample(UserError):
+    """A sample whose segments cannot be encoded (empty image, zero-length audio, zero-frame video...)."""

@@ -74,7 +74,7 @@ def encoder_step(mm_cfg: Any, name: str) -> Callable[[int], Callable[[], Any]]:
     from flax import nnx
     from omnijax.data.packing import encoder_specs
     from omnijax.models.mllm import ENCODERS
-    from omnijax.models.mm_config import encoder_configs
+    from omnijax.mm_config import encoder_configs
     enc_cfg = encoder_configs(mm_cfg)[name]
     spec = encoder_specs(mm_cfg)[name]
     module = ENCODERS[enc_cfg.kind](enc_cfg, rngs=nnx.Rngs(0))

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     from omnijax.data import stdlib_text
     from omnijax.models.llm import LLM
     from omnijax.train.loop import Trainer
-    from omnijax.train.losses import lm_loss
+    from omnijax.models.losses import lm_loss
     from omnijax.train.metrics import llm_flops_per_token
     from omnijax.train.step import make_eval_step
 

@@ -17,7 +17,7 @@ from omnijax.data import features, tokenizer
 from omnijax.data.sample import BadSample, Sample
 from omnijax.data.world import WorldConfig
 from omnijax.errors import ConfigError
-from omnijax.models.mm_config import MMConfig, encoder_configs
+from omnijax.mm_config import MMConfig, encoder_configs
 
 DESCRIPTION = ("tiny vision+audio+LLM on the built-in multimodal world (CPU, minutes; per-modality answer accuracy "
                "vs chance) or on your own shards (data.sources=[...])")

@@ -98,7 +98,7 @@ def build_program(spec: ModelSpec, layers: int, variant: str, comm_cfg: Any | No
 
     from omnijax.models.llm import LLM
     from omnijax.parallel import comm
-    from omnijax.train.losses import lm_loss
+    from omnijax.models.losses import lm_loss
     from omnijax.train.staleness import StalenessSpec, init_extra, make_stale_step, stale_state_shardings
     from omnijax.train.state import init_state
     from omnijax.train.step import make_train_step

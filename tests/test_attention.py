@@ -211,7 +211,7 @@ def _lm_run(impl: str, layout: str | None = None, **kw):
     """(loss, flat grads) of the tiny LLM on one device, or under an LLMParallel layout."""
     from omnijax.models.llm import LLM
     from omnijax.parallel.engine import LLMParallel, unstack_params
-    from omnijax.train.losses import lm_loss
+    from omnijax.models.losses import lm_loss
     from omnijax.train.step import loss_and_grads
 
     key = (impl, layout)
@@ -253,7 +253,7 @@ def test_llm_blockwise_matches_reference(layout, kw):
 
 
 def test_vision_encoder_blockwise_matches_reference():
-    from omnijax.models.mm_config import VisionConfig
+    from omnijax.mm_config import VisionConfig
     from omnijax.models.vision import VisionEncoder
 
     n = 320

@@ -9,7 +9,7 @@ from flax import nnx
 from omnijax.config import Config, from_dict
 from omnijax.data.loader import Loader, LoaderConfig, TrainerBatches
 from omnijax.models import mllm
-from omnijax.models.mm_config import MMConfig
+from omnijax.mm_config import MMConfig
 from omnijax.train.loop import Trainer
 from test_mllm import MM, WORLD  # the tiny multimodal config shared by these tests
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from omnijax.data import features
 from omnijax.data.sample import BadSample
 from omnijax.models.audio import AudioEncoder
-from omnijax.models.mm_config import AudioConfig, VisionConfig
+from omnijax.mm_config import AudioConfig, VisionConfig
 from omnijax.models.vision import VisionEncoder, relative_coordinate_features
 
 VCFG = VisionConfig(patch=4, temporal_patch=2, merge=2, max_side=64, abs_position=True, embed_dim=32, num_layers=2, num_heads=4, mlp_dim=64)

@@ -18,7 +18,7 @@ from omnijax.models.llm import LLM
 from omnijax.parallel.engine import LLMParallel
 from omnijax.train import step as step_lib
 from omnijax.train.loop import Trainer
-from omnijax.train.losses import lm_loss
+from omnijax.models.losses import lm_loss
 from omnijax.train.placement import DataParallel
 from omnijax.train.state import init_state
 

@@ -14,7 +14,7 @@ from omnijax.data.sample import Sample, Segment, text
 from omnijax.data.world import Tail, World, WorldConfig
 from omnijax.errors import ConfigError
 from omnijax.models import mllm
-from omnijax.models.mm_config import MMConfig
+from omnijax.mm_config import MMConfig
 from omnijax.train.state import init_state
 from omnijax.train.step import make_train_step
 from recipes.tiny_omni import Packer

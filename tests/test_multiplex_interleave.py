@@ -67,7 +67,7 @@ def test_segment_across_microbatches_is_refused():
 
 def _multiplexer(layout, **kw):
     from omnijax.config import from_dict
-    from omnijax.models.mm_config import MMConfig
+    from omnijax.mm_config import MMConfig
     from omnijax.parallel.engine import LLMParallel
     from omnijax.parallel.multiplex import Multiplexer
     from test_multiplex_step import ENCODERS, LLM

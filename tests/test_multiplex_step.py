@@ -9,7 +9,7 @@ from flax import nnx
 from omnijax.config import from_dict
 from omnijax.data.world import Tail, World, WorldConfig
 from omnijax.models import mllm
-from omnijax.models.mm_config import MMConfig
+from omnijax.mm_config import MMConfig
 from omnijax.parallel.engine import LLMParallel, unstack_params
 from omnijax.parallel.multiplex import EncoderPart, Multiplexer
 from omnijax.train.step import loss_and_grads

@@ -20,7 +20,7 @@ from omnijax.errors import ConfigError
 from omnijax.models.llm import LLM
 from omnijax.parallel.engine import LLMParallel, count_collectives, unstack_params
 from omnijax.parallel.rules import load_rules, per_device_bytes
-from omnijax.train.losses import lm_loss
+from omnijax.models.losses import lm_loss
 from omnijax.train.step import loss_and_grads
 
 pytestmark = pytest.mark.xdist_group("parallel_llm")

@@ -14,7 +14,7 @@ from omnijax.data import stdlib_text
 from omnijax.models.llm import LLM
 from omnijax.train.checkpoint import Checkpointer
 from omnijax.train.loop import NonFiniteError, Trainer
-from omnijax.train.losses import lm_loss
+from omnijax.models.losses import lm_loss
 from omnijax.train.placement import DataParallel
 from recipes.common import CONFIGS, IndexedLoader
 

@@ -15,7 +15,7 @@ from omnijax.parallel.engine import LLMParallel
 from omnijax.parallel.rules import promised_bytes
 from omnijax.train import state as state_lib
 from omnijax.train.loop import Trainer
-from omnijax.train.losses import lm_loss
+from omnijax.models.losses import lm_loss
 from omnijax.train.placement import DataParallel
 
 pytestmark = pytest.mark.xdist_group("sharded_init")

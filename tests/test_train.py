@@ -9,7 +9,7 @@ from flax import nnx
 from omnijax.config import LLMConfig, OptimizerConfig
 from omnijax.data import stdlib_text
 from omnijax.models.llm import LLM
-from omnijax.train.losses import lm_loss
+from omnijax.models.losses import lm_loss
 from omnijax.train.optimizer import make_optimizer
 from omnijax.train.state import init_state
 from omnijax.train.step import loss_and_grads, make_train_step

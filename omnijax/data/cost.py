@@ -43,7 +43,7 @@ class CostModel:
     @classmethod
     def from_flops(cls, mm_cfg: Any = None) -> "CostModel":
         """FLOP-based defaults from the model config (see module docstring)."""
-        from omnijax.models.mm_config import encoder_configs
+        from omnijax.mm_config import encoder_configs
         mm_cfg = mm_cfg if mm_cfg is not None else default_mm_config()
         m = mm_cfg.llm
         width = m.num_heads * m.head_dim

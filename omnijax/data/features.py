@@ -1,4 +1,7 @@
-"""Encoder preprocessing on the host (numpy only): image/video patches, log-mel frames, token counts.
+"""Encoder preprocessing on the host (numpy only): image/video patches, log-mel frames.
+
+The token-count rules (`vision_grid`, `audio_frames`, `encoder_tokens`) live in omnijax/mm_config.py,
+below both the data plane and the models, which both need them.
 
 Resolution rule for images and video frames (`vision_grid`), applied identically by `image_patches`
 and by the metadata-only `encoder_tokens`, so the packer and the cost model agree with the payload:
@@ -17,45 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from omnijax.data.sample import BadSample
-from omnijax.models.mm_config import AudioConfig, MMConfig, VisionConfig, encoder_configs
+from omnijax.errors import BadSample
+from omnijax.mm_config import (AudioConfig, MMConfig, VisionConfig, _encoder_cfg, _target_sides, audio_frames,  # noqa: F401
+                                 encoder_configs, encoder_tokens, vision_grid)
 
 
 # ------------------------------------------------------------------------------------ vision
-def _target_sides(h: int, w: int, unit: int, max_side: int | None) -> tuple[int, int]:
-    scale = min(1.0, max_side / max(h, w)) if max_side else 1.0
-    top = max(1, max_side // unit) if max_side else None
-    out = []
-    for side in (h, w):
-        units = max(1, math.floor(side * scale / unit + 0.5))
-        target = (min(units, top) if top else units) * unit
-        if target > 2 * side:
-            raise BadSample(f"image side of {side} px is too small: needs >= {(unit + 1) // 2} px "
-                            f"(patch*merge={unit}, at most 2x up-scaling)")
-        out.append(target)
-    return out[0], out[1]
-
-
-def vision_grid(shape: tuple[int, ...], patch: int, temporal_patch: int = 1, merge: int = 2,
-                max_side: int | None = None) -> tuple[int, int, int]:
-    """(t, h, w) patch grid of an image [H, W, 3] or a video [T, H, W, 3], from its shape only."""
-    shape = tuple(int(d) for d in shape)
-    if len(shape) == 3:
-        frames, (h, w) = 1, shape[:2]
-    elif len(shape) == 4:
-        frames, h, w = shape[:3]
-    else:
-        raise BadSample(f"vision input of shape {shape}: expected [H, W, 3] or [T, H, W, 3]")
-    if shape[-1] != 3:
-        raise BadSample(f"vision input of shape {shape}: expected 3 colour channels")
-    if frames <= 0:
-        raise BadSample(f"video with zero frames (shape {shape})")
-    if h <= 0 or w <= 0:
-        raise BadSample(f"empty image (shape {shape})")
-    th, tw = _target_sides(h, w, patch * merge, max_side)
-    return math.ceil(frames / temporal_patch), th // patch, tw // patch
-
-
 def _box_weights(n: int, target: int) -> np.ndarray:
     """[target, n] weights: output cell i averages the input span [i*n/target, (i+1)*n/target)."""
     edges = np.arange(target + 1) * (n / target)
@@ -122,13 +92,6 @@ def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> np.ndarray:
     return np.maximum(0.0, np.minimum(up, down)).T.astype(np.float32)
 
 
-def audio_frames(n_samples: int, hop: int = 160) -> int:
-    """Number of log-mel frames of a clip: one per started hop."""
-    if n_samples <= 0:
-        raise BadSample(f"zero-length audio ({n_samples} samples)")
-    return math.ceil(n_samples / hop)
-
-
 def log_mel(wave: np.ndarray, sample_rate: int = 16000, n_mels: int = 32, n_fft: int = 400,
             hop: int = 160, pad_to_multiple: int = 1) -> np.ndarray:
     """Log-mel features [frames, n_mels] of a mono waveform (Hann window, power spectrum).
@@ -153,41 +116,6 @@ def log_mel(wave: np.ndarray, sample_rate: int = 16000, n_mels: int = 32, n_fft:
     if extra:
         feats = np.concatenate([feats, np.full((extra, n_mels), feats.min(), np.float32)], axis=0)
     return feats
-
-
-# ------------------------------------------------------------------------------------ counts
-def _encoder_cfg(modality: str, cfg: Any) -> Any:
-    if isinstance(cfg, MMConfig):
-        encs = encoder_configs(cfg)
-        if modality not in cfg.modalities:
-            raise BadSample(f"no encoder handles modality {modality!r}")
-        return encs[cfg.modalities[modality]]
-    return cfg
-
-
-def encoder_tokens(modality: str, shape: tuple[int, ...], cfg: Any) -> tuple[int, int]:
-    """(encoder input rows, LLM tokens) of one segment from its shape only (no payload decoding).
-
-    `cfg` is the MMConfig or the encoder config of that modality. Text: (0, len).
-    """
-    if modality == "text":
-        return 0, int(shape[0])
-    enc = _encoder_cfg(modality, cfg)
-    if modality in ("image", "video"):
-        if not isinstance(enc, VisionConfig):
-            raise BadSample(f"modality {modality!r} needs a vision encoder config, got {type(enc).__name__}")
-        if modality == "image" and len(shape) != 3 or modality == "video" and len(shape) != 4:
-            raise BadSample(f"{modality} of shape {tuple(shape)}: wrong rank")
-        t, gh, gw = vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side)
-        n = t * gh * gw
-        return n, n // (enc.merge * enc.merge)
-    if modality == "audio":
-        if not isinstance(enc, AudioConfig):
-            raise BadSample(f"modality 'audio' needs an audio encoder config, got {type(enc).__name__}")
-        frames = audio_frames(int(shape[0]) if len(shape) else 0, enc.hop)
-        n = math.ceil(frames / enc.reduction) * enc.reduction
-        return n, n // enc.reduction
-    raise BadSample(f"unknown modality {modality!r}")
 
 
 def segment_inputs(modality: str, data: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ class EncoderSpec:
 
 def encoder_specs(mm_cfg: Any) -> dict[str, EncoderSpec]:
     """Input width and grouping factor of every encoder in the model config."""
-    from omnijax.models.mm_config import AudioConfig, VisionConfig, encoder_configs
+    from omnijax.mm_config import AudioConfig, VisionConfig, encoder_configs
     out = {}
     for name, e in encoder_configs(mm_cfg).items():
         if isinstance(e, VisionConfig):

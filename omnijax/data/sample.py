@@ -11,7 +11,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from omnijax.data import tokenizer
-from omnijax.errors import UserError
+from omnijax.errors import BadSample, UserError  # noqa: F401  (BadSample: data.sample's name for it)
 
 Modality = Literal["text", "image", "video", "audio"]
 MODALITIES: tuple[str, ...] = get_args(Modality)
@@ -19,8 +19,6 @@ SAMPLE_RATE = 16000
 _RANK = {"text": 1, "image": 3, "video": 4, "audio": 1}
 
 
-class BadSample(UserError):
-    """A sample whose segments cannot be encoded (empty image, zero-length audio, zero-frame video...)."""
 
 
 @dataclass(frozen=True)

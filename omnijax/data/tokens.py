@@ -11,7 +11,7 @@ from omnijax.data.sample import SampleMeta, SegmentMeta
 
 
 def default_mm_config() -> Any:
-    from omnijax.models.mm_config import MMConfig
+    from omnijax.mm_config import MMConfig
     return MMConfig()
 
 
@@ -32,7 +32,7 @@ def modality_configs(mm_cfg: Any) -> dict[str, Any]:
     hit = _TYPED.get(id(mm_cfg))
     if hit is not None and hit[0] is mm_cfg:
         return hit[1]
-    from omnijax.models.mm_config import encoder_configs
+    from omnijax.mm_config import encoder_configs
     encs = encoder_configs(mm_cfg)
     typed = {m: encs[n] for m, n in mm_cfg.modalities.items()}
     _TYPED[id(mm_cfg)] = (mm_cfg, typed)

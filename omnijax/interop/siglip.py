@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from omnijax.data import features
 from omnijax.errors import UserError
-from omnijax.models.mm_config import VisionConfig
+from omnijax.mm_config import VisionConfig
 from omnijax.models.vision import VisionEncoder
 
 

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omnijax.config import from_dict
-from omnijax.data import features
+from omnijax.mm_config import AudioConfig, encoder_tokens
 from omnijax.models.encoder_layers import EncoderBlock, as_static, layer_norm, linear, rope_inv_freq, transformer_flops
-from omnijax.models.mm_config import AudioConfig
 
 
 class AudioEncoder(nnx.Module):
@@ -54,5 +53,5 @@ class AudioEncoder(nnx.Module):
     def cost(self, segment_shape: tuple[int, ...]) -> float:
         """Forward FLOPs of one waveform segment [n_samples]."""
         c = self.cfg
-        n_in, n = features.encoder_tokens("audio", segment_shape, c)
+        n_in, n = encoder_tokens("audio", segment_shape, c)
         return 2.0 * n_in * c.n_mels * c.embed_dim + transformer_flops(n, c.embed_dim, c.mlp_dim, c.num_layers)

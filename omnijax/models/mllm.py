@@ -19,14 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omnijax.config import LLMConfig, from_dict
-from omnijax.data import features
+from omnijax.mm_config import MMConfig, encoder_configs, encoder_tokens, register_encoder_config
 from omnijax.errors import ConfigError
 from omnijax.models.audio import AudioEncoder
 from omnijax.models.llm import LLM
-from omnijax.models.mm_config import MMConfig, encoder_configs, register_encoder_config
 from omnijax.models.projector import Projector
 from omnijax.models.vision import VisionEncoder
-from omnijax.train.losses import masked_cross_entropy
+from omnijax.models.losses import masked_cross_entropy
 
 
 class Component(Protocol):
@@ -103,7 +102,7 @@ class MultimodalModel(nnx.Module):
     def cost(self, modality: str, segment_shape: tuple[int, ...]) -> float:
         """Forward FLOPs of one segment: its encoder (if any) plus its LLM tokens in isolation."""
         cfg = self.config
-        _, n_llm = features.encoder_tokens(modality, segment_shape, cfg)
+        _, n_llm = encoder_tokens(modality, segment_shape, cfg)
         total = llm_cost(cfg.llm, n_llm)
         if modality != "text":
             total += self.encoders[dict(self.modalities)[modality]].cost(tuple(segment_shape))

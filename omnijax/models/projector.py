@@ -5,7 +5,7 @@ import jax
 from flax import nnx
 
 from omnijax.models.encoder_layers import layer_norm, linear
-from omnijax.models.mm_config import ProjectorConfig
+from omnijax.mm_config import ProjectorConfig
 
 
 class Projector(nnx.Module):

@@ -18,10 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omnijax.config import from_dict
-from omnijax.data import features
+from omnijax.mm_config import VisionConfig, encoder_tokens
 from omnijax.models.encoder_layers import (EncoderBlock, GeluMLP, as_static, layer_norm, linear, rope_inv_freq,
                                            transformer_flops)
-from omnijax.models.mm_config import VisionConfig
 from omnijax.layers.attention import dot_product_attention
 
 
@@ -127,5 +126,5 @@ class VisionEncoder(nnx.Module):
         """Forward FLOPs of one image [H, W, 3] or video [T, H, W, 3] segment."""
         c = self.cfg
         modality = "video" if len(segment_shape) == 4 else "image"
-        n, _ = features.encoder_tokens(modality, segment_shape, c)
+        n, _ = encoder_tokens(modality, segment_shape, c)
         return 2.0 * n * self.input_dim * c.embed_dim + transformer_flops(n, c.embed_dim, c.mlp_dim, c.num_layers)

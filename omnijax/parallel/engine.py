@@ -28,7 +28,7 @@ from omnijax.layers.attention import dot_product_attention
 from omnijax.models.llm import AUX_KEYS, LLM, default_packing, is_moe_layer, zero_aux
 from omnijax.parallel import context, embedding, expert, hosts, pipeline, rules as rules_lib
 from omnijax.parallel.mesh import Layout, make_mesh, parse_layout
-from omnijax.train.losses import masked_cross_entropy
+from omnijax.models.losses import masked_cross_entropy
 
 _COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 

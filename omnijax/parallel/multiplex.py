@@ -23,7 +23,7 @@ from omnijax.layers import attention as attention_lib
 from omnijax.models.mllm import MultimodalModel
 from omnijax.parallel import context, hosts, routing, rules as rules_lib
 from omnijax.parallel.engine import LLMParallel
-from omnijax.train.losses import masked_cross_entropy
+from omnijax.models.losses import masked_cross_entropy
 
 ALL = routing.MESH_AXES
 
@@ -159,7 +159,7 @@ class Multiplexer:
         self.reductions = {n: s.group for n, s in specs.items()}
         self.dims = {n: s.dim for n, s in specs.items()}
         if self.long_short:
-            from omnijax.models.mm_config import encoder_configs
+            from omnijax.mm_config import encoder_configs
 
             for name, c in encoder_configs(mm_cfg).items():
                 if c.num_heads % esp:

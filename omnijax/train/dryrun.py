@@ -47,7 +47,7 @@ def dry_run(cfg: Any, num_devices: int, device_memory_gib: float = 80.0) -> dict
     edp, esp = routing.parse_encoder_layout(p.encoder, num_devices)
     grid = routing.DeviceGrid.from_layout(layout, esp)
     grid.esp_axes()
-    from omnijax.models.mm_config import encoder_configs
+    from omnijax.mm_config import encoder_configs
 
     for name, enc in encoder_configs(m).items():
         if enc.num_heads % esp:

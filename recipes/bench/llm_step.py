@@ -48,7 +48,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from omnijax.models.llm import LLM
     from omnijax.parallel.engine import LLMParallel
     from omnijax.train.loop import Trainer
-    from omnijax.train.losses import lm_loss
+    from omnijax.models.losses import lm_loss
     from omnijax.train.metrics import device_peak_flops, llm_flops_per_token, llm_param_counts, mfu
     from omnijax.train.placement import DataParallel
     from recipes.common import IndexedLoader

@@ -153,7 +153,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
 
     from omnijax.config import OptimizerConfig, from_dict
     from omnijax.models import mllm
-    from omnijax.models.mm_config import MMConfig
+    from omnijax.mm_config import MMConfig
     from omnijax.parallel import routing
     from omnijax.parallel.engine import LLMParallel
     from omnijax.parallel.multiplex import Multiplexer

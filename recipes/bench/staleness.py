@@ -130,7 +130,7 @@ def _run_byte_lm(cfg: StalenessBench, variant: str, seeds: list[int]) -> list[fl
     from omnijax.config import LLMConfig
     from omnijax.data import stdlib_text
     from omnijax.models.llm import LLM
-    from omnijax.train.losses import lm_loss
+    from omnijax.models.losses import lm_loss
     from omnijax.train.step import make_eval_step
 
     t = cfg.byte_lm

@@ -1,17 +1,20 @@
-"""Typed configs of the multimodal model: encoders, projectors and their assembly with the LLM.
+"""Typed configs of the multimodal model (encoders, projectors, their assembly with the LLM) and each
+encoder's token-count rules from a segment's shape alone.
 
-Plain dataclasses (no jax import) so that the data plane (features, cost model, packer) can read
-them too. Build them with `omnijax.config.from_dict`; encoders are listed by name in
+Plain dataclasses and arithmetic (no jax import), below both the data plane (features, cost model,
+packer) and the models, which both need them and never import each other. The resolution rule of
+`vision_grid` is described in omnijax/data/features.py, which applies it to pixels. Build them with `omnijax.config.from_dict`; encoders are listed by name in
 `MMConfig.encoders` as raw mappings whose `kind` picks the registered config class and module
 (see `omnijax.models.mllm.register_encoder`), so a new encoder is one module plus one config entry.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from omnijax.config import LLMConfig
-from omnijax.errors import ConfigError
+from omnijax.errors import BadSample, ConfigError
 
 
 @dataclass
@@ -121,3 +124,79 @@ def encoder_configs(cfg: MMConfig) -> dict[str, Any]:
         if name not in out:
             raise ConfigError(f"model.modalities.{modality}={name!r}: no such encoder; known: {', '.join(out)}")
     return out
+
+
+# ---------------------------------------------------------------- token counts (from shapes only)
+def _target_sides(h: int, w: int, unit: int, max_side: int | None) -> tuple[int, int]:
+    scale = min(1.0, max_side / max(h, w)) if max_side else 1.0
+    top = max(1, max_side // unit) if max_side else None
+    out = []
+    for side in (h, w):
+        units = max(1, math.floor(side * scale / unit + 0.5))
+        target = (min(units, top) if top else units) * unit
+        if target > 2 * side:
+            raise BadSample(f"image side of {side} px is too small: needs >= {(unit + 1) // 2} px "
+                            f"(patch*merge={unit}, at most 2x up-scaling)")
+        out.append(target)
+    return out[0], out[1]
+
+
+def vision_grid(shape: tuple[int, ...], patch: int, temporal_patch: int = 1, merge: int = 2,
+                max_side: int | None = None) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of an image [H, W, 3] or a video [T, H, W, 3], from its shape only."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) == 3:
+        frames, (h, w) = 1, shape[:2]
+    elif len(shape) == 4:
+        frames, h, w = shape[:3]
+    else:
+        raise BadSample(f"vision input of shape {shape}: expected [H, W, 3] or [T, H, W, 3]")
+    if shape[-1] != 3:
+        raise BadSample(f"vision input of shape {shape}: expected 3 colour channels")
+    if frames <= 0:
+        raise BadSample(f"video with zero frames (shape {shape})")
+    if h <= 0 or w <= 0:
+        raise BadSample(f"empty image (shape {shape})")
+    th, tw = _target_sides(h, w, patch * merge, max_side)
+    return math.ceil(frames / temporal_patch), th // patch, tw // patch
+
+
+def audio_frames(n_samples: int, hop: int = 160) -> int:
+    """Number of log-mel frames of a clip: one per started hop."""
+    if n_samples <= 0:
+        raise BadSample(f"zero-length audio ({n_samples} samples)")
+    return math.ceil(n_samples / hop)
+
+
+def _encoder_cfg(modality: str, cfg: Any) -> Any:
+    if isinstance(cfg, MMConfig):
+        encs = encoder_configs(cfg)
+        if modality not in cfg.modalities:
+            raise BadSample(f"no encoder handles modality {modality!r}")
+        return encs[cfg.modalities[modality]]
+    return cfg
+
+
+def encoder_tokens(modality: str, shape: tuple[int, ...], cfg: Any) -> tuple[int, int]:
+    """(encoder input rows, LLM tokens) of one segment from its shape only (no payload decoding).
+
+    `cfg` is the MMConfig or the encoder config of that modality. Text: (0, len).
+    """
+    if modality == "text":
+        return 0, int(shape[0])
+    enc = _encoder_cfg(modality, cfg)
+    if modality in ("image", "video"):
+        if not isinstance(enc, VisionConfig):
+            raise BadSample(f"modality {modality!r} needs a vision encoder config, got {type(enc).__name__}")
+        if modality == "image" and len(shape) != 3 or modality == "video" and len(shape) != 4:
+            raise BadSample(f"{modality} of shape {tuple(shape)}: wrong rank")
+        t, gh, gw = vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side)
+        n = t * gh * gw
+        return n, n // (enc.merge * enc.merge)
+    if modality == "audio":
+        if not isinstance(enc, AudioConfig):
+            raise BadSample(f"modality 'audio' needs an audio encoder config, got {type(enc).__name__}")
+        frames = audio_frames(int(shape[0]) if len(shape) else 0, enc.hop)
+        n = math.ceil(frames / enc.reduction) * enc.reduction
+        return n, n // enc.reduction
+    raise BadSample(f"unknown modality {modality!r}")
