@@ -56,7 +56,7 @@ def _reference_chunk_losses(steps, chunk, lr=3e-3):
 
     from omnijax.cluster.ps_job import DIGITS_BATCH, SplitBatches
     from omnijax.models.classifier import ClassifierConfig, build_classifier, classifier_loss
-    from recipes.ps_digits import digits_split
+    from omnijax.data.digits import digits_split
 
     (x, y), _ = digits_split()
     batches = SplitBatches(x, y, DIGITS_BATCH, seed=0)

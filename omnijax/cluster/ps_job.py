@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
     from omnijax.models.classifier import ClassifierConfig, build_classifier, classifier_loss
     from omnijax.ps.config import PSConfig
     from omnijax.ps.trainer import PSTrainer, ensure_ray
-    from recipes.ps_digits import digits_split
+    from omnijax.data.digits import digits_split
 
     o = _opts(argv)
     steps = int(o.pop("trainer.steps", 200))
