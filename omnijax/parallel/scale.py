@@ -668,6 +668,8 @@ def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: Ste
     for v in ("coupled", "replicated", "disaggregated", "global_lpt", "global_lpt_without_greedy"):
         out[f"speedup_vs_{v}"] = round(step[v] / step["omnijax"], 3)
     out["global_lpt_critical_s"] = round(float(np.mean([r["global_lpt_critical_s"] for r in rows])), 3)
+    out["coupled_phases_s"] = {k: round(float(np.mean([r["coupled_phases_s"][k] for r in rows])), 4)
+                               for k in rows[0]["coupled_phases_s"]}
     out.update({"enc_padded_fraction": round(mean("enc_padded_fraction"), 4),
                 "llm_padded_fraction": round(mean("llm_padded_fraction"), 4),
                 "dropped_samples": int(sum(r["dropped_samples"] for r in rows)),
