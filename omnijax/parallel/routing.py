@@ -792,7 +792,8 @@ def segments_from_metadata(encoders: list[str], rows: list[int] | np.ndarray, re
     out, empty = [], np.zeros(0, np.int64)
     for name, n in zip(encoders, rows):
         if name not in reductions:
-            raise ConfigError(f"segments_from_metadata: unknown encoder {name!r}; known: {', '.join(sorted(reductions))}")
+            raise ConfigError(f"segments_from_metadata: unknown encoder {name!r}; "
+                              f"known: {', '.join(sorted(reductions))}")
         n, r = int(n), reductions[name]
         if n <= 0 or n % r:
             raise ConfigError(f"segments_from_metadata: {name} segment of {n} rows is not a positive multiple of {r}")
@@ -883,8 +884,9 @@ def lpt_rounds(costs: np.ndarray, bins: int, sizes: np.ndarray | None = None,
     (-cost, index), are dealt in rounds to the bins below the final mean load (heavy bins sit out):
     the round's k-th largest item goes to the k-th least-loaded bin (ties: lowest bin). It equals
     `lpt_bins` whenever no bin would take two items of one round, and costs a numpy sort per round
-    instead of a Python heap step per item: 10^5 items over 10^4 bins per step on every host. With `sizes`/`room`: an item that does not fit its bin goes to the
-    least-loaded bin where it fits, if any."""
+    instead of a Python heap step per item: 10^5 items over 10^4 bins per step on every host.
+    With `sizes`/`room`: an item that does not fit its bin goes to the least-loaded bin where it
+    fits, if any."""
     costs = np.asarray(costs, np.float64)
     if bins <= 0:
         raise ConfigError(f"lpt_rounds: bins={bins} must be > 0")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -83,7 +82,8 @@ class Layout:
     def grid(self, devices: int) -> routing.DeviceGrid:
         inner = self.pp * self.tp * self.ep * self.cp
         if devices % inner or devices % 8:
-            raise ConfigError(f"layout {self.name}: {devices} devices do not split into pp*tp*ep*cp={inner} and hosts of 8")
+            raise ConfigError(f"layout {self.name}: {devices} devices do not split into pp*tp*ep*cp={inner} "
+                              "and hosts of 8")
         return routing.DeviceGrid((self.pp, 1, devices // inner, self.ep, self.cp, self.tp), self.esp)
 
     def host_grid(self) -> routing.DeviceGrid:
@@ -218,9 +218,6 @@ class Costs:
         cm = CostModel.from_flops(mm_cfg)
         return cls((cm.llm.a, cm.llm.b), {k: (v.a, v.b) for k, v in cm.encoders.items()},
                    {n: s.group for n, s in encoder_specs(mm_cfg).items()})
-
-    def span(self, name: str) -> Callable[[str, int], float]:
-        raise NotImplementedError
 
     def encoder_fn(self, name: str, rows: int) -> float:
         """The multiplexer's default cost: audio attends over its rows after the reduction."""
@@ -564,13 +561,11 @@ def evaluate(meta: StepMeta, hp: HostPlan, layout: Layout, devices: int, costs: 
     inter_b = (seg_tok * per_host * (lay.pp - local)).sum()
     inter = float(inter_b / total_b) if total_b else 0.0
     recv = np.array([out_tok[(hp.group_of_sample == g)].sum() for g in sorted(hp.shard_llm)]) / per_group
-    send = np.array([hp.host_load[h] for h in sorted(hp.device_enc)])  # cost; tokens below
     host_tok = np.bincount(hp.host_of_segment, weights=seg_tok, minlength=hosts)
     send_tok = host_tok[sorted(hp.device_enc)] / 8 * lay.pp * per_host
     omni = Phases(model.compute_s(dev_enc), np.maximum(model.route_s(recv.max(initial=0), inter),
                                                        model.route_s(send_tok.max(initial=0), inter)),
                   model.llm_device_s(shard_llm), fixed)
-    del send
 
     coupled = coupled_phases(meta, layout, devices, costs, model, fixed)
     replicated = coupled_phases(meta, layout, devices, costs, model, fixed, replicate=True)
@@ -673,7 +668,8 @@ def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: Ste
     out.update({"enc_padded_fraction": round(mean("enc_padded_fraction"), 4),
                 "llm_padded_fraction": round(mean("llm_padded_fraction"), 4),
                 "dropped_samples": int(sum(r["dropped_samples"] for r in rows)),
-                "enc_rows_per_device": round(mean("enc_rows_per_device")), "llm_tokens_per_device": round(mean("llm_tokens_per_device")),
+                "enc_rows_per_device": round(mean("enc_rows_per_device")),
+                "llm_tokens_per_device": round(mean("llm_tokens_per_device")),
                 "disaggregated_enc_devices": rows[0]["enc_devices_disaggregated"],
                 "modeled_step_s_baselines": {v: round(t, 3) for v, t in step.items() if v != "omnijax"},
                 "omnijax_phases_s": {k: round(float(np.mean([r["omnijax_phases_s"][k] for r in rows])), 4)
@@ -733,7 +729,8 @@ def plan_phases_cpu(plan: routing.Plan, batch: dict, esp: int, llm_width: int, c
             grp = seg.reshape(D // esp, esp * cap)
             for g in range(D // esp):
                 if (grp[g] > 0).any():
-                    enc[g * esp:(g + 1) * esp] += const + a * cap + b * block * block * visited_blocks(grp[g], block) / esp
+                    attn = b * block * block * visited_blocks(grp[g], block) / esp
+                    enc[g * esp:(g + 1) * esp] += const + a * cap + attn
             continue
         for d in range(D):
             if (seg[d] > 0).any():

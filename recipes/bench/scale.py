@@ -18,11 +18,13 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-DESCRIPTION = "planner on 1k-16k abstract devices + modeled joint step vs coupled/replicated/disaggregated/global LPT, calibrated on CPU"
+DESCRIPTION = ("planner on 1k-16k abstract devices + modeled joint step vs coupled/replicated/disaggregated/"
+               "global LPT, calibrated on CPU")
 
 
 def _options(overrides: list[str]) -> dict:
-    opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_esp8", "mixes": "image,video,audio_text",
+    opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_esp8",
+            "mixes": "image,video,audio_text",
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 3, "cal_batch_size": 32,
             "plot": "1", "long_factor": 0.25}
     for item in overrides:
@@ -108,10 +110,12 @@ def calibration(opts: dict) -> dict:
            "predicted_step_s": {k: round(v, 3) for k, v in preds.items()},
            "measured_step_s": {k: measured[f"{k}_step_s"] for k in ("omnijax", "coupled")} if measured else None,
            "measured_from": str(path) if measured else f"{path} missing: run `python -m recipes bench omni` first",
-           "cpu_constants": {"encoders_a_b_const_s": {k: [float(f"{x:.3g}") for x in v] for k, v in cpu.encoders.items()},
-                             "llm_a_b_const_s": [float(f"{x:.3g}") for x in cpu.llm], "copy_GBps": round(copy_Bps / 1e9, 2)},
+           "cpu_constants": {"encoders_a_b_const_s": {k: [float(f"{x:.3g}") for x in v]
+                                                      for k, v in cpu.encoders.items()},
+                             "llm_a_b_const_s": [float(f"{x:.3g}") for x in cpu.llm],
+                             "copy_GBps": round(copy_Bps / 1e9, 2)},
            "batches": steps, "batch_size": bs, "layout": f"{o['llm']}+{o['encoder']}",
-           "coupled_meaning": "bench omni's `coupled`: encoders on pp stage 0, replicated over tp/cp (routing._coupled)",
+           "coupled_meaning": "bench omni's `coupled`: encoders on pp stage 0, replicated over tp/cp",
            "seconds": round(time.perf_counter() - t0, 1)}
     return row
 
