@@ -377,7 +377,7 @@ class Multiplexer:
         return fn, (state, arrays), specs
 
     def loss_fn(self, model: MultiplexedModel, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
-        x = model.llm.embed(batch["tokens"])
+        x = self.engine.embed(model.llm, batch["tokens"])  # ids and rows move, never the table
         x = self.engine.constrain(x, "batch", "seq", "embed")
         part = EncoderPart(model.encoders, model.projectors)
         if self.interleave:
