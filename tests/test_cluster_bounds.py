@@ -1,6 +1,5 @@
 """Lower bounds on average JCT: the speed-up envelope is right, the LP matches a hand-computed case and
 stays below what every scheduler reaches in the simulator."""
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,15 +12,9 @@ from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, Tiresias
 from omnijax.cluster.simulator import SimConfig, jobs_from_specs, run_workload, simulate
 from omnijax.cluster.traces import load_workload
 
-FIXTURES = Path(__file__).parent / "fixtures" / "cluster"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def synthetic_data():
-    """Synthetic profiles and workloads in the Pollux format (tests/fixtures/cluster): no shared data needed."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNIJAX_SHARED_DATA", str(FIXTURES))
-        yield
+pytestmark = pytest.mark.usefixtures("synthetic_cluster_data")  # no shared data needed
 
 
 @settings(max_examples=60, deadline=None)
@@ -64,7 +57,7 @@ def test_lp_bound_matches_a_hand_computed_case():
 
 
 @pytest.fixture(scope="module")
-def trace_runs():
+def trace_runs(synthetic_cluster_data):
     """25 jobs of a synthetic workload on 16 devices, and the average JCT every scheduler reaches on them."""
     specs = load_workload("workloads/workload-1", limit=25)
     cfg = SimConfig(num_nodes=4)

@@ -1,6 +1,5 @@
 """Learned scheduler: supervised warm-up reaches >= 90% agreement with its teacher on held-out slots,
 its allocations respect capacity, and one actor-critic episode with replay runs and updates the policy."""
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,22 +12,16 @@ from omnijax.cluster.learned import (LearnedScheduler, PolicyNet, actor_critic, 
 from omnijax.cluster.simulator import SimConfig, run_workload
 from omnijax.cluster.traces import load_workload
 
-FIXTURES = Path(__file__).parent / "fixtures" / "cluster"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def synthetic_data():
-    """Synthetic profiles and workloads in the Pollux format (tests/fixtures/cluster): no shared data needed."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNIJAX_SHARED_DATA", str(FIXTURES))
-        yield
+pytestmark = pytest.mark.usefixtures("synthetic_cluster_data")  # no shared data needed
 
 
 CFG = SimConfig(num_nodes=4, slot_s=300.0)
 
 
 @pytest.fixture(scope="module")
-def warmed():
+def warmed(synthetic_cluster_data):
     train = record_teacher([load_workload("workloads/workload-1", 20), load_workload("workloads/workload-2", 20)], CFG)
     held = record_teacher([load_workload("workloads/workload-3", 20)], CFG)   # other workload: held-out slots
     net = PolicyNet(rngs=nnx.Rngs(0))

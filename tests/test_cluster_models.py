@@ -11,12 +11,7 @@ from omnijax.errors import UserError
 FIXTURES = Path(__file__).parent / "fixtures" / "cluster"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def synthetic_data():
-    """Synthetic profiles and workloads in the Pollux format (tests/fixtures/cluster): no shared data needed."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNIJAX_SHARED_DATA", str(FIXTURES))
-        yield
+pytestmark = pytest.mark.usefixtures("synthetic_cluster_data")  # no shared data needed
 
 
 @pytest.mark.parametrize("true", [LossCoeffs(2e-3, 0.5, 0.3), LossCoeffs(1e-4, 1.0, 1.2), LossCoeffs(5e-2, 2.0, 0.0)])

@@ -1,6 +1,5 @@
 """Schedulers respect capacity (hypothesis); placement is valid; the simulator matches a hand-computed case."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,15 +12,9 @@ from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, FittedOracle, Tir
 from omnijax.cluster.simulator import SimConfig, run_workload, simulate
 from omnijax.cluster.traces import load_workload
 
-FIXTURES = Path(__file__).parent / "fixtures" / "cluster"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def synthetic_data():
-    """Synthetic profiles and workloads in the Pollux format (tests/fixtures/cluster): no shared data needed."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNIJAX_SHARED_DATA", str(FIXTURES))
-        yield
+pytestmark = pytest.mark.usefixtures("synthetic_cluster_data")  # no shared data needed
 
 
 SCHEDULERS = [FIFO, DRF, Tiresias, FittedModel, lambda: FittedModel(objective="remaining_time"),
@@ -106,7 +99,7 @@ def test_preemption_charges_restart_and_counts_it():
 
 
 @pytest.fixture(scope="module")
-def small_runs():
+def small_runs(synthetic_cluster_data):
     specs = load_workload("workloads/workload-1", limit=25)
     cfg = SimConfig(num_nodes=4)
     return {s().name: run_workload(specs, s(), cfg) for s in (FIFO, DRF, FittedModel)}

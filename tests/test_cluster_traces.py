@@ -10,16 +10,10 @@ from omnijax.cluster.philly import application_for, read_philly, to_workload, wr
 from omnijax.cluster.traces import load_workload, workload_files
 from omnijax.errors import ConfigError, UserError
 
-FIXTURES = Path(__file__).parent / "fixtures" / "cluster"
 HEADER = "name,time,application,num_replicas,batch_size\n"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def synthetic_data():
-    """Synthetic profiles in the Pollux format (tests/fixtures/cluster): no shared data needed."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNIJAX_SHARED_DATA", str(FIXTURES))
-        yield
+pytestmark = pytest.mark.usefixtures("synthetic_cluster_data")  # no shared data needed
 
 
 def _philly_json(path: Path) -> Path:

@@ -169,18 +169,23 @@ class Mixer:
         counts = self.counts(np.array([step]))[0]
         labels = np.repeat(np.arange(len(self.sizes)), counts)
         labels = labels[np.random.default_rng([self.seed, step, 0x6D6978]).permutation(self.batch_size)]
-        base = self.prefix(step)
-        rank = np.zeros(self.batch_size, np.int64)
+        recs, _ = self._records(labels, self.prefix(step))
+        return labels.astype(np.int32), recs
+
+    def _records(self, labels: np.ndarray, prefix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Record ids of draws from sources `labels` (in slot order) after `prefix` earlier draws of each
+        source, and the draws per source: each source walks one permutation of its records per epoch."""
+        rank = np.zeros(len(labels), np.int64)
         seen = np.zeros(len(self.sizes), np.int64)
         for slot, k in enumerate(labels):
             rank[slot] = seen[k]
             seen[k] += 1
-        draws = base[labels] + rank
+        draws = prefix[labels] + rank
         n = self.sizes[labels]
         epoch, pos = draws // n, draws % n
         recs = np.array([_position(int(p), int(m), _seed32(self.seed, int(k), int(e)))
                          for p, m, k, e in zip(pos, n, labels, epoch)], np.int64)
-        return labels.astype(np.int32), recs
+        return recs, seen
 
     def draw(self, prefix: np.ndarray, step: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`n` draws with the schedule's weights at `step`, continuing each source's sequence at `prefix`
@@ -198,16 +203,7 @@ class Mixer:
         counts = np.diff(np.concatenate([[0], edges]))
         labels = np.repeat(np.arange(len(self.sizes)), counts)
         labels = labels[np.random.default_rng([self.seed, step, n, 0x647277]).permutation(n)]
-        rank = np.zeros(n, np.int64)
-        seen = np.zeros(len(self.sizes), np.int64)
-        for slot, k in enumerate(labels):
-            rank[slot] = seen[k]
-            seen[k] += 1
-        draws = prefix[labels] + rank
-        sizes = self.sizes[labels]
-        epoch, pos = draws // sizes, draws % sizes
-        recs = np.array([_position(int(p), int(m), _seed32(self.seed, int(k), int(e)))
-                         for p, m, k, e in zip(pos, sizes, labels, epoch)], np.int64)
+        recs, seen = self._records(labels, prefix)
         return labels.astype(np.int32), recs, prefix + seen
 
     def index(self, i: int) -> tuple[int, int]:
