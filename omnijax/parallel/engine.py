@@ -29,6 +29,7 @@ from omnijax.models.llm import AUX_KEYS, LLM, default_packing, is_moe_layer, zer
 from omnijax.parallel import context, embedding, expert, hosts, pipeline, rules as rules_lib
 from omnijax.parallel.mesh import Layout, make_mesh, parse_layout
 from omnijax.models.losses import masked_cross_entropy
+from omnijax.models.objective import loss_and_grads
 
 _COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 
@@ -325,8 +326,6 @@ class LLMParallel:
     def _manual_loss_and_grads(self, graphdef: Any, rest: Any, loss_fn: Callable, params: Any, batch: dict, *,
                                grad_accum: int = 1, compute_dtype: Any = jnp.float32,
                                aux_weights: dict[str, float] | None = None) -> tuple[jax.Array, Any, dict]:
-        from omnijax.train.step import loss_and_grads
-
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         p_specs = jax.tree.map(lambda v: v.get_value().spec, self.state_shardings(params), is_leaf=is_var)
         p_specs = jax.tree.map(lambda v: v.get_value() if is_var(v) else v, p_specs, is_leaf=is_var)
@@ -367,13 +366,9 @@ class LLMParallel:
         return fn(params, batch, total)
 
     # ------------------------------------------------------------------------------ train step
-    def jit_train_step(self, graphdef: Any, rest: Any, optimizer: Any, state: Any, batch: dict,
-                       **step_kwargs: Any) -> CompileCounter:
-        """The trainer's step (``omnijax.train.step.make_train_step``) with this layout's loss, jitted
+    def jit_train_step(self, step: Callable, state: Any, batch: dict) -> CompileCounter:
+        """A train step (``omnijax.train.step.make_train_step`` with this layout's ``loss_fn``), jitted
         with fixed input/output shardings so every step reuses one compiled program."""
-        from omnijax.train.step import make_train_step
-
-        step = make_train_step(graphdef, rest, self.loss_fn, optimizer, **step_kwargs)
         s_sh = self.state_shardings(state)
         b_sh = {k: v.sharding if isinstance(v, jax.Array) else self.batch_sharding(batch)[k] for k, v in batch.items()}
         return CompileCounter(jax.jit(step, in_shardings=(s_sh, b_sh), out_shardings=(s_sh, None), donate_argnums=0))

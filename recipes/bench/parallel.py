@@ -60,6 +60,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from omnijax.models.llm import LLM
     from omnijax.parallel.engine import LLMParallel, count_collectives
     from omnijax.train.state import init_state
+    from omnijax.train.step import make_train_step
 
     names = [v for v in opts["variants"].split(",") if v]
     for v in names:
@@ -85,7 +86,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         state = par.put_state(init_state(params, optimizer))
         placed = par.put_batch(batch)
-        step = par.jit_train_step(graphdef, rest, optimizer, state, placed)
+        step = par.jit_train_step(make_train_step(graphdef, rest, par.loss_fn, optimizer), state, placed)
         t0 = time.perf_counter()
         state, m = step(state, placed)  # first call: trace + compile + one step
         jax.block_until_ready(m)
