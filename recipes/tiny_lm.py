@@ -42,7 +42,6 @@ def main(argv: list[str]) -> int:
     from omnijax.train.loop import Trainer
     from omnijax.models.losses import lm_loss
     from omnijax.train.metrics import llm_flops_per_token
-    from omnijax.train.step import make_eval_step
 
     if cfg.data.source != "stdlib":
         from omnijax.errors import ConfigError
@@ -69,22 +68,11 @@ def main(argv: list[str]) -> int:
 
     host_rows = (placement or DataParallel()).host_rows
     loader = IndexedLoader(train, cfg.data.batch_size, seed=cfg.trainer.seed, rows=host_rows(cfg.data.batch_size))
-    trainer_ref = {}
+    held_out = [take_rows(b, host_rows(len(b["tokens"]))) for b in eval_batches]  # this host's rows of each
 
-    def evaluate(params) -> dict:
-        t = trainer_ref["t"]
-        eval_step = trainer_ref.setdefault("eval_step", jax.jit(make_eval_step(t.graphdef, t.rest, loss_fn)))
-        total = count = 0.0
-        for b in eval_batches:
-            g = len(b["tokens"])
-            loss_sum, n = eval_step(params, t.placement.put_batch(take_rows(b, host_rows(g)), global_rows=g))
-            total, count = total + float(loss_sum), count + float(n)
-        return {"eval_loss": total / max(count, 1.0)}
-
-    trainer = Trainer(cfg, model, loss_fn, loader, placement=placement, eval_fn=evaluate,
+    trainer = Trainer(cfg, model, loss_fn, loader, placement=placement, eval_data=lambda: held_out,
                       flops_per_token=llm_flops_per_token(cfg.model, cfg.data.seq_len),
                       aux_weights={"moe_aux_loss": 1.0})  # already weighted by model.moe.aux_loss_weight
-    trainer_ref["t"] = trainer
     result = trainer.fit()
     if result.status != "finished":
         return 0

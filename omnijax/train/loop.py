@@ -189,6 +189,8 @@ class Trainer:
             with _Preemption() as preempt:
                 for step in range(start + 1, tcfg.steps + 1):
                     item = next(prefetch)  # read, decoded, planned and on the devices ahead of time
+                    if step == start + 1:
+                        _compile_together(self._step, "train_step", self.state, item.batch)
                     host_batch, self._consumed = item.host_batch, item.loader_state
                     window_wait += prefetch.wait_s
                     window_samples += int(np.asarray(host_batch["segment_ids"]).max(axis=-1).sum())
@@ -282,8 +284,11 @@ class Trainer:
             self._eval_step = jax.jit(make_eval_step(self.graphdef, self.rest, self.loss_fn,
                                                      compute_dtype=jnp.dtype(self.cfg.trainer.compute_dtype)))
         total = count = 0.0
-        for host_batch in self.eval_data():
-            loss_sum, n = self._eval_step(params, self.placement.put_batch(host_batch))
+        for i, host_batch in enumerate(self.eval_data()):
+            batch = self.placement.put_batch(host_batch)
+            if i == 0:
+                _compile_together(self._eval_step, "eval_step", params, batch)
+            loss_sum, n = self._eval_step(params, batch)
             total, count = total + float(loss_sum), count + float(n)
         if count == 0:
             raise UserError("the held-out data (data.eval_sources) produced no loss tokens: check that its records "
@@ -297,6 +302,25 @@ class Trainer:
                 f"{in_row} non-finite losses/gradients in a row up to step {step}: updates were skipped; "
                 "lower optimizer.lr, enable optimizer.grad_clip, or check the data "
                 f"(trainer.max_nonfinite_in_row={self.cfg.trainer.max_nonfinite_in_row})")
+
+
+_BARRIERS = iter(range(1 << 62))
+
+
+def _compile_together(jitted: Callable, name: str, *args: Any) -> None:
+    """Across processes: compile ahead of time, then wait for every process before the first collective.
+
+    Compiling can take one process much longer than another on a loaded host; the CPU collectives (gloo)
+    give up connecting after ~30 s, so the wait happens on the coordination service instead (no-op
+    in one process; a second call of the same program hits the compilation cache)."""
+    if jax.process_count() == 1:
+        return
+    jitted.lower(*args).compile()
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is not None:
+        client.wait_at_barrier(f"omnijax_{name}_{next(_BARRIERS)}", 3_600_000)
 
 
 def _progress(total: int, start: int, enabled: bool):
