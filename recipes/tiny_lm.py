@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     from omnijax.models.llm import LLM
     from omnijax.train.loop import Trainer
     from omnijax.models.losses import lm_loss
-    from omnijax.train.metrics import llm_flops_per_token
+    from omnijax.train.metrics import FlopCounter
 
     if cfg.data.source != "stdlib":
         from omnijax.errors import ConfigError
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     held_out = [take_rows(b, host_rows(len(b["tokens"]))) for b in eval_batches]  # this host's rows of each
 
     trainer = Trainer(cfg, model, loss_fn, loader, placement=placement, eval_data=lambda: held_out,
-                      flops_per_token=llm_flops_per_token(cfg.model, cfg.data.seq_len),
+                      step_flops=FlopCounter.for_model(cfg.model, {}, {}, {}),
                       aux_weights={"moe_aux_loss": 1.0})  # already weighted by model.moe.aux_loss_weight
     result = trainer.fit()
     if result.status != "finished":

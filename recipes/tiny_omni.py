@@ -69,6 +69,9 @@ def check(cfg: OmniConfig) -> OmniConfig:
                           f"(or auto)")
     if cfg.loader == "packer" and d.mix is not None:
         raise ConfigError("data.mix needs loader=plane (or auto) and several data.sources")
+    if d.sources and WORLD not in d.sources and cfg.eval != EvalConfig():
+        raise ConfigError("eval.* scores decoded answers to the built-in world's questions, which this run does "
+                          "not train on (data.sources has no 'world'); use data.eval_sources for a held-out loss")
     if cfg.tokenizer.path and not any(p != WORLD for p in d.sources + d.eval_sources):
         raise ConfigError(f"tokenizer.path={cfg.tokenizer.path}: the built-in world is byte-level; a tokenizer is "
                           "for data.sources converted with it")
@@ -282,7 +285,6 @@ class GreedyDecoder:
         """Decoded answer text per prompt (None: the prompt does not fit and was skipped).
 
         zero_encoders=True replaces every encoder output by zeros (the ablation of eval.json)."""
-        import jax.numpy as jnp
 
         B, L = self.packer.B, self.packer.L
         out: list[str | None] = [None] * len(prompts)
@@ -409,7 +411,7 @@ def source_specs(key: str, paths: list[str], split: str) -> list:
     return specs
 
 
-def plane_config(cfg: OmniConfig, sources: list, mix, seed: int, samples_per_step: int = 0):
+def plane_config(cfg: OmniConfig, sources: list, mix, seed: int):
     """The data plane's config for this recipe: one dp rank per device, fixed shapes (one program).
 
     Each window draws 4 samples per row (more than fit: the packer picks, the rest wait for the next window)."""
@@ -421,7 +423,7 @@ def plane_config(cfg: OmniConfig, sources: list, mix, seed: int, samples_per_ste
     if cfg.data.batch_size % ranks or any(c % ranks for c in cfg.capacity.values()):
         raise ConfigError(f"data.batch_size={cfg.data.batch_size} and capacity {cfg.capacity} must split over "
                           f"{ranks} data-parallel ranks (one per device)")
-    return LoaderConfig(sources=sources, mix=mix, samples_per_step=samples_per_step or 4 * cfg.data.batch_size,
+    return LoaderConfig(sources=sources, mix=mix, samples_per_step=4 * cfg.data.batch_size,
                         dp=ranks, microbatches=1,
                         window=4, row_len=cfg.data.seq_len, max_rows=cfg.data.batch_size // ranks, fixed_shapes=True,
                         max_encoder_rows={k: v // ranks for k, v in cfg.capacity.items()}, seed=seed)
@@ -437,13 +439,12 @@ def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix
 
     specs = source_specs(key, paths, split)
     sources = open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media)
-    per_step = 0
+    plane = plane_config(cfg, specs, mix, seed)
     if steps:
-        window = plane_config(cfg, specs, mix, seed).window
-        per_step = max(1, min(4 * cfg.data.batch_size,
-                              sum(len(s) for s in sources) // (window * -(-steps // window))))
-    return Loader(plane_config(cfg, specs, mix, seed, per_step), mm_cfg=cfg.model, world_cfg=cfg.world,
-                  sources=sources, tokenizer=tok)
+        windows = -(-steps // plane.window)
+        plane.samples_per_step = max(1, min(plane.samples_per_step,
+                                            sum(len(s) for s in sources) // (plane.window * windows)))
+    return Loader(plane, mm_cfg=cfg.model, world_cfg=cfg.world, sources=sources, tokenizer=tok)
 
 
 def loader_kind(cfg: OmniConfig) -> str:
@@ -494,7 +495,7 @@ def multiplexed(cfg: OmniConfig):
 
 
 def main(argv: list[str], name: str = "tiny_omni") -> int:
-    from recipes.common import CONFIGS, setup_devices
+    from recipes.common import setup_devices
 
     setup_devices(argv)
     cfg = load(argv, name)
@@ -555,7 +556,6 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     trainer_ref: dict[str, Any] = {}
 
     def evaluate(params) -> dict:
-        t = trainer_ref["t"]
         dec = trainer_ref.setdefault("dec", GreedyDecoder(eval_graph, eval_rest, eval_packer, cfg.eval.max_new_tokens))
         params = single_device(params)
         acc, per_q = accuracy_by_modality(dec, params, items, examples=trainer_ref.setdefault("examples", {}))

@@ -83,6 +83,8 @@ def test_config_errors_name_the_path(dataset, tmp_path):
         tiny_omni.load([f"data.eval_sources=[{tmp_path}/*.arrayrecord]"])
     with pytest.raises(ConfigError, match="byte-level"):
         tiny_omni.load([f"tokenizer.path={dataset['tokenizer']}"])
+    with pytest.raises(ConfigError, match="eval_sources"):  # eval.* would be read by nobody here
+        tiny_omni.load([f"data.sources=[{dataset['root'] / 'shards' / 'train'}]", "eval.items=10"])
 
 
 def test_shards_of_another_tokenizer_are_refused(dataset, monkeypatch, tmp_path):

@@ -79,7 +79,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, loader: Loader, *,
                  placement: Any | None = None, eval_fn: Callable[[Any], dict] | None = None,
-                 flops_per_token: float | None = None, aux_weights: dict[str, float] | None = None,
+                 aux_weights: dict[str, float] | None = None,
                  hooks: tuple[Callable, ...] = (), run_dir: Path | None = None,
                  eval_data: Callable[[], Any] | None = None, step_flops: Callable[[dict], float] | None = None):
         self.cfg = cfg
@@ -93,7 +93,6 @@ class Trainer:
         self.hooks = hooks
         self.placement = placement or DataParallel()
         self.run_dir = run_dir or runs_root() / cfg.trainer.run_name
-        self.flops_per_token = flops_per_token
         self.optimizer = make_optimizer(cfg.optimizer, cfg.trainer.steps)
         self.lr_schedule = learning_rate_schedule(cfg.optimizer, cfg.trainer.steps)
         state = self._initial_state(model)
@@ -212,8 +211,7 @@ class Trainer:
                         tok_s = total_tokens / max(elapsed, 1e-9)
                         # this host's share of the global batch (1 where every host holds it all)
                         share = window_tokens / max(total_tokens, 1.0)
-                        flops_s = (window_flops / max(share, 1e-9) / max(elapsed, 1e-9) if self.step_flops
-                                   else tok_s * (self.flops_per_token or 0.0))
+                        flops_s = window_flops / max(share, 1e-9) / max(elapsed, 1e-9)
                         row = {
                             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                             "lr": float(self.lr_schedule(step - 1)),
