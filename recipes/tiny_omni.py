@@ -481,9 +481,14 @@ def held_out_batches(cfg: OmniConfig, tok=None):
 
 
 def multiplexed(cfg: OmniConfig):
-    """The joint-step placement for `parallel.llm`/`parallel.encoder` layouts (None: plain DP)."""
+    """The joint-step placement for `parallel.llm`/`parallel.encoder` layouts (None: plain DP on one process).
+
+    Several processes always take the joint step (all devices on dp/edp when no layout is named): its
+    placement is fed the global batch every host plans identically, where plain DP expects host rows."""
+    import jax
+
     p = cfg.parallel
-    if not (p.llm or p.encoder):
+    if not (p.llm or p.encoder) and jax.process_count() == 1:
         return None
     from omnijax.parallel.engine import LLMParallel
     from omnijax.parallel.multiplex import Multiplexer
