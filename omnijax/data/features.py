@@ -118,6 +118,18 @@ def log_mel(wave: np.ndarray, sample_rate: int = 16000, n_mels: int = 32, n_fft:
     return feats
 
 
+def segment_positions(modality: str, shape: tuple[int, ...], cfg: Any) -> np.ndarray:
+    """Positions [n, 3] of a segment's encoder input rows from its shape alone (equal to what
+    `segment_inputs` returns with the decoded rows): the plan lays buffers out before any decoding."""
+    enc = _encoder_cfg(modality, cfg)
+    if modality in ("image", "video"):
+        return patch_positions(vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side), enc.merge)
+    rows, _ = encoder_tokens(modality, shape, enc)
+    pos = np.zeros((rows, 3), np.int32)
+    pos[:, 0] = np.arange(rows)
+    return pos
+
+
 def segment_inputs(modality: str, data: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
     """Encoder input rows [n, D] and positions [n, 3] of one non-text segment (the packer's payload)."""
     enc = _encoder_cfg(modality, cfg)

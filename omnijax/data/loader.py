@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from omnijax.data import balance, packing
+from omnijax.data import tokenizer as tokenizer_mod
 from omnijax.data.cost import CostModel, sample_cost
 from omnijax.data.mixing import Mixer, schedule_from_config
 from omnijax.data.sample import BadSample, validate_meta
@@ -109,8 +110,16 @@ class Loader:
 
     def __init__(self, cfg: LoaderConfig, mm_cfg: Any = None, ranks: list[int] | None = None,
                  cost_model: CostModel | None = None, world_cfg: Any = None, sources: list[Source] | None = None,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, lazy_media: bool = False, text_ranks: list[int] | None = None):
+        """lazy_media: encoder inputs come as `payload.LazyRows`, decoded only where a slice asks (the
+        multiplexer slices the segments this host's devices encode). text_ranks: the ranks whose token
+        rows this host reads (the rows its devices hold); the other ranks' rows are laid out from
+        metadata only (needs lazy_media). None: every rank in `ranks`."""
         self.cfg = cfg.check()
+        self.lazy_media = bool(lazy_media)
+        self.text_ranks = None if text_ranks is None else {int(r) for r in text_ranks}
+        if self.text_ranks is not None and not self.lazy_media:
+            raise ConfigError("Loader(text_ranks=...) lays rows out from metadata and needs lazy_media=True")
         self.tokenizer = tokenizer  # None: byte-level ids (the built-in world); else placeholders/pad/vocab from it
         self.mm_cfg = mm_cfg if mm_cfg is not None else default_mm_config()
         self.ranks = list(range(cfg.dp)) if ranks is None else sorted(int(r) for r in ranks)
@@ -271,6 +280,40 @@ class Loader:
             log.warning("skipped bad record %s[%d]: %s", source.name, entry.record, exc)
             return None
 
+    def _load_lazy(self, entry: Entry, read_text: bool):
+        """`_load` from metadata: text read only if `read_text`, media decoded later and only if sliced.
+
+        A record whose text cannot be read keeps its layout (every host planned it) with no loss on it."""
+        source = self.sources[entry.source]
+        meta = source.meta(entry.record)
+        placeholder = None if self.tokenizer is None else self.tokenizer.placeholder
+        vocab = tokenizer_mod.VOCAB_SIZE if self.tokenizer is None else self.tokenizer.vocab_size
+
+        def skip(what: str) -> None:
+            with self._lock:
+                self.skipped[source.name] += 1
+
+        text = None
+        if read_text:
+            try:
+                text = source.text(entry.record)
+                if any(np.asarray(t).min(initial=0) < 0 or np.asarray(t).max(initial=0) >= vocab for t in text.values()):
+                    raise BadSample(f"token ids outside [0, {vocab})")
+            except (BadSample, UserError, ValueError, OSError) as exc:
+                skip(str(exc))
+                log.warning("skipped bad record %s[%d]: %s (its rows carry no loss)", source.name, entry.record, exc)
+                text = None
+        fetch = lambda k: source.media(entry.record, k)  # noqa: E731
+        try:
+            flat = packing.flatten_meta(meta, text, fetch, self.mm_cfg, self.specs, placeholder, on_error=skip)
+        except BadSample as exc:  # text lengths disagree with the metadata: lay the sample out blind
+            skip(str(exc))
+            log.warning("skipped bad record %s[%d]: %s (its rows carry no loss)", source.name, entry.record, exc)
+            flat = packing.flatten_meta(meta, None, fetch, self.mm_cfg, self.specs, placeholder, on_error=skip)
+        if entry.piece >= 0:
+            flat = packing.text_piece(flat, entry.piece, self.cfg.row_len)
+        return flat
+
     def host_batch(self, step: int) -> dict[str, Any]:
         """This host's part of global batch `step`: one packed dict per microbatch (local ranks concatenated)."""
         cfg = self.cfg
@@ -283,8 +326,10 @@ class Loader:
             for r in self.ranks:
                 b = (g * cfg.dp + r) * cfg.microbatches + m
                 entries = []
+                read_text = self.text_ranks is None or r in self.text_ranks
                 for key, row in wp.plan.bins[b]:
-                    flat = self._load(wp.entries[key])
+                    flat = (self._load_lazy(wp.entries[key], read_text) if self.lazy_media
+                            else self._load(wp.entries[key]))
                     if flat is not None:
                         entries.append((flat, row))
                 bins.append(entries)

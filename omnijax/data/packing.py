@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from omnijax.data import tokenizer
-from omnijax.data.sample import BadSample, Sample
+from omnijax.data.payload import LazyRows, Payload
+from omnijax.data.sample import BadSample, Sample, SampleMeta
 
 ENCODER_ORDER = ("audio", "vision")
 
@@ -109,7 +110,7 @@ class ShapeCounter:
 class Flat:
     tokens: np.ndarray                  # int32 [n]
     loss: np.ndarray                    # bool [n]: token is a loss target
-    enc: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]  # (encoder, inputs, positions, llm offsets)
+    enc: list[tuple[str, Any, np.ndarray, np.ndarray]]  # (encoder, inputs or Payload, positions, llm offsets)
 
 
 def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec],
@@ -147,6 +148,48 @@ def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec],
                 np.concatenate(loss) if loss else np.zeros(0, bool), enc)
 
 
+def flatten_meta(meta: SampleMeta, text: dict[int, np.ndarray] | None, fetch: Callable[[int], np.ndarray],
+                 mm_cfg: Any, specs: dict[str, EncoderSpec], placeholder: dict[str, int] | None = None,
+                 on_error: Callable[[str], None] | None = None) -> Flat:
+    """`flatten` from metadata: the same token run and buffer layout, with each media segment a `Payload`
+    that `fetch(k)` decodes only if some slice of the packed buffer asks for it.
+
+    `text` holds the token ids of the text segments by position; None lays out the sample's rows from
+    its lengths alone (a row another host trains on: only its geometry matters here)."""
+    placeholder = placeholder or tokenizer.PLACEHOLDER
+    from omnijax.data.features import encoder_tokens, segment_inputs, segment_positions
+    from omnijax.data.payload import Payload
+    from omnijax.data.tokens import modality_configs
+    typed = modality_configs(mm_cfg)
+    toks, loss, enc = [], [], []
+    n = 0
+    where = f"{meta.source}[{meta.index}]"
+    for k, seg in enumerate(meta.segments):
+        if seg.modality == "text":
+            ids = np.zeros(seg.length, np.int32) if text is None else np.asarray(text[k], np.int32)
+            if ids.shape != (seg.length,):
+                raise BadSample(f"{where}: text segment {k} has {ids.size} tokens, its metadata says {seg.length}")
+            toks.append(ids)
+            loss.append(np.full(ids.size, bool(seg.loss) and text is not None))
+            n += ids.size
+            continue
+        name = mm_cfg.modalities.get(seg.modality)
+        if name not in specs:
+            raise BadSample(f"{where}: no encoder for modality {seg.modality!r}")
+        spec, cfg = specs[name], typed[seg.modality]
+        rows, _ = encoder_tokens(seg.modality, seg.shape, cfg)
+        positions = segment_positions(seg.modality, seg.shape, cfg)
+        decode = lambda k=k, m=seg.modality, cfg=cfg: segment_inputs(m, fetch(k), cfg)[0]  # noqa: E731
+        payload = Payload(rows, spec.dim, decode, f"{where} segment {k} ({seg.modality})", on_error)
+        t = rows // spec.group
+        toks.append(np.full(t, placeholder[seg.modality], np.int32))
+        loss.append(np.zeros(t, bool))
+        enc.append((name, payload, positions, np.arange(n, n + t)))
+        n += t
+    return Flat(np.concatenate(toks) if toks else np.zeros(0, np.int32),
+                np.concatenate(loss) if loss else np.zeros(0, bool), enc)
+
+
 def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
     """Piece `piece` (row_len tokens) of a text-only sample that is longer than one row."""
     if flat.enc:
@@ -174,10 +217,12 @@ def pack(bins: list[list[tuple[Flat, int]]], layout: Layout, specs: dict[str, En
     seg_ids = np.zeros((nb * R, L), np.int32)
     positions = np.zeros((nb * R, L), np.int32)
     caps = dict(layout.enc)
+    lazy = any(isinstance(e[1], Payload) for entries in bins for flat, _ in entries for e in flat.enc)
     enc_out = {}
     for name, cap in caps.items():
         spec = specs[name]
-        enc_out[name] = (np.zeros((nb * cap, spec.dim), np.float32), np.zeros(nb * cap, np.int32),
+        buf = LazyRows(nb * cap, spec.dim) if lazy else np.zeros((nb * cap, spec.dim), np.float32)
+        enc_out[name] = (buf, np.zeros(nb * cap, np.int32),
                          np.zeros((nb * cap, 3), np.int32), np.full(nb * cap // spec.group, -1, np.int32))
     enc_seg = {name: 0 for name in caps}
     for b, entries in enumerate(bins):
@@ -200,13 +245,16 @@ def pack(bins: list[list[tuple[Flat, int]]], layout: Layout, specs: dict[str, En
                 if name not in caps:
                     raise BadSample(f"layout has no buffer for encoder {name!r}")
                 cap, g = caps[name], specs[name].group
-                m = x.shape[0]
+                m = x.rows if isinstance(x, Payload) else x.shape[0]
                 if used[name] + m > cap:
                     raise BadSample(f"{name} inputs exceed the bin's capacity of {cap} rows")
                 lo = b * cap + used[name]
                 inputs, eseg, epos, dest = enc_out[name]
                 enc_seg[name] += 1
-                inputs[lo: lo + m] = x
+                if lazy:
+                    inputs.put(lo, x if isinstance(x, Payload) else Payload(m, x.shape[1], lambda x=x: x))
+                else:
+                    inputs[lo: lo + m] = x
                 eseg[lo: lo + m] = enc_seg[name]
                 epos[lo: lo + m] = pos
                 dest[lo // g: (lo + m) // g] = r * L + a + offs

@@ -79,22 +79,32 @@ def read_meta(raw: bytes, source: str = "", index: int = -1) -> SampleMeta:
 
 def decode(raw: bytes, source: str = "", index: int = -1) -> Sample:
     """Sample from record bytes; BadRecord if the bytes are inconsistent. Values are not validated here."""
+    header, _ = _header(raw, f"{source}[{index}]")
+    data = decode_segments(raw, range(len(header["segments"])), source, index)
+    return Sample(tuple(Segment(s["m"], data[k], bool(s["loss"])) for k, s in enumerate(header["segments"])),
+                  source, index)
+
+
+def decode_segments(raw: bytes, which, source: str = "", index: int = -1) -> dict[int, np.ndarray]:
+    """Data of segments `which` only (by position): the others are skipped over, not converted."""
     where = f"{source}[{index}]"
     header, pos = _header(raw, where)
-    segs = []
-    for s in header["segments"]:
+    which = set(int(k) for k in which)
+    out = {}
+    for k, s in enumerate(header["segments"]):
         if s["dtype"] not in _DTYPES or s["m"] not in MODALITIES:
             raise BadRecord(f"{where}: segment with modality {s['m']!r} dtype {s['dtype']!r} is not supported")
         dtype = np.dtype(s["dtype"])
         n = int(np.prod(s["shape"], dtype=np.int64)) * dtype.itemsize
         if pos + n > len(raw):
             raise BadRecord(f"{where}: record truncated ({len(raw)} bytes, header needs {pos + n})")
-        data = np.frombuffer(raw, dtype, count=n // dtype.itemsize, offset=pos).reshape(s["shape"])
-        if s["m"] != "text" and dtype != np.float32:
-            data = data.astype(np.float32) / (255.0 if dtype == np.uint8 else 1.0)
-        segs.append(Segment(s["m"], data, bool(s["loss"])))
+        if k in which:
+            data = np.frombuffer(raw, dtype, count=n // dtype.itemsize, offset=pos).reshape(s["shape"])
+            if s["m"] != "text" and dtype != np.float32:
+                data = data.astype(np.float32) / (255.0 if dtype == np.uint8 else 1.0)
+            out[k] = data
         pos += n
-    return Sample(tuple(segs), source, index)
+    return out
 
 
 # ------------------------------------------------------------------------------ sidecars

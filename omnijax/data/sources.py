@@ -43,6 +43,14 @@ class Source(ABC):
     @abstractmethod
     def get(self, index: int) -> Sample: ...
 
+    def text(self, index: int) -> dict[int, np.ndarray]:
+        """Token ids of the text segments by segment position; sources that can skip the media do."""
+        return {k: s.data for k, s in enumerate(self.get(index).segments) if s.modality == "text"}
+
+    def media(self, index: int, k: int) -> np.ndarray:
+        """Decoded data of segment `k` alone (a host decodes only the segments its devices encode)."""
+        return self.get(index).segments[k].data
+
     def _check(self, index: int) -> int:
         if not 0 <= index < len(self):
             raise IndexError(f"{self.name}: index {index} out of range [0, {len(self)})")
@@ -66,6 +74,9 @@ class WorldSource(Source):
 
     def get(self, index: int) -> Sample:
         return self.world.sample(self._check(index))
+
+    def text(self, index: int) -> dict[int, np.ndarray]:
+        return self.world.text_segments(self._check(index))
 
 
 # ------------------------------------------------------------------------------ arrayrecord
@@ -127,6 +138,16 @@ class ArrayRecordSource(Source):
     def get(self, index: int) -> Sample:
         raw = self.host.data[self.offset + self._check(index)]
         return records.decode(raw, self.name, index)
+
+    def text(self, index: int) -> dict[int, np.ndarray]:
+        meta = self.meta(index)
+        raw = self.host.data[self.offset + index]
+        return records.decode_segments(raw, [k for k, s in enumerate(meta.segments) if s.modality == "text"],
+                                       self.name, index)
+
+    def media(self, index: int, k: int) -> np.ndarray:
+        raw = self.host.data[self.offset + self._check(index)]
+        return records.decode_segments(raw, [k], self.name, index)[k]
 
 
 def _with_origin(meta: SampleMeta, source: str, index: int) -> SampleMeta:
@@ -325,6 +346,23 @@ class JsonlSource(Source):
     def get(self, index: int) -> Sample:
         parts = self._parts(index, lambda p, m: _media_call(media.load_media, p, m, self.media_cfg))
         return Sample(tuple(Segment(m, v, loss) for m, v, loss in parts), self.name, index)
+
+    def text(self, index: int) -> dict[int, np.ndarray]:
+        parts = self._parts(index, lambda p, m: None)  # media files are not opened
+        return {k: v for k, (m, v, _) in enumerate(parts) if m == "text"}
+
+    def media(self, index: int, k: int) -> np.ndarray:
+        calls: list[int] = []
+
+        def load_kth(p, m):  # media parts come in segment order: decode only the one at position k
+            calls.append(0)
+            return _media_call(media.load_media, p, m, self.media_cfg) if len(calls) == target + 1 else None
+
+        kinds = [s.modality for s in self.meta(index).segments]
+        if not 0 <= k < len(kinds) or kinds[k] == "text":
+            raise IndexError(f"{self.name}[{index}]: segment {k} is not a media segment")
+        target = sum(1 for m in kinds[:k] if m != "text")
+        return self._parts(index, load_kth)[k][1]
 
 
 # ---------------------------------------------------------------------------------- opening

@@ -243,6 +243,13 @@ class World:
         segs.append(SegmentMeta("text", (len(s["answer"].encode()) + 1,), True))
         return SampleMeta(tuple(segs), self.name, int(index))
 
+    def text_segments(self, index: int) -> dict[int, np.ndarray]:
+        """Token ids of sample `index`'s text segments by position, without rendering its media."""
+        s = self.spec(index)
+        k = 1 if self._media_shape(s) is None else 2
+        return {0: np.array([tokenizer.BOS], np.int32), k: tokenizer.encode(self._prompt_text(s)),
+                k + 1: tokenizer.encode(s["answer"], eos=True)}
+
     def item(self, index: int) -> WorldItem:
         s = self.spec(index)
         rng = self._rng(index, 1)

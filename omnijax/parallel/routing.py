@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Collection, Literal
 
 import numpy as np
 
@@ -449,8 +449,13 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
                cost_fn: Callable[[str, int], float], *, order: Callable[[int, int], np.ndarray],
                mode: Mode = "balanced", long_short: bool = True, long_factor: float = 1.0,
                min_rows: int = 16, min_route: int = 8, capacities: dict | None = None,
-               first_stage_only: bool = False, growth: float = BUCKET_GROWTH) -> Plan:
+               first_stage_only: bool = False, growth: float = BUCKET_GROWTH,
+               fill_devices: Collection[int] | None = None) -> Plan:
     """Encoder buffers per device and the routing tables of the encoder -> LLM all-to-all.
+
+    `fill_devices`: the devices whose encoder input buffers this host fills (its own); the others'
+    inputs stay zero and their payloads are never read (`batch[<enc>_inputs]` may be a
+    `data.payload.LazyRows` that decodes a segment only when sliced). None: every device.
 
     Arrays (leading axis D = devices): `<enc>_short_{inputs,segment_ids,positions}` [D, Ns, ...],
     `<enc>_long_{...}` [D, Nl, ...], `route_send` [D, D, C] (local output row or the pad row),
@@ -479,12 +484,12 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
         else:
             assignment, source_of = assign(segments, grid, mode, long_short, long_factor), None
         return _materialize(batch, grid, reductions, dims, segments, names, assignment, source_of, pinned,
-                            geometry, long_short, min_rows, min_route, growth)
+                            geometry, long_short, min_rows, min_route, growth, fill_devices)
     try:
         (assignment,), caps = _place_balanced([segments], grid, names, long_short, long_factor, pinned, min_rows,
                                               growth, reductions)
         return _materialize(batch, grid, reductions, dims, segments, names, assignment, None, caps, geometry,
-                            long_short, min_rows, min_route, growth)
+                            long_short, min_rows, min_route, growth, fill_devices)
     except ConfigError:
         if not pinned:
             raise
@@ -498,11 +503,11 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
     if too_small:
         raise ConfigError(f"pinned capacities too small for this batch: {', '.join(f'{k} needs {caps[k]} > {pinned[k]}' for k in too_small)}")
     return _materialize(batch, grid, reductions, dims, segments, names, assignment, None, {**caps, **pinned},
-                        geometry, long_short, min_rows, min_route, growth)
+                        geometry, long_short, min_rows, min_route, growth, fill_devices)
 
 
 def _materialize(batch, grid, reductions, dims, segments, names, assignment, source_of, caps, geometry,
-                 long_short, min_rows, min_route, growth) -> Plan:
+                 long_short, min_rows, min_route, growth, fill_devices=None) -> Plan:
     """Buffers and routing tables of an assignment; capacities not in `caps` are bucketed to the need."""
     D = grid.num_devices
     shard_of, cp_of, local_of, receivers = geometry
@@ -540,8 +545,9 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
     offset = 0
     for n in names:
         r = reductions[n]
-        x = np.asarray(batch[f"{n}_inputs"])
+        x = batch[f"{n}_inputs"]  # sliced per segment: only the filled devices' segments are read
         pos = np.asarray(batch[f"{n}_positions"])
+        fill = set(range(D)) if fill_devices is None else set(int(d) for d in fill_devices)
         for part, rows_of in (("short", seg_rows[n]), ("long", long_rows[n])):
             cap = caps[f"{n}_{part}"]
             inp = np.zeros((D, cap, dims[n]), np.float32)
@@ -553,7 +559,8 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
                     i, lo, hi = (item, 0, segments[item].rows) if part == "short" else item
                     s = segments[i]
                     m = hi - lo
-                    inp[d, used:used + m] = x[s.start + lo:s.start + hi]
+                    if d in fill:
+                        inp[d, used:used + m] = x[s.start + lo:s.start + hi]
                     ppos[d, used:used + m] = pos[s.start + lo:s.start + hi]
                     sid[d, used:used + m] = i + 1  # unique per segment across devices (esp groups gather)
                     for j in range(lo // r, hi // r):
