@@ -429,11 +429,14 @@ def plane_config(cfg: OmniConfig, sources: list, mix, seed: int):
                         max_encoder_rows={k: v // ranks for k, v in cfg.capacity.items()}, seed=seed)
 
 
-def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix, seed: int, steps: int = 0):
+def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix, seed: int, steps: int = 0,
+               placement=None):
     """A data-plane Loader over `paths` (sources opened once, checked against the tokenizer).
 
     steps > 0: the loader will serve only `steps` steps and draws no more than the sources hold, so no
-    record repeats (the held-out set)."""
+    record repeats (the held-out set). With a joint-step `placement`, every host lays the whole step out
+    from metadata but reads only the token rows its devices hold and decodes only the media segments the
+    plan places on its devices."""
     from omnijax.data.loader import Loader
     from omnijax.data.sources import open_sources
 
@@ -444,7 +447,12 @@ def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix
         windows = -(-steps // plane.window)
         plane.samples_per_step = max(1, min(plane.samples_per_step,
                                             sum(len(s) for s in sources) // (plane.window * windows)))
-    return Loader(plane, mm_cfg=cfg.model, world_cfg=cfg.world, sources=sources, tokenizer=tok)
+    if placement is None:
+        return Loader(plane, mm_cfg=cfg.model, world_cfg=cfg.world, sources=sources, tokenizer=tok)
+    rows = plane.max_rows  # bin r holds global rows [r*rows, (r+1)*rows)
+    text_ranks = sorted({int(r) // rows for r in placement.host_rows(cfg.data.batch_size)})
+    return Loader(plane, mm_cfg=cfg.model, world_cfg=cfg.world, sources=sources, tokenizer=tok, lazy_media=True,
+                  text_ranks=text_ranks)
 
 
 def loader_kind(cfg: OmniConfig) -> str:
@@ -453,14 +461,14 @@ def loader_kind(cfg: OmniConfig) -> str:
     return "packer" if cfg.data.sources in ([], [WORLD]) and cfg.data.mix is None else "plane"
 
 
-def make_loader(cfg: OmniConfig, world, packer: Packer, tok=None):
+def make_loader(cfg: OmniConfig, world, packer: Packer, tok=None, placement=None):
     """The training loader (both kinds keep their state in the checkpoint)."""
     if loader_kind(cfg) == "packer":
         return WorldLoader(world, packer)
     from omnijax.data.loader import TrainerBatches
 
     return TrainerBatches(open_plane(cfg, "data.sources", cfg.data.sources or [WORLD], "train", tok, cfg.data.mix,
-                                     cfg.trainer.seed))
+                                     cfg.trainer.seed, placement=placement))
 
 
 def held_out_batches(cfg: OmniConfig, tok=None):
@@ -495,8 +503,9 @@ def multiplexed(cfg: OmniConfig):
 
     engine = LLMParallel(p.llm, cfg.model.llm, rules=p.rules, microbatches=p.microbatches,
                          schedule=p.pipeline_schedule, remat=p.remat)
+    # the data plane balanced its rows over the ranks already (and laid them out per host): not again
     return Multiplexer(engine, cfg.model, encoder_layout=p.encoder, encoder_rules=p.encoder_rules,
-                       interleave=p.interleave_encoders)
+                       interleave=p.interleave_encoders, balance_rows=loader_kind(cfg) != "plane")
 
 
 def main(argv: list[str], name: str = "tiny_omni") -> int:
@@ -528,7 +537,9 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
 
     train_world = World(cfg.world, "train")
     packer = Packer(cfg.model, cfg.data.batch_size, cfg.data.seq_len, cfg.capacity)
-    loader = make_loader(cfg, train_world, packer, tok)  # opens (and checks) the data before the model is built
+    placement = multiplexed(cfg)
+    # opens (and checks) the data before the model is built
+    loader = make_loader(cfg, train_world, packer, tok, placement)
     held_out = held_out_batches(cfg, tok)
     eval_world = World(cfg.world, "eval")
     scale = -(-cfg.eval.batch_size // cfg.data.batch_size)
@@ -543,7 +554,6 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
                                   {k.partition(".")[2]: v for k, v in counts.items() if k.startswith("projector.")})
     # Evaluation decodes with the single-device model; a parallel layout's params are mapped back to it.
     eval_graph, eval_params, eval_rest = nnx.split(model, nnx.Param, ...)
-    placement = multiplexed(cfg)
     train_model, loss_fn = ((build, mm_loss) if placement is None else
                             (lambda: placement.prepare(build()), placement.loss_fn))
 

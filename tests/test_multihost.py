@@ -145,12 +145,30 @@ def test_tiny_lm_two_processes_match_one(tmp_path, layout):
 
 TINY_OMNI = ["model.encoders.vision.num_layers=1", "model.encoders.audio.num_layers=1", "parallel.microbatches=2",
              "parallel.llm=pp2xdp2xtp2", "parallel.encoder=edp4xesp2", "trainer.steps=2", "trainer.log_every=1",
-             "trainer.progress=false", "trainer.checkpoint_every=0", "eval.items=0", "eval.ablation_items=0"]
+             "trainer.progress=false", "trainer.checkpoint_every=0", "eval.items=0", "eval.ablation_items=0",
+             "loader=plane"]
+
+
+def _host_rows(run_dir: Path, process: int) -> list[dict]:
+    name = "metrics.jsonl" if process == 0 else f"host{process}.metrics.jsonl"
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
 
 
 @pytest.mark.slow
 def test_tiny_omni_two_processes_match_one(tmp_path):
-    """Encoder buffers and routing tables index global rows: every host plans the whole step and places
-    the blocks of its own devices. (The slowest test: the multiplexed step compiles per capacity growth.)"""
+    """The decentralized data path: every host plans the whole step from metadata, reads the token rows
+    of its own devices and decodes only the media its devices encode, then places its own blocks.
+    Losses and gradient norms equal one process at every step; each host decodes at most 60% of the
+    step's payload bytes (counted by the loader's lazy buffers), together at least all of them.
+    (The slowest test: the multiplexed step compiles per capacity growth.)"""
     _launch("tiny_omni", TINY_OMNI, tmp_path, "omni", timeout=1800)
-    _assert_same(_metrics(tmp_path / "omni_one"), _metrics(tmp_path / "omni_two"))
+    one, two = _metrics(tmp_path / "omni_one"), _metrics(tmp_path / "omni_two")
+    _assert_same(one, two)
+    for r in one:  # one process holds every device: it decodes the whole step
+        assert r["payload_bytes_decoded"] == r["payload_bytes_step"] > 0
+    per_host = [_host_rows(tmp_path / "omni_two", p) for p in range(2)]
+    for step, (a, b) in enumerate(zip(*per_host), start=1):
+        total = one[step - 1]["payload_bytes_step"]
+        assert a["payload_bytes_step"] == b["payload_bytes_step"] == total
+        assert 0 < a["payload_bytes_decoded"] <= 0.6 * total and 0 < b["payload_bytes_decoded"] <= 0.6 * total
+        assert a["payload_bytes_decoded"] + b["payload_bytes_decoded"] >= total

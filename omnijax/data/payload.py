@@ -117,3 +117,9 @@ def payload_bytes(batch: dict) -> tuple[int, int]:
     """(decoded by this host, the step's total) over every lazy encoder buffer of a packed batch."""
     lazy = [v for v in batch.values() if isinstance(v, LazyRows)]
     return sum(v.decoded_bytes for v in lazy), sum(v.total_bytes for v in lazy)
+
+
+def global_layout(batch: dict) -> bool:
+    """True if the batch holds the whole step's layout (every host's rows, laid out from metadata)
+    rather than only this host's rows: it then carries lazy encoder buffers."""
+    return any(isinstance(v, LazyRows) for v in batch.values())

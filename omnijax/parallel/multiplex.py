@@ -18,8 +18,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from omnijax.data.payload import LazyRows
 from omnijax.errors import ConfigError
-from omnijax.layers import attention as attention_lib
+from omnijax.layers import attention as attention_lib, sequence
 from omnijax.models.mllm import MultimodalModel
 from omnijax.parallel import context, hosts, routing, rules as rules_lib
 from omnijax.parallel.engine import LLMParallel
@@ -92,7 +93,7 @@ def microbatch_views(batch: dict, microbatches: int, encoders: tuple[str, ...]) 
         for m, view in enumerate(views):
             keep = (seg > 0) & (owner == m)
             keep_tok = (dest >= 0) & (tok_owner == m)
-            view[f"{name}_inputs"] = np.asarray(batch[f"{name}_inputs"])
+            view[f"{name}_inputs"] = batch[f"{name}_inputs"]  # possibly lazy: sliced, never copied whole
             view[f"{name}_positions"] = np.asarray(batch[f"{name}_positions"])
             view[f"{name}_segment_ids"] = np.where(keep, seg, 0).astype(seg.dtype)
             view[f"{name}_dest"] = np.where(keep_tok, (dest // L) // M * L + dest % L, -1).astype(np.int32)
@@ -214,7 +215,8 @@ class Multiplexer:
         def build(caps):
             return [routing.build_plan(part, self.grid, self.reductions, self.dims, self.cost_fn,
                                        order=context.balanced_order, mode=self.mode, long_short=self.long_short,
-                                       capacities=caps, first_stage_only=self.interleave) for part in parts]
+                                       capacities=caps, first_stage_only=self.interleave,
+                                       fill_devices=self.local_devices) for part in parts]
 
         try:
             plans = build(self.capacities)
@@ -227,6 +229,22 @@ class Multiplexer:
             plans = build(grown)
         self.capacities = grown
         return plans[0] if not self.interleave else _stack_plans(plans)
+
+    @property
+    def local_devices(self) -> list[int] | None:
+        """Plan device indices (row of every plan array) of this process's devices, in any device order
+        (None without a mesh: a planning-only multiplexer fills every device)."""
+        if getattr(self, "mesh", None) is None:
+            return None
+        if getattr(self, "_local", None) is None:
+            D = self.grid.num_devices
+            index = NamedSharding(self.mesh, P(ALL)).addressable_devices_indices_map((D,))
+            self._local = sorted(int(idx[0].start or 0) for idx in index.values())
+        return self._local
+
+    def host_rows(self, global_rows: int) -> np.ndarray:
+        """The global LLM rows this process's devices hold: the only token rows it needs to read."""
+        return self.engine.host_rows(global_rows)
 
     def parts(self, host_batch: dict) -> list[dict]:
         """What one plan covers: the batch, or (interleaved) each pipeline microbatch of it."""
@@ -271,7 +289,15 @@ class Multiplexer:
         (deterministically, identically) and then places only the blocks its own devices hold, by
         global index (any device order). With `balance_rows`, packed rows are first spread over the
         batch shards by LLM cost (independently of where their encoder work runs)."""
+        lazy = [v for k, v in host_batch.items() if k.endswith("_inputs") and isinstance(v, LazyRows)]
+        if lazy and self.balance_rows:
+            raise ConfigError("a batch laid out from metadata (lazy encoder payloads, rows read per host) cannot "
+                              "have its rows moved again: build the Multiplexer with balance_rows=False (the data "
+                              "plane balanced its rows already)")
         host_batch, plan = self.host_plan(host_batch)
+        if lazy:  # what this host decoded for the step vs what a host that decoded everything would
+            plan.stats["payload_bytes_decoded"] = float(sum(v.decoded_bytes for v in lazy))
+            plan.stats["payload_bytes_step"] = float(sum(v.total_bytes for v in lazy))
         self.last_plan = plan
         out = self.engine.put_global_batch({k: host_batch[k] for k in LLM_KEYS})
         sharding = NamedSharding(self.mesh, P(ALL))
@@ -283,7 +309,8 @@ class Multiplexer:
         """The last step's plan figures for the trainer's log (imbalance, padding, long segments)."""
         if self.last_plan is None:
             return {}
-        keys = ("enc_cost_max_over_mean", "llm_cost_max_over_mean", "padded_fraction", "long_segments")
+        keys = ("enc_cost_max_over_mean", "llm_cost_max_over_mean", "padded_fraction", "long_segments",
+                "payload_bytes_decoded", "payload_bytes_step")
         return {k: float(self.last_plan.stats[k]) for k in keys if k in self.last_plan.stats}
 
     # --------------------------------------------------------------------------- the step
@@ -311,8 +338,8 @@ class Multiplexer:
         return jnp.concatenate(outs, axis=0)
 
     def _run_encoder(self, enc, proj, x, seg, pos, kind: Literal["short", "long"]) -> jax.Array:
-        if kind == "long":
-            with attention_lib.use_attention(ulysses_attention(self.esp_axes)):
+        if kind == "long":  # segments split over the esp group: attention and segment reductions span it
+            with attention_lib.use_attention(ulysses_attention(self.esp_axes)), sequence.use_sequence_group(self.esp_axes):
                 h = enc(x, seg, pos)
         else:
             h = enc(x, seg, pos)

@@ -20,7 +20,10 @@ from omnijax.train import metrics as metrics_lib
 from omnijax.train.checkpoint import Checkpointer, abstract_like
 from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
 from omnijax.train.placement import DataParallel
+from omnijax.data.payload import global_layout
 from omnijax.train.prefetch import Prefetcher
+
+HOST_KEYS = ("payload_bytes_decoded", "payload_bytes_step", "host_wait_s", "skipped_bad_records")
 from omnijax.train.state import TrainState, sharded_init, sharded_opt_init
 from omnijax.train.step import LossFn, make_train_step
 from omnijax.utils import runs_root
@@ -209,8 +212,9 @@ class Trainer:
                         steps_in_window = step - (history[-1]["step"] if history else start)
                         total_tokens = float(np.sum(jax.device_get(global_tokens)))
                         tok_s = total_tokens / max(elapsed, 1e-9)
-                        # this host's share of the global batch (1 where every host holds it all)
-                        share = window_tokens / max(total_tokens, 1.0)
+                        # this host's share of the global batch (1 where every host holds it all, or lays
+                        # the whole step out from metadata: then its FLOPs and samples are already global)
+                        share = 1.0 if global_layout(host_batch) else window_tokens / max(total_tokens, 1.0)
                         flops_s = window_flops / max(share, 1e-9) / max(elapsed, 1e-9)
                         row = {
                             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
@@ -234,6 +238,9 @@ class Trainer:
                         if eval_now:
                             row.update(self.evaluate(self.state.params))
                         writer.write(step, row)
+                        if not is_main:  # per-host figures (payload bytes decoded, waits) of the other hosts
+                            with open(self.run_dir / f"host{jax.process_index()}.metrics.jsonl", "a") as f:
+                                f.write(json.dumps({"step": step, **{k: row[k] for k in HOST_KEYS if k in row}}) + "\n")
                         history.append({"step": step, **row})
                         for hook in self.hooks:
                             hook(self, step, row)
