@@ -7,14 +7,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 from omnijax.config import (Config, DataConfig, MMDataConfig, OptimizerConfig, ParallelConfig, TokenizerConfig,
                             TrainerConfig, build, validate)
-from omnijax.data import features, tokenizer
-from omnijax.data.sample import BadSample, Sample
+from omnijax.data import tokenizer
+from omnijax.data.packing import SamplePacker
+from omnijax.data.sample import Sample
 from omnijax.data.world import WorldConfig
 from omnijax.errors import ConfigError
 from omnijax.mm_config import MMConfig, encoder_configs
@@ -46,9 +47,6 @@ class OmniConfig:
     # encoder name -> input-row capacity of one global batch (multiples of its reduction)
     capacity: dict[str, Any] = field(default_factory=lambda: {"vision": 2048, "audio": 1024})
     eval: EvalConfig = field(default_factory=EvalConfig)
-    # "auto": "packer" for the built-in world alone, "plane" for anything else; "packer": world samples in
-    # index order, first-fit; "plane": omnijax's data plane (mixing, grouped reordering by cost, per-rank packing)
-    loader: str = "auto"
 
 
 def check(cfg: OmniConfig) -> OmniConfig:
@@ -62,13 +60,6 @@ def check(cfg: OmniConfig) -> OmniConfig:
     for key, paths in (("data.sources", d.sources), ("data.eval_sources", d.eval_sources)):
         for path in paths:
             check_source_path(key, path)
-    if cfg.loader not in ("auto", "packer", "plane"):
-        raise ConfigError(f"loader={cfg.loader!r}: must be 'auto', 'packer' or 'plane'")
-    if cfg.loader == "packer" and d.sources not in ([], [WORLD]):
-        raise ConfigError(f"loader=packer reads only the built-in world; data.sources={d.sources} needs loader=plane "
-                          f"(or auto)")
-    if cfg.loader == "packer" and d.mix is not None:
-        raise ConfigError("data.mix needs loader=plane (or auto) and several data.sources")
     if d.sources and WORLD not in d.sources and cfg.eval != EvalConfig():
         raise ConfigError("eval.* scores decoded answers to the built-in world's questions, which this run does "
                           "not train on (data.sources has no 'world'); use data.eval_sources for a held-out loss")
@@ -87,157 +78,8 @@ def check(cfg: OmniConfig) -> OmniConfig:
     return cfg
 
 
-# ------------------------------------------------------------------------------------ packing
-class Packer:
-    """Host-side packing of Samples into the batch layout of brief/DESIGN (fixed capacities).
-
-    Samples go first-fit into B rows of L LLM tokens; their encoder segments go into one buffer per
-    encoder. A sample that can never fit (a segment larger than a capacity) or that fails validation
-    is skipped and counted in `skipped`, never a crash.
-    """
-
-    def __init__(self, mm_cfg: MMConfig, batch_size: int, seq_len: int, capacity: dict[str, int]):
-        self.cfg = mm_cfg
-        self.encs = encoder_configs(mm_cfg)
-        self.modalities = dict(mm_cfg.modalities)
-        self.B, self.L = batch_size, seq_len
-        self.capacity = {name: int(capacity[name]) for name in self.encs}
-        self.reduction = {name: (e.merge * e.merge if hasattr(e, "merge") else e.reduction) for name, e in self.encs.items()}
-        self.skipped: dict[str, int] = {}
-
-    def _skip(self, why: str) -> None:
-        self.skipped[why] = self.skipped.get(why, 0) + 1
-
-    def sizes(self, sample: Sample) -> tuple[int, dict[str, int]] | None:
-        """(LLM tokens, encoder rows per encoder) from metadata, or None (counted) if it can never fit."""
-        try:
-            meta = sample.meta()
-            llm, rows = 0, {}
-            for seg in meta.segments:
-                n_in, n_llm = features.encoder_tokens(seg.modality, seg.shape, self.cfg)
-                llm += n_llm
-                if seg.modality != "text":
-                    name = self.modalities[seg.modality]
-                    rows[name] = rows.get(name, 0) + n_in
-        except BadSample:
-            self._skip("bad_sample")
-            return None
-        for name, n in rows.items():
-            if n > self.capacity[name]:
-                self._skip(f"too_large_for_{name}_capacity")
-                return None
-        if llm > self.L:
-            self._skip("too_long_for_seq_len")
-            return None
-        return llm, rows
-
-    def empty(self) -> dict[str, np.ndarray]:
-        B, L = self.B, self.L
-        batch = {"tokens": np.full((B, L), tokenizer.PAD, np.int32), "targets": np.full((B, L), tokenizer.PAD, np.int32),
-                 "loss_mask": np.zeros((B, L), np.float32), "segment_ids": np.zeros((B, L), np.int32),
-                 "positions": np.zeros((B, L), np.int32)}
-        for name, enc in self.encs.items():
-            cap, dim = self.capacity[name], self._input_dim(name)
-            batch[f"{name}_inputs"] = np.zeros((cap, dim), np.float32)
-            batch[f"{name}_segment_ids"] = np.zeros((cap,), np.int32)
-            batch[f"{name}_positions"] = np.zeros((cap, 3), np.int32)
-            batch[f"{name}_dest"] = np.full((cap // self.reduction[name],), -1, np.int32)
-        return batch
-
-    def _input_dim(self, name: str) -> int:
-        e = self.encs[name]
-        return e.temporal_patch * e.patch * e.patch * 3 if hasattr(e, "patch") else e.n_mels
-
-    def pack(self, samples: Iterable[Sample]) -> tuple[dict[str, np.ndarray], list[int]]:
-        """Pack samples in order until the next one does not fit; returns (batch, packed indices into samples).
-
-        Samples skipped as unfit are reported as packed (consumed) so the caller moves on.
-        """
-        batch = self.empty()
-        row_fill = [0] * self.B
-        row_docs = [0] * self.B
-        enc_fill = {name: 0 for name in self.encs}
-        enc_segs = {name: 0 for name in self.encs}
-        consumed: list[int] = []
-        for k, sample in enumerate(samples):
-            sizes = self.sizes(sample)
-            if sizes is None:
-                consumed.append(k)
-                continue
-            llm, rows = sizes
-            row = next((r for r in range(self.B) if row_fill[r] + llm <= self.L), None)
-            if row is None or any(enc_fill[n] + rows[n] > self.capacity[n] for n in rows):
-                break
-            try:
-                payloads = [(seg, features.segment_inputs(seg.modality, seg.data, self.cfg) if seg.modality != "text" else None)
-                            for seg in sample.validate().segments]
-            except BadSample:
-                self._skip("bad_sample")
-                consumed.append(k)
-                continue
-            row_docs[row] += 1
-            start = pos = row_fill[row]
-            toks, loss = [], []
-            for seg, payload in payloads:
-                if seg.modality == "text":
-                    toks.append(np.asarray(seg.data, np.int32))
-                    loss.append(np.full(len(seg.data), seg.loss, bool))
-                    continue
-                name = self.modalities[seg.modality]
-                x, p = payload
-                r = self.reduction[name]
-                e0 = enc_fill[name]
-                enc_segs[name] += 1
-                batch[f"{name}_inputs"][e0:e0 + len(x)] = x
-                batch[f"{name}_positions"][e0:e0 + len(x)] = p
-                batch[f"{name}_segment_ids"][e0:e0 + len(x)] = enc_segs[name]
-                n_out = len(x) // r
-                flat0 = row * self.L + pos + sum(len(t) for t in toks)
-                batch[f"{name}_dest"][e0 // r:e0 // r + n_out] = flat0 + np.arange(n_out)
-                enc_fill[name] += len(x)
-                toks.append(np.full(n_out, PLACEHOLDER[seg.modality], np.int32))
-                loss.append(np.zeros(n_out, bool))
-            t, m = np.concatenate(toks), np.concatenate(loss)
-            n = len(t)
-            batch["tokens"][row, start:start + n] = t
-            batch["targets"][row, start:start + n - 1] = t[1:]
-            batch["loss_mask"][row, start:start + n - 1] = m[1:]
-            batch["segment_ids"][row, start:start + n] = row_docs[row]
-            batch["positions"][row, start:start + n] = np.arange(n)
-            row_fill[row] += n
-            consumed.append(k)
-        return batch, consumed
-
-
-class WorldLoader:
-    """Trainer loader over the world's train split: packs samples in index order.
-
-    Its state is the next sample index, so resume is exact.
-    """
-
-    def __init__(self, world, packer: Packer, window: int = 96):
-        self.world, self.packer, self.window = world, packer, window
-        self.index = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        samples = (self.world.sample(i) for i in range(self.index, self.index + self.window))  # rendered lazily
-        batch, consumed = self.packer.pack(samples)
-        if not consumed:
-            raise ConfigError("tiny_omni: no sample fits a batch; raise data.seq_len or capacity.*")
-        self.index += len(consumed)
-        return batch
-
-    def get_state(self) -> dict:
-        return {"index": self.index}
-
-    def set_state(self, state: dict) -> None:
-        self.index = int(state["index"])
-
-    def metrics(self) -> dict:
-        return {f"skipped_{k}": v for k, v in self.packer.skipped.items()}
+# ordered first-fit packing of one batch (greedy-decoding prompts; tests build known batches with it)
+Packer = SamplePacker
 
 
 # ----------------------------------------------------------------------------------- decoding
@@ -455,16 +297,9 @@ def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix
                   text_ranks=text_ranks)
 
 
-def loader_kind(cfg: OmniConfig) -> str:
-    if cfg.loader != "auto":
-        return cfg.loader
-    return "packer" if cfg.data.sources in ([], [WORLD]) and cfg.data.mix is None else "plane"
-
-
-def make_loader(cfg: OmniConfig, world, packer: Packer, tok=None, placement=None):
-    """The training loader (both kinds keep their state in the checkpoint)."""
-    if loader_kind(cfg) == "packer":
-        return WorldLoader(world, packer)
+def make_loader(cfg: OmniConfig, tok=None, placement=None):
+    """The training loader: the data plane over `data.sources` (the built-in world by default); its small
+    state (window start, draw counts, deferred samples) goes into the checkpoint."""
     from omnijax.data.loader import TrainerBatches
 
     return TrainerBatches(open_plane(cfg, "data.sources", cfg.data.sources or [WORLD], "train", tok, cfg.data.mix,
@@ -505,7 +340,7 @@ def multiplexed(cfg: OmniConfig):
                          schedule=p.pipeline_schedule, remat=p.remat)
     # the data plane balanced its rows over the ranks already (and laid them out per host): not again
     return Multiplexer(engine, cfg.model, encoder_layout=p.encoder, encoder_rules=p.encoder_rules,
-                       interleave=p.interleave_encoders, balance_rows=loader_kind(cfg) != "plane")
+                       interleave=p.interleave_encoders, balance_rows=False)
 
 
 def main(argv: list[str], name: str = "tiny_omni") -> int:
@@ -536,10 +371,8 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     world_eval = WORLD in (cfg.data.sources or [WORLD])
 
     train_world = World(cfg.world, "train")
-    packer = Packer(cfg.model, cfg.data.batch_size, cfg.data.seq_len, cfg.capacity)
     placement = multiplexed(cfg)
-    # opens (and checks) the data before the model is built
-    loader = make_loader(cfg, train_world, packer, tok, placement)
+    loader = make_loader(cfg, tok, placement)  # opens (and checks) the data before the model is built
     held_out = held_out_batches(cfg, tok)
     eval_world = World(cfg.world, "eval")
     scale = -(-cfg.eval.batch_size // cfg.data.batch_size)
@@ -603,7 +436,8 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
               "zeroed_encoders": trainer_ref.get("zeroed", {}), "ablation_items": cfg.eval.ablation_items,
               "examples": trainer_ref.get("examples", {}),
               "eval_items_per_modality": cfg.eval.items, "steps": cfg.trainer.steps,
-              "wall_s": round(t_total, 1), "skipped": dict(packer.skipped),
+              "wall_s": round(t_total, 1), "data": {k: v for k, v in loader.metrics().items()
+                                                  if k.startswith(("skipped", "dropped", "split"))},
               "tokens": token_report(train_world, 1000, cfg.model)}
     if jax.process_index() == 0:
         (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))

@@ -145,8 +145,7 @@ def test_tiny_lm_two_processes_match_one(tmp_path, layout):
 
 TINY_OMNI = ["model.encoders.vision.num_layers=1", "model.encoders.audio.num_layers=1", "parallel.microbatches=2",
              "parallel.llm=pp2xdp2xtp2", "parallel.encoder=edp4xesp2", "trainer.steps=2", "trainer.log_every=1",
-             "trainer.progress=false", "trainer.checkpoint_every=0", "eval.items=0", "eval.ablation_items=0",
-             "loader=plane"]
+             "trainer.progress=false", "trainer.checkpoint_every=0", "eval.items=0", "eval.ablation_items=0"]
 
 
 def _host_rows(run_dir: Path, process: int) -> list[dict]:

@@ -283,3 +283,86 @@ def concat(packs: list[dict[str, np.ndarray]], layout: Layout) -> dict[str, np.n
         out[f"{name}_segment_ids"] = np.concatenate(segs)
         out[f"{name}_dest"] = np.concatenate(dests)
     return out
+
+
+# ------------------------------------------------------------------------- one batch, in order
+class SamplePacker:
+    """Samples, in the order given, first-fit into one batch of fixed capacities: B rows of L LLM tokens
+    and one buffer per encoder (`capacity`: input rows per encoder for the whole batch).
+
+    For what must keep its order (greedy-decoding prompts, tests that build a known batch); training
+    batches come from the data plane (`data.loader`), which reorders by cost. The same `flatten` and
+    `pack` make both. A sample that can never fit or fails validation is skipped and counted in
+    `skipped`, never a crash."""
+
+    def __init__(self, mm_cfg: Any, batch_size: int, seq_len: int, capacity: dict[str, int],
+                 placeholder: dict[str, int] | None = None, pad: int = tokenizer.PAD):
+        from omnijax.mm_config import encoder_configs
+        self.cfg = mm_cfg
+        self.specs = encoder_specs(mm_cfg)
+        self.encs = encoder_configs(mm_cfg)
+        self.modalities = dict(mm_cfg.modalities)
+        self.B, self.L = int(batch_size), int(seq_len)
+        self.capacity = {name: int(capacity[name]) for name in self.specs}
+        self.reduction = {name: s.group for name, s in self.specs.items()}
+        self.placeholder, self.pad = placeholder, pad
+        self.layout = Layout(self.B, self.L, tuple(sorted(self.capacity.items())))
+        self.skipped: dict[str, int] = {}
+
+    def _skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+    def sizes(self, sample: Sample) -> tuple[int, dict[str, int]] | None:
+        """(LLM tokens, encoder rows per encoder) from metadata, or None (counted) if it can never fit."""
+        from omnijax.mm_config import encoder_tokens
+        try:
+            llm, rows = 0, {}
+            for seg in sample.meta().segments:
+                n_in, n_llm = encoder_tokens(seg.modality, seg.shape, self.cfg)
+                llm += n_llm
+                if seg.modality != "text":
+                    name = self.modalities[seg.modality]
+                    rows[name] = rows.get(name, 0) + n_in
+        except BadSample:
+            self._skip("bad_sample")
+            return None
+        for name, n in rows.items():
+            if n > self.capacity[name]:
+                self._skip(f"too_large_for_{name}_capacity")
+                return None
+        if llm > self.L:
+            self._skip("too_long_for_seq_len")
+            return None
+        return llm, rows
+
+    def empty(self) -> dict[str, np.ndarray]:
+        return pack([[]], self.layout, self.specs, self.pad)
+
+    def pack(self, samples) -> tuple[dict[str, np.ndarray], list[int]]:
+        """Pack in order until the next sample does not fit; returns (batch, indices consumed). Samples
+        skipped as unfit count as consumed, so the caller moves on."""
+        row_fill = [0] * self.B
+        enc_fill = {name: 0 for name in self.specs}
+        entries: list[tuple[Flat, int]] = []
+        consumed: list[int] = []
+        for k, sample in enumerate(samples):
+            sizes = self.sizes(sample)
+            if sizes is None:
+                consumed.append(k)
+                continue
+            llm, rows = sizes
+            row = next((r for r in range(self.B) if row_fill[r] + llm <= self.L), None)
+            if row is None or any(enc_fill[n] + rows[n] > self.capacity[n] for n in rows):
+                break
+            try:
+                flat = flatten(sample.validate(), self.cfg, self.specs, self.placeholder)
+            except BadSample:
+                self._skip("bad_sample")
+                consumed.append(k)
+                continue
+            entries.append((flat, row))
+            row_fill[row] += flat.tokens.size
+            for n, m in rows.items():
+                enc_fill[n] += m
+            consumed.append(k)
+        return pack([entries], self.layout, self.specs, self.pad), consumed
