@@ -41,7 +41,7 @@ PHASES = [{"image": 0.5, "video": 0.2, "audio": 0.2, "text": 0.1},
 
 def _options(overrides: list[str]) -> dict:
     opts = {"steps": 6, "llm": "pp2xdp2xtp2", "encoder": "edp4xesp2", "batch_size": 32, "seq_len": 128,
-            "cpu_devices": 8, "variants": ",".join(VARIANTS), "lookahead": 256, "window": 3,
+            "cpu_devices": 8, "variants": ",".join(VARIANTS), "lookahead": 128, "window": 3,
             "bucket_growth": 1.0625, "interleave": "0"}
     for item in overrides:
         key, _, value = item.partition("=")
@@ -54,92 +54,30 @@ def _options(overrides: list[str]) -> dict:
     return opts
 
 
-def _best_subset(sizes: list[int], room: int) -> list[int]:
-    """Indices of a subset of `sizes` with the largest sum <= room (subset-sum DP; earlier items
-    preferred on ties)."""
-    best = {0: []}  # reachable sum -> the items that reach it (first found)
-    for i, n in enumerate(sizes):
-        for total, items in list(best.items()):
-            if total + n <= room and total + n not in best:
-                best[total + n] = items + [i]
-        if room in best:
-            break
-    return best[max(best)]
+def batches(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 256, devices: int = 8,
+            window: int = 3) -> list[dict]:
+    """`steps` global batches from the data plane, the packer training uses (`omnijax.data.loader`): one
+    world source per mix phase, switched by a step schedule; each window of `window` steps is planned
+    together (grouped reordering by cost over `devices` ranks) from a pool of `lookahead` samples per
+    step; samples that find no room wait for the next window, none is dropped."""
+    from omnijax.data.loader import Loader, LoaderConfig
+    from omnijax.data.sources import SourceSpec, WorldSource
+    from omnijax.data.world import Tail, WorldConfig
 
-
-def pack_lookahead(packer, stream: Iterator, deferred: list, lookahead: int) -> tuple[dict, list]:
-    """One batch, filled row by row from a look-ahead pool of candidate samples (`deferred` first,
-    topped up from `stream` to `lookahead`): each row takes the oldest pending sample, then the
-    subset of the pool that fills the rest of the row best, within the encoder buffers. Samples left
-    in the pool are deferred to the next batch (returned), never dropped; the oldest go first, so none
-    waits forever."""
-    B, L = packer.B, packer.L
-    enc = {n: 0 for n in packer.capacity}
-    pool: list = []  # (sample, llm tokens, encoder rows)
-    pending = list(deferred)
-
-    def top_up():
-        while len(pool) < max(lookahead, 1):
-            sample = pending.pop(0) if pending else next(stream)
-            sizes = packer.sizes(sample)
-            if sizes is not None:  # None: can never fit (Packer counts it in `skipped`)
-                pool.append((sample, *sizes))
-
-    def fits(rows: dict) -> bool:
-        return all(enc[n] + k <= packer.capacity[n] for n, k in rows.items())
-
-    rows_of: list[list] = []
-    for _ in range(B):
-        top_up()
-        row, room = [], L
-        if fits(pool[0][2]):
-            first = pool.pop(0)
-            row.append(first[0])
-            room -= first[1]
-            for n, k in first[2].items():
-                enc[n] += k
-        if lookahead > 1:
-            ok = [j for j, (_, llm, rows) in enumerate(pool) if llm <= room and fits(rows)]
-            while True:
-                pick = [ok[j] for j in _best_subset([pool[j][1] for j in ok], room)]
-                total = {n: sum(pool[j][2].get(n, 0) for j in pick) for n in enc}
-                if fits(total):
-                    break
-                ok.remove(max(pick, key=lambda j: max(pool[j][2].values(), default=0)))  # over an encoder buffer
-            for j in sorted(pick, reverse=True):
-                sample, llm, rows = pool.pop(j)
-                row.insert(1, sample)
-                room -= llm
-                for n, k in rows.items():
-                    enc[n] += k
-        rows_of.append(row)
-    chosen = [x for row in rows_of for x in row]  # row by row: Packer's first fit keeps every one
-    batch, consumed = packer.pack(iter(chosen))
-    if len(consumed) != len(chosen):
-        raise RuntimeError(f"look-ahead packing: Packer took {len(consumed)} of {len(chosen)} chosen samples")
-    return batch, [x[0] for x in pool] + pending
-
-
-def batches(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 64) -> list[dict]:
-    """`steps` packed batches of one sample stream per mix phase (deferred samples go first into the
-    next batch). lookahead=1 packs like the plain Packer: the batch closes at the first misfit."""
-    from omnijax.data.world import Tail, World, WorldConfig
-    from recipes.tiny_omni import Packer
-
+    names = [f"phase{k}" for k in range(len(PHASES))]
+    sources = [WorldSource(name, cfg=WorldConfig(seed=k, weights=PHASES[k], image_side=Tail(16, 64, 1.2),
+                                                 video_side=Tail(16, 32, 1.3), video_frames=Tail(2, 24, 1.1),
+                                                 audio_items=Tail(1, 12, 1.1), text_words=Tail(2, 48, 1.0)))
+               for k, name in enumerate(names)]
+    mix = [{"step": k * steps // len(PHASES), "weights": {n: float(j == k) for j, n in enumerate(names)}}
+           for k in range(len(PHASES))]
     scale = max(1, batch_size // 16)
-    packer = Packer(cfg, batch_size, seq_len, {"vision": 8192 * scale, "audio": 4096 * scale})  # host staging only
-    streams, out, deferred = {}, [], []
-    for step in range(steps):
-        phase = step * len(PHASES) // steps
-        if phase not in streams:
-            world = World(WorldConfig(seed=phase, weights=PHASES[phase],
-                                      image_side=Tail(16, 64, 1.2), video_side=Tail(16, 32, 1.3),
-                                      video_frames=Tail(2, 24, 1.1), audio_items=Tail(1, 12, 1.1),
-                                      text_words=Tail(2, 48, 1.0)))
-            streams[phase] = (world.sample(i) for i in range(10**9))
-        batch, deferred = pack_lookahead(packer, streams[phase], deferred, lookahead)
-        out.append(batch)
-    return out
+    plane = LoaderConfig(sources=[SourceSpec(name=n, kind="world") for n in names], mix=mix,
+                         samples_per_step=max(lookahead, 1), dp=devices, microbatches=1, window=max(window, 1),
+                         row_len=seq_len, max_rows=batch_size // devices, fixed_shapes=True,
+                         max_encoder_rows={"vision": 8192 * scale // devices, "audio": 4096 * scale // devices})
+    loader = Loader(plane, mm_cfg=cfg, sources=sources)
+    return [loader.host_batch(step)["microbatches"][0] for step in range(steps)]
 
 
 def run(overrides: list[str]) -> Iterator[dict]:
@@ -164,7 +102,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     cfg = from_dict(MMConfig, MM)
     steps, w = opts["steps"], max(1, opts["window"])
     t0 = time.perf_counter()
-    host = batches(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"])
+    host = batches(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], opts["cpu_devices"], w)
     pack_s = time.perf_counter() - t0
     windows = [list(range(i, min(i + w, steps))) for i in range(0, steps, w)]
     window_of = {i: k for k, win in enumerate(windows) for i in win}
