@@ -1,0 +1,79 @@
+"""The decentralized data path on one host: a step laid out from metadata equals the decoded one, a host
+reads only its rows' text, and a media segment is decoded only when the plan slices it for a local device."""
+import numpy as np
+import pytest
+
+from omnijax.data.loader import Loader, LoaderConfig
+from omnijax.data.payload import LazyRows, Payload, payload_bytes
+from omnijax.data.sources import SourceSpec
+from omnijax.parallel import routing
+from omnijax.parallel.context import balanced_order
+
+CFG = LoaderConfig(sources=[SourceSpec(name="world", kind="world")], samples_per_step=32, dp=8, microbatches=1,
+                   window=2, row_len=128, max_rows=2, fixed_shapes=True,
+                   max_encoder_rows={"vision": 512, "audio": 256}, seed=3)
+
+
+@pytest.fixture(scope="module")
+def steps():
+    eager, lazy, part = Loader(CFG), Loader(CFG, lazy_media=True), Loader(CFG, lazy_media=True, text_ranks=[2, 5])
+    return [tuple(ld.host_batch(s)["microbatches"][0] for ld in (eager, lazy, part)) for s in range(3)]
+
+
+def test_layout_from_metadata_equals_the_decoded_step(steps):
+    for eager, lazy, part in steps:
+        assert payload_bytes(part) == (0, payload_bytes(lazy)[1])  # nothing decoded before a slice asks
+        for k, v in eager.items():
+            assert np.array_equal(np.asarray(lazy[k]), v), k  # np.asarray decodes everything
+            if k.endswith("_inputs"):
+                assert isinstance(part[k], LazyRows) and part[k].shape == v.shape
+            elif k in ("tokens", "targets", "loss_mask"):  # text of ranks 2 and 5 only (2 rows each)
+                own = np.r_[4:6, 10:12]
+                assert np.array_equal(part[k][own], v[own]), k
+                assert not np.asarray(part["loss_mask"])[np.setdiff1d(np.arange(16), own)].any()
+            else:  # geometry: segment ids, positions, encoder destinations, identical on every host
+                assert np.array_equal(part[k], v), k
+
+
+def test_a_slice_decodes_only_the_segments_it_touches():
+    calls = []
+
+    def seg(i, rows):
+        return Payload(rows, 2, lambda: calls.append(i) or np.full((rows, 2), i, np.float32))
+
+    buf = LazyRows(10, 2)
+    buf.put(0, seg(1, 3))
+    buf.put(4, seg(2, 4))  # row 3 and rows 8.. are padding
+    assert np.array_equal(buf[3:5], [[0, 0], [2, 2]]) and calls == [2]
+    assert buf.decoded_bytes == 4 * 2 * 4 and buf.total_bytes == 7 * 2 * 4
+    assert np.array_equal(np.asarray(buf)[:3], np.ones((3, 2))) and calls == [2, 1]
+    with pytest.raises(ValueError, match="increasing"):
+        buf.put(5, seg(3, 1))
+
+
+def test_bad_payload_becomes_zeros_and_is_counted():
+    errors = []
+    bad = Payload(2, 3, lambda: np.full((2, 3), np.nan, np.float32), "src[7] segment 1 (image)", errors.append)
+    short = Payload(2, 3, lambda: np.ones((1, 3), np.float32), "src[8] segment 1 (image)", errors.append)
+    assert not bad.get().any() and not short.get().any()
+    assert errors == ["src[7] segment 1 (image)", "src[8] segment 1 (image)"]
+
+
+def test_plan_fills_and_decodes_only_the_local_devices(steps):
+    _, lazy, _ = steps[0]
+    grid = routing.DeviceGrid((2, 2, 1, 1, 1, 2), esp=2)  # pp2 x dp2 x tp2, encoders edp4 x esp2
+    red, dims = {"vision": 4, "audio": 4}, {n: lazy[f"{n}_inputs"].shape[1] for n in ("vision", "audio")}
+    cost = lambda name, rows: float(rows)  # noqa: E731
+    full = routing.build_plan({k: np.asarray(v) for k, v in lazy.items()}, grid, red, dims, cost,
+                              order=balanced_order)
+    fresh = Loader(CFG, lazy_media=True).host_batch(0)["microbatches"][0]
+    local = [0, 1, 2, 3]
+    mine = routing.build_plan(fresh, grid, red, dims, cost, order=balanced_order, fill_devices=local)
+    for k, v in full.arrays.items():
+        if k.endswith("_inputs"):
+            assert np.array_equal(mine.arrays[k][local], v[local]), k
+            assert not mine.arrays[k][4:].any(), k
+        else:  # routing tables, segment ids, positions: the same plan on every host
+            assert np.array_equal(mine.arrays[k], v), k
+    decoded, total = payload_bytes(fresh)
+    assert 0 < decoded < total
