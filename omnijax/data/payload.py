@@ -98,6 +98,26 @@ class LazyRows:
                 out[a - lo:b - lo] = p.get()[a - s:b - s]
         return out
 
+    def load(self, ranges, threads: int = 8) -> None:
+        """Decode every segment overlapping the row ranges [(lo, hi), ...] now, `threads` at a time
+        (image and video decoders release the GIL), so the slices that follow only copy."""
+        todo, seen = [], set()
+        for lo, hi in ranges:
+            i = max(int(np.searchsorted(self._starts, lo, side="right")) - 1, 0)
+            for s, p in zip(self._starts[i:], self._pieces[i:]):
+                if s >= hi:
+                    break
+                if s + p.rows > lo and not p.decoded and id(p) not in seen:
+                    seen.add(id(p))
+                    todo.append(p)
+        if len(todo) > 1 and threads > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(min(threads, len(todo))) as pool:
+                list(pool.map(Payload.get, todo))
+        else:
+            for p in todo:
+                p.get()
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = self[0:self.shape[0]]
         return out if dtype is None else out.astype(dtype)

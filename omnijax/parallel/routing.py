@@ -548,6 +548,11 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
         x = batch[f"{n}_inputs"]  # sliced per segment: only the filled devices' segments are read
         pos = np.asarray(batch[f"{n}_positions"])
         fill = set(range(D)) if fill_devices is None else set(int(d) for d in fill_devices)
+        if hasattr(x, "load"):  # lazy payloads: decode this host's segments together, in parallel
+            spans = [(segments[i].start + lo, segments[i].start + hi) for rows_of in (seg_rows[n], long_rows[n])
+                     for d in sorted(fill) for item in rows_of[d]
+                     for i, lo, hi in [(item, 0, segments[item].rows) if isinstance(item, (int, np.integer)) else item]]
+            x.load(spans)
         for part, rows_of in (("short", seg_rows[n]), ("long", long_rows[n])):
             cap = caps[f"{n}_{part}"]
             inp = np.zeros((D, cap, dims[n]), np.float32)
