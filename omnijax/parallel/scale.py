@@ -11,9 +11,12 @@ Planning (`plan_step_hosts`, the plan one host makes for one step, from metadata
     L1 the group's samples -> its batch shards' rows and microbatches (`omnijax.data.balance.plan_step`);
     L2 rows -> batch shards by LLM cost (`routing.shard_rows`, `balance_rows`' greedy);
     L3 the host's segments -> its 8 devices with long-short SP (`routing.place_segments`,
-       `build_plan`'s placement: capacity search, esp groups inside the host).
-On one host (8 devices) G1/G2 are the identity and L2/L3 are exactly `balance_rows` / `build_plan`'s
-placement (tests/test_scale.py checks it against the packed-batch planner).
+       `build_plan`'s placement: capacity search, esp groups inside the host), then the second pass
+       `placement_meta.refine_assignment` (local moves, splits and swaps inside the capacities);
+  ahead, per window: the capacities every host fits, grown a bucket where balance needs room and
+  gains more than the padding costs (`placement_meta.fit_balanced_capacities`).
+On one host (8 devices) G1/G2 are the identity and L2/L3 (without the second pass) are exactly
+`balance_rows` / `build_plan`'s placement (tests/test_scale.py checks it against the packed-batch planner).
 
 Step-time model (`StepModel`): per device, encoder and LLM compute = cost-model FLOPs / (peak ×
 efficiency); the routing all-to-all = its bytes over NVLink (same host) or the network (other hosts);
@@ -33,7 +36,7 @@ import numpy as np
 
 from omnijax.data import balance
 from omnijax.errors import ConfigError
-from omnijax.parallel import routing
+from omnijax.parallel import placement_meta, routing
 
 # ---------------------------------------------------------------------------------- hardware
 @dataclass(frozen=True)
@@ -225,6 +228,12 @@ class Costs:
         n = rows // self.reductions[name] if name == "audio" else rows
         return float(a * n + b * n * n)
 
+    def padding_cost(self, name: str, rows: int) -> float:
+        """Cost of `rows` buffer rows that hold nothing: the per-row (linear) work, which a fixed-size
+        buffer spends whether a row is real or not (masked attention skips the rest)."""
+        a, _ = self.encoders[name]
+        return float(a * rows / (self.reductions[name] if name == "audio" else 1))
+
     def encoder_cost(self, enc: np.ndarray, rows: np.ndarray) -> np.ndarray:
         out = np.zeros(len(rows))
         for name, (a, b) in self.encoders.items():
@@ -276,7 +285,8 @@ def host_groups(layout: Layout, devices: int) -> tuple[int, int, int]:
 
 
 def plan_step_hosts(meta: StepMeta, layout: Layout, devices: int, costs: Costs, plan_hosts: list[int],
-                    *, fill: float = 0.99, long_factor: float = 1.0, capacities: dict | None = None) -> HostPlan:
+                    *, fill: float = 0.99, long_factor: float = 1.0, capacities: dict | None = None,
+                    refine: bool = True) -> HostPlan:
     """The plan of one step from metadata: G1, G2 (global) and L1-L3 for `plan_hosts` (see module doc).
 
     `capacities` pins the encoder buffers (the window's, as the trainer's `fit_window` does; a host
@@ -344,6 +354,8 @@ def plan_step_hosts(meta: StepMeta, layout: Layout, devices: int, costs: Costs, 
                 a, c = routing.place_segments(segs, hg, costs.reductions, capacities=pins, **kw)
             except ConfigError:   # this host outgrew the window's capacities: its own search
                 a, c = routing.place_segments(segs, hg, costs.reductions, **kw)
+            if refine:   # the second pass: local moves inside the capacities (`placement_meta`)
+                a = placement_meta.refine_assignment(a, segs, hg, c, splittable=hg.esp > 1)
             device_enc[h], caps[h] = a.device_cost, c
         local[h] += time.perf_counter() - t0
         sec["L3_place_segments"] += time.perf_counter() - t0
@@ -352,10 +364,11 @@ def plan_step_hosts(meta: StepMeta, layout: Layout, devices: int, costs: Costs, 
 
 
 def hosts_to_plan(host_load: np.ndarray, groups: int, group_load: np.ndarray, top: int = 24,
-                  random: int = 8, seed: int = 0) -> list[int]:
+                  random: int = 8, seed: int = 0, heavy: np.ndarray | None = None) -> list[int]:
     """Hosts whose local plans decide the figures: all of them up to 128 hosts; beyond, the most
-    loaded by encoder cost, those of the most loaded groups, and a few random ones (the max over
-    devices lies on a heavily loaded host; the mean is known exactly from the totals)."""
+    loaded by encoder cost, those of the most loaded groups, the hosts of the `heavy` segments (the
+    costliest: they set the max where they cannot be split finely enough), and a few random ones (the
+    max over devices lies on such a host; the mean is known exactly from the totals)."""
     H = len(host_load)
     if H <= 128:
         return list(range(H))
@@ -363,6 +376,8 @@ def hosts_to_plan(host_load: np.ndarray, groups: int, group_load: np.ndarray, to
     pick = set(np.argsort(-host_load, kind="stable")[:top].tolist())
     for g in np.argsort(-group_load, kind="stable")[:top // 2].tolist():
         pick.update(g + s * groups for s in range(pp))
+    if heavy is not None:
+        pick.update(np.asarray(heavy).tolist())
     pick.update(np.random.default_rng(seed).choice(H, random, replace=False).tolist())
     return sorted(int(h) for h in pick)
 
@@ -530,7 +545,7 @@ def global_lpt_phases(meta: StepMeta, layout: Layout, devices: int, costs: Costs
 def evaluate(meta: StepMeta, hp: HostPlan, layout: Layout, devices: int, costs: Costs, model: StepModel,
              enc_fraction: float) -> dict:
     """omnijax's figures for one planned step and the modeled step time of every variant on it."""
-    lay, hw = layout, model.hw
+    lay = layout
     hosts, groups, per_group = host_groups(layout, devices)
     shards = layout.shards(devices)
     rows_per_shard = int(round(layout.rows_per_device * devices / shards))
@@ -577,8 +592,11 @@ def evaluate(meta: StepMeta, hp: HostPlan, layout: Layout, devices: int, costs: 
     steps = {"omnijax": omni.step_s(), "coupled": coupled.step_s(), "replicated": replicated.step_s(),
              "disaggregated": disagg.step_s(), "global_lpt": glpt.step_s(),
              "global_lpt_without_greedy": glpt.step_s() - greedy_s}
+    # no placement does better: the costliest segment whole on one device, or over one esp group
+    biggest = float(enc_c[hp.segment_sample].max(initial=0.0)) / max(layout.esp, 1)
     return {
         "enc_cost_max_over_mean": float(dev_enc.max() / enc_mean) if enc_mean > 0 else 1.0,
+        "enc_cost_bound": max(1.0, biggest / enc_mean) if enc_mean > 0 else 1.0,
         "llm_cost_max_over_mean": float(shard_llm.max() / llm_mean) if llm_mean > 0 else 1.0,
         "padded_fraction": 1.0 - (enc_real + llm_real) / max(enc_computed + llm_computed, 1),
         "enc_padded_fraction": 1.0 - enc_real / max(enc_computed, 1),
@@ -597,10 +615,12 @@ def evaluate(meta: StepMeta, hp: HostPlan, layout: Layout, devices: int, costs: 
 
 
 def window_capacities(meta: StepMeta, glob: HostPlan, layout: Layout, costs: Costs, hosts: list[int],
-                      slack: float = 1.0, long_factor: float = 1.0) -> dict:
+                      slack: float = 1.0, long_factor: float = 1.0, balance_target: float | None = None) -> dict:
     """Encoder capacities every listed host's segments fit, searched jointly (`routing.fit_segment_capacities`):
     what the trainer's window fit does ahead of the steps (prefetched, not per step). `slack` > 1 adds
-    room (rounded to the reduction) so the cost-balancing placement fits instead of best fit."""
+    room (rounded to the reduction) so the cost-balancing placement fits instead of best fit.
+    `balance_target`: grow buffers, a bucket at a time, while a host's refined placement leaves a device
+    above target × the step's mean device cost (`placement_meta.fit_balanced_capacities`)."""
     hg = layout.host_grid()
     parts = []
     for h in hosts:
@@ -610,7 +630,14 @@ def window_capacities(meta: StepMeta, glob: HostPlan, layout: Layout, costs: Cos
                                                         costs.encoder_fn))
     if not parts:
         return {}
-    caps = routing.fit_segment_capacities(parts, hg, costs.reductions, long_short=hg.esp > 1, long_factor=long_factor)
+    if balance_target is not None:
+        mean = float(glob.host_load.sum()) / (len(glob.host_load) * 8)
+        caps, _ = placement_meta.fit_balanced_capacities(parts, hg, costs.reductions, mean, target=balance_target,
+                                                         long_short=hg.esp > 1, long_factor=long_factor,
+                                                         pad_cost=costs.padding_cost)
+    else:
+        caps = routing.fit_segment_capacities(parts, hg, costs.reductions, long_short=hg.esp > 1,
+                                              long_factor=long_factor)
     red = lambda k: costs.reductions[k.rsplit("_", 1)[0]]  # noqa: E731
     return {k: int(math.ceil(v * slack / red(k)) * red(k)) for k, v in caps.items()}
 
@@ -630,7 +657,8 @@ LAYOUTS = {
 
 
 def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: StepModel, *, steps: int = 3,
-                token_fill: float = 0.95, seed: int = 0, slack: float = 1.0, long_factor: float = 1.0) -> dict:
+                token_fill: float = 0.95, seed: int = 0, slack: float = 1.0, long_factor: float = 1.0,
+                refine: bool = True, balance_target: float | None = 1.05) -> dict:
     """Weak scaling: `steps` steps walking through the mix's phases, each with the per-device work of
     the layout (rows_per_device rows of row_len tokens, `token_fill` of them real); the plan of every
     step as one host makes it, and the modeled step time of every variant on the same batches."""
@@ -638,15 +666,21 @@ def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: Ste
     profile = sample_step(mix, 0, tokens, np.random.default_rng(seed + 999))
     f_enc = disaggregated_fraction(profile, costs, model)
     hosts, groups, _ = host_groups(layout, devices)
-    rows, plan_s, parts = [], [], {}
+    rows, plan_s, parts, window_s = [], [], {}, []
     for k in range(steps):
         meta = sample_step(mix, k * len(mix.phases) // steps, tokens, np.random.default_rng(seed + k))
         glob = plan_step_hosts(meta, layout, devices, costs, [])
         ok = glob.group_of_sample >= 0
         g_load = np.bincount(glob.group_of_sample[ok], weights=costs.llm_cost(meta.llm_tokens[ok]), minlength=groups)
-        pick = hosts_to_plan(glob.host_load, groups, g_load, seed=seed + k)
-        caps = window_capacities(meta, glob, layout, costs, pick, slack, long_factor)  # the window fit, ahead
-        hp = plan_step_hosts(meta, layout, devices, costs, pick, capacities=caps, long_factor=long_factor)
+        seg_c = costs.encoder_cost(meta.encoder[glob.segment_sample], meta.enc_rows[glob.segment_sample])
+        heavy = glob.host_of_segment[np.argsort(-seg_c, kind="stable")[:8]]
+        pick = hosts_to_plan(glob.host_load, groups, g_load, seed=seed + k, heavy=heavy)
+        t0 = time.perf_counter()
+        caps = window_capacities(meta, glob, layout, costs, pick, slack, long_factor,  # the window fit, ahead
+                                 balance_target if refine else None)
+        window_s.append(time.perf_counter() - t0)
+        hp = plan_step_hosts(meta, layout, devices, costs, pick, capacities=caps, long_factor=long_factor,
+                             refine=refine)
         plan_s.append(hp.seconds["host_s"])
         for key, v in hp.seconds.items():
             parts[key] = parts.get(key, 0.0) + v / steps
@@ -655,7 +689,9 @@ def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: Ste
     step = {v: float(np.mean([r["step_s"][v] for r in rows])) for v in rows[0]["step_s"]}
     out = {"variant": layout.name, "devices": devices, "mix": mix.name, "steps": steps,
            "plan_s_per_host": round(max(plan_s), 3),
+           "window_fit_s": round(max(window_s), 3),
            "enc_cost_max_over_mean": round(max(r["enc_cost_max_over_mean"] for r in rows), 3),
+           "enc_cost_bound": round(max(r["enc_cost_bound"] for r in rows), 3),
            "llm_cost_max_over_mean": round(max(r["llm_cost_max_over_mean"] for r in rows), 3),
            "padded_fraction": round(mean("padded_fraction"), 4),
            "inter_host_bytes_fraction": round(mean("inter_host_bytes_fraction"), 3),

@@ -26,7 +26,8 @@ def _options(overrides: list[str]) -> dict:
     opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_esp8",
             "mixes": "image,video,audio_text",
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 3, "cal_batch_size": 32,
-            "plot": "1", "long_factor": 0.25}
+            "plot": "1", "long_factor": 0.25, "refine": "1",
+            "balance_target": 1.05}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.")
@@ -173,8 +174,10 @@ def run(overrides: list[str]) -> Iterator[dict]:
                     raise ConfigError(f"bench scale: mix {mix!r}; known: {', '.join(scale.MIXES)}")
                 t0 = time.perf_counter()
                 row = scale.scaling_row(layout, devices, scale.MIXES[mix], costs, model, steps=opts["steps"],
-                                        long_factor=opts["long_factor"])
+                                        long_factor=opts["long_factor"], refine=opts["refine"] in ("1", "true"),
+                                        balance_target=opts["balance_target"] or None)
                 row["long_factor"] = opts["long_factor"]
+                row["refine"] = opts["refine"] in ("1", "true")
                 row["bench_s"] = round(time.perf_counter() - t0, 1)
                 rows.append(row)
                 yield row
