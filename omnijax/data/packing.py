@@ -113,39 +113,51 @@ class Flat:
     enc: list[tuple[str, Any, np.ndarray, np.ndarray]]  # (encoder, inputs or Payload, positions, llm offsets)
 
 
+def _assemble(segments, where: str, mm_cfg: Any, specs: dict[str, EncoderSpec], placeholder: dict[str, int] | None,
+              text_of: Callable, media_of: Callable) -> Flat:
+    """The token run of a sample's segments: `text_of(k, seg)` gives a text segment's ids, `media_of(k, seg,
+    spec, cfg)` a media segment's (inputs, positions, rows) — arrays, or a `Payload` decoded later."""
+    placeholder = placeholder or tokenizer.PLACEHOLDER
+    from omnijax.data.tokens import modality_configs
+    typed = modality_configs(mm_cfg)
+    toks, loss, enc = [], [], []
+    n = 0
+    for k, seg in enumerate(segments):
+        if seg.modality == "text":
+            ids, on = text_of(k, seg)
+            toks.append(ids)
+            loss.append(np.full(ids.size, on))
+            n += ids.size
+            continue
+        name = mm_cfg.modalities.get(seg.modality)
+        if name not in specs:
+            raise BadSample(f"{where}: no encoder for modality {seg.modality!r}")
+        spec = specs[name]
+        inputs, positions, rows = media_of(k, seg, spec, typed[seg.modality])
+        if rows % spec.group:
+            raise BadSample(f"{where}: {rows} {name} rows are not a multiple of its grouping {spec.group}")
+        t = rows // spec.group
+        toks.append(np.full(t, placeholder[seg.modality], np.int32))
+        loss.append(np.zeros(t, bool))
+        enc.append((name, inputs, positions, np.arange(n, n + t)))
+        n += t
+    return Flat(np.concatenate(toks) if toks else np.zeros(0, np.int32),
+                np.concatenate(loss) if loss else np.zeros(0, bool), enc)
+
+
 def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec],
             placeholder: dict[str, int] | None = None) -> Flat:
     """One LLM token run for the sample plus the encoder inputs of its media segments.
 
     `placeholder` maps a modality to the tokenizer's placeholder id (default: the byte-level ones)."""
-    placeholder = placeholder or tokenizer.PLACEHOLDER
     from omnijax.data.features import segment_inputs
-    from omnijax.data.tokens import modality_configs
-    typed = modality_configs(mm_cfg)
-    toks, loss, enc = [], [], []
-    n = 0
-    for seg in sample.segments:
-        if seg.modality == "text":
-            ids = np.asarray(seg.data, np.int32)
-            toks.append(ids)
-            loss.append(np.full(ids.size, bool(seg.loss)))
-            n += ids.size
-            continue
-        name = mm_cfg.modalities.get(seg.modality)
-        if name not in specs:
-            raise BadSample(f"{sample.source}[{sample.index}]: no encoder for modality {seg.modality!r}")
-        inputs, positions = segment_inputs(seg.modality, seg.data, typed[seg.modality])
-        spec = specs[name]
-        if inputs.shape[0] % spec.group:
-            raise BadSample(f"{sample.source}[{sample.index}]: {inputs.shape[0]} {name} rows are not a multiple "
-                            f"of its grouping {spec.group}")
-        k = inputs.shape[0] // spec.group
-        toks.append(np.full(k, placeholder[seg.modality], np.int32))
-        loss.append(np.zeros(k, bool))
-        enc.append((name, inputs, positions, np.arange(n, n + k)))
-        n += k
-    return Flat(np.concatenate(toks) if toks else np.zeros(0, np.int32),
-                np.concatenate(loss) if loss else np.zeros(0, bool), enc)
+
+    def media(k, seg, spec, cfg):
+        inputs, positions = segment_inputs(seg.modality, seg.data, cfg)
+        return inputs, positions, inputs.shape[0]
+
+    return _assemble(sample.segments, f"{sample.source}[{sample.index}]", mm_cfg, specs, placeholder,
+                     lambda k, seg: (np.asarray(seg.data, np.int32), bool(seg.loss)), media)
 
 
 def flatten_meta(meta: SampleMeta, text: dict[int, np.ndarray] | None, fetch: Callable[[int], np.ndarray],
@@ -156,38 +168,22 @@ def flatten_meta(meta: SampleMeta, text: dict[int, np.ndarray] | None, fetch: Ca
 
     `text` holds the token ids of the text segments by position; None lays out the sample's rows from
     its lengths alone (a row another host trains on: only its geometry matters here)."""
-    placeholder = placeholder or tokenizer.PLACEHOLDER
     from omnijax.data.features import encoder_tokens, segment_inputs, segment_positions
-    from omnijax.data.payload import Payload
-    from omnijax.data.tokens import modality_configs
-    typed = modality_configs(mm_cfg)
-    toks, loss, enc = [], [], []
-    n = 0
     where = f"{meta.source}[{meta.index}]"
-    for k, seg in enumerate(meta.segments):
-        if seg.modality == "text":
-            ids = np.zeros(seg.length, np.int32) if text is None else np.asarray(text[k], np.int32)
-            if ids.shape != (seg.length,):
-                raise BadSample(f"{where}: text segment {k} has {ids.size} tokens, its metadata says {seg.length}")
-            toks.append(ids)
-            loss.append(np.full(ids.size, bool(seg.loss) and text is not None))
-            n += ids.size
-            continue
-        name = mm_cfg.modalities.get(seg.modality)
-        if name not in specs:
-            raise BadSample(f"{where}: no encoder for modality {seg.modality!r}")
-        spec, cfg = specs[name], typed[seg.modality]
+
+    def text_of(k, seg):
+        ids = np.zeros(seg.length, np.int32) if text is None else np.asarray(text[k], np.int32)
+        if ids.shape != (seg.length,):
+            raise BadSample(f"{where}: text segment {k} has {ids.size} tokens, its metadata says {seg.length}")
+        return ids, bool(seg.loss) and text is not None
+
+    def media(k, seg, spec, cfg):
         rows, _ = encoder_tokens(seg.modality, seg.shape, cfg)
-        positions = segment_positions(seg.modality, seg.shape, cfg)
-        decode = lambda k=k, m=seg.modality, cfg=cfg: segment_inputs(m, fetch(k), cfg)[0]  # noqa: E731
+        decode = lambda: segment_inputs(seg.modality, fetch(k), cfg)[0]  # noqa: E731
         payload = Payload(rows, spec.dim, decode, f"{where} segment {k} ({seg.modality})", on_error)
-        t = rows // spec.group
-        toks.append(np.full(t, placeholder[seg.modality], np.int32))
-        loss.append(np.zeros(t, bool))
-        enc.append((name, payload, positions, np.arange(n, n + t)))
-        n += t
-    return Flat(np.concatenate(toks) if toks else np.zeros(0, np.int32),
-                np.concatenate(loss) if loss else np.zeros(0, bool), enc)
+        return payload, segment_positions(seg.modality, seg.shape, cfg), rows
+
+    return _assemble(meta.segments, where, mm_cfg, specs, placeholder, text_of, media)
 
 
 def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
