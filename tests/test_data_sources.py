@@ -48,12 +48,26 @@ def jsonl(tmp_path):
     return path
 
 
+def _parts_match_get(src, i):
+    """text() and media(k) (what a host reads of a sample it does not wholly own) equal get()'s segments."""
+    s = src.get(i)
+    text_ids = src.text(i)
+    assert sorted(text_ids) == [k for k, seg in enumerate(s.segments) if seg.modality == "text"]
+    for k, seg in enumerate(s.segments):
+        got = text_ids[k] if seg.modality == "text" else src.media(i, k)
+        assert got.dtype == seg.data.dtype and np.array_equal(got, seg.data), (i, k)
+
+
 def test_jsonl_meta_matches_payload_and_bad_lines(jsonl):
     src = sources.JsonlSource("d", str(jsonl))
     assert len(src) == 7
     for i in range(4):
         s = src.get(i).validate()
         assert s.meta() == src.meta(i)
+        _parts_match_get(src, i)
+    assert list(src.text(5)) == [1] and src.text(5)[1].size == 1  # its text reads without its (missing) image
+    with pytest.raises(BadSample, match="not found"):
+        src.media(5, 0)
     assert src.meta(1).modalities == ("text", "image", "text") and src.meta(1).segments[1].shape == (16, 24, 3)
     with pytest.raises(records.BadRecord, match="not valid JSON"):
         src.meta(4)
@@ -74,6 +88,7 @@ def test_convert_to_arrayrecord_and_read_back(jsonl, tmp_path, capsys):
     assert len(ar) == 4
     for i in range(len(ar)):  # metadata from the sidecar equals the decoded payload's
         assert ar.meta(i) == ar.get(i).meta()
+        _parts_match_get(ar, i)
     originals = {records.encode(ref.get(i).with_origin("d", 0)) for i in range(4)}
     assert {records.encode(ar.get(i).with_origin("d", 0)) for i in range(4)} == originals  # payloads intact
 
