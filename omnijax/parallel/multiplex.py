@@ -115,7 +115,7 @@ def _stack_plans(plans: list[routing.Plan]) -> routing.Plan:
             stats[k] = sum(vals)
     real = stats["enc_rows_real"] + stats["llm_tokens_real"]
     stats["padded_fraction"] = 1.0 - real / max(stats["enc_rows_computed"] + stats["llm_tokens_computed"], 1)
-    return routing.Plan(arrays, stats, plans[0].capacities)
+    return routing.Plan(arrays, stats, plans[0].capacities, plans[0].devices)
 
 
 def _encoder_path(path) -> bool:
@@ -301,8 +301,10 @@ class Multiplexer:
         self.last_plan = plan
         out = self.engine.put_global_batch({k: host_batch[k] for k in LLM_KEYS})
         sharding = NamedSharding(self.mesh, P(ALL))
-        for k, v in plan.arrays.items():
-            out[k] = hosts.put_global(sharding, v)
+        D = self.grid.num_devices
+        rows = np.arange(D) if plan.devices is None else np.asarray(plan.devices)
+        for k, v in plan.arrays.items():  # this host's devices' rows only
+            out[k] = hosts.put_host_rows(sharding, v, rows, (D, *v.shape[1:]))
         return out
 
     def metrics(self) -> dict[str, float]:

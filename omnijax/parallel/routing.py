@@ -406,11 +406,16 @@ def _place_balanced(parts: list[list[Segment]], grid: DeviceGrid, names: list[st
 # -------------------------------------------------------------------------------------- plan
 @dataclass
 class Plan:
-    """Per-device arrays (leading axis = device, flattened LLM mesh order) plus statistics."""
+    """Per-device arrays (leading axis = device, flattened LLM mesh order) plus statistics.
+
+    `devices`: the devices the arrays' leading axis holds, in order (None: all of them). A host that
+    plans with `fill_devices` keeps only its own devices' buffers and routing rows, so its memory grows
+    with its own devices, not with the cluster's."""
 
     arrays: dict[str, np.ndarray]
     stats: dict[str, float] = field(default_factory=dict)
     capacities: tuple = ()
+    devices: tuple[int, ...] | None = None
 
 
 BUCKET_GROWTH = 1.25  # geometric bucket steps: at most ~20% padding from rounding, few distinct shapes
@@ -453,9 +458,10 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
                fill_devices: Collection[int] | None = None) -> Plan:
     """Encoder buffers per device and the routing tables of the encoder -> LLM all-to-all.
 
-    `fill_devices`: the devices whose encoder input buffers this host fills (its own); the others'
-    inputs stay zero and their payloads are never read (`batch[<enc>_inputs]` may be a
-    `data.payload.LazyRows` that decodes a segment only when sliced). None: every device.
+    `fill_devices`: the devices whose buffers and routing rows this host builds (its own): the plan's
+    arrays then hold only those (`Plan.devices`), and only their segments' payloads are read
+    (`batch[<enc>_inputs]` may be a `data.payload.LazyRows` that decodes a segment only when sliced).
+    Placement, capacities and statistics stay those of the whole step. None: every device.
 
     Arrays (leading axis D = devices): `<enc>_short_{inputs,segment_ids,positions}` [D, Ns, ...],
     `<enc>_long_{...}` [D, Nl, ...], `route_send` [D, D, C] (local output row or the pad row),
@@ -539,6 +545,9 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
         if need_s > caps[f"{n}_short"] or need_l > caps[f"{n}_long"]:
             raise ConfigError(f"pinned capacity for {n} is too small: needs {need_s} short / {need_l} long rows")
 
+    kept = list(range(D)) if fill_devices is None else sorted({int(d) for d in fill_devices})
+    fill = set(kept)
+    slot = {d: k for k, d in enumerate(kept)}  # device -> its row in this host's arrays
     arrays: dict[str, np.ndarray] = {}
     out_row: dict[tuple[int, int, int], int] = {}  # (segment, token j, device) -> local output row there
     holder: dict[tuple[int, int], int] = {}    # (segment, token j) -> device (decoupled)
@@ -547,7 +556,6 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
         r = reductions[n]
         x = batch[f"{n}_inputs"]  # sliced per segment: only the filled devices' segments are read
         pos = np.asarray(batch[f"{n}_positions"])
-        fill = set(range(D)) if fill_devices is None else set(int(d) for d in fill_devices)
         if hasattr(x, "load"):  # lazy payloads: decode this host's segments together, in parallel
             spans = [(segments[i].start + lo, segments[i].start + hi) for rows_of in (seg_rows[n], long_rows[n])
                      for d in sorted(fill) for item in rows_of[d]
@@ -555,9 +563,9 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
             x.load(spans)
         for part, rows_of in (("short", seg_rows[n]), ("long", long_rows[n])):
             cap = caps[f"{n}_{part}"]
-            inp = np.zeros((D, cap, dims[n]), np.float32)
-            sid = np.zeros((D, cap), np.int32)
-            ppos = np.zeros((D, cap, 3), np.int32)
+            inp = np.zeros((len(kept), cap, dims[n]), np.float32)
+            sid = np.zeros((len(kept), cap), np.int32)
+            ppos = np.zeros((len(kept), cap, 3), np.int32)
             for d in range(D):
                 used = 0
                 for item in rows_of[d]:
@@ -565,9 +573,10 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
                     s = segments[i]
                     m = hi - lo
                     if d in fill:
-                        inp[d, used:used + m] = x[s.start + lo:s.start + hi]
-                    ppos[d, used:used + m] = pos[s.start + lo:s.start + hi]
-                    sid[d, used:used + m] = i + 1  # unique per segment across devices (esp groups gather)
+                        k = slot[d]
+                        inp[k, used:used + m] = x[s.start + lo:s.start + hi]
+                        ppos[k, used:used + m] = pos[s.start + lo:s.start + hi]
+                        sid[k, used:used + m] = i + 1  # unique per segment across devices (esp groups gather)
                     for j in range(lo // r, hi // r):
                         out_row[(i, j, d)] = offset + used // r + (j - lo // r)
                         holder.setdefault((i, j), d)
@@ -592,16 +601,18 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
     if need > C:
         raise ConfigError(f"pinned route capacity {C} is too small: a device pair exchanges {need} tokens")
     drop = (B // grid.batch_shards) * (L // grid.size("cp"))
-    send = np.full((D, D, C), pad_row, np.int32)
-    recv = np.full((D, D, C), drop, np.int32)
+    send = np.full((len(kept), D, C), pad_row, np.int32)
+    recv = np.full((len(kept), D, C), drop, np.int32)
     for (src, dst), items in sorted(pairs.items()):
         rows = np.array(items, np.int64)
-        send[src, dst, :len(items)] = rows[:, 0]
-        recv[dst, src, :len(items)] = rows[:, 1]
+        if src in fill:
+            send[slot[src], dst, :len(items)] = rows[:, 0]
+        if dst in fill:
+            recv[slot[dst], src, :len(items)] = rows[:, 1]
     arrays["route_send"], arrays["route_recv"] = send, recv
 
     stats = _stats(segments, assignment, grid, caps, names, reductions, batch, pairs)
-    return Plan(arrays, stats, tuple(sorted(caps.items())))
+    return Plan(arrays, stats, tuple(sorted(caps.items())), None if fill_devices is None else tuple(kept))
 
 
 def _coupled(segments: list[Segment], grid: DeviceGrid, shard_of: np.ndarray):
