@@ -549,8 +549,9 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
     fill = set(kept)
     slot = {d: k for k, d in enumerate(kept)}  # device -> its row in this host's arrays
     arrays: dict[str, np.ndarray] = {}
-    out_row: dict[tuple[int, int, int], int] = {}  # (segment, token j, device) -> local output row there
-    holder: dict[tuple[int, int], int] = {}    # (segment, token j) -> device (decoupled)
+    out_row: dict[tuple[int, int, int], int] = {}  # (segment, token j, device) -> output row there (replicated)
+    hold_dev = [np.full(s.tokens, -1, np.int64) for s in segments]  # token j of segment i: first device holding it
+    hold_row = [np.full(s.tokens, -1, np.int64) for s in segments]  # ... and its output row on that device
     offset = 0
     for n in names:
         r = reductions[n]
@@ -577,9 +578,13 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
                         inp[k, used:used + m] = x[s.start + lo:s.start + hi]
                         ppos[k, used:used + m] = pos[s.start + lo:s.start + hi]
                         sid[k, used:used + m] = i + 1  # unique per segment across devices (esp groups gather)
-                    for j in range(lo // r, hi // r):
-                        out_row[(i, j, d)] = offset + used // r + (j - lo // r)
-                        holder.setdefault((i, j), d)
+                    j0, j1, row0 = lo // r, hi // r, offset + used // r
+                    if source_of is not None:  # replicated placements pick a source per destination
+                        for j in range(j0, j1):
+                            out_row[(i, j, d)] = row0 + (j - j0)
+                    free = hold_dev[i][j0:j1] < 0
+                    hold_dev[i][j0:j1][free] = d
+                    hold_row[i][j0:j1][free] = (row0 + np.arange(j1 - j0))[free]
                     used += m
             arrays[f"{n}_{part}_inputs"], arrays[f"{n}_{part}_segment_ids"] = inp, sid
             arrays[f"{n}_{part}_positions"] = ppos
@@ -587,32 +592,66 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
     pad_row = offset  # the executor appends one zero row after all outputs
 
     # --- routing: every output token to every replica holding its LLM position
-    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for i, s in enumerate(segments):
-        for j, f in enumerate(s.dests):
-            if f < 0:
-                continue
-            blk = (int(shard_of[f]), int(cp_of[f]))
-            for dst in receivers[blk]:
-                src = holder[(i, j)] if source_of is None else source_of(i, int(dst))
-                pairs.setdefault((src, int(dst)), []).append((out_row[(i, j, src)], int(local_of[f])))
-    need = max((len(v) for v in pairs.values()), default=0)
+    drop = (B // grid.batch_shards) * (L // grid.size("cp"))
+    if source_of is None:
+        src, dst, out, to = _route_pairs(segments, hold_dev, hold_row, receivers, shard_of, cp_of, local_of)
+    else:
+        items = []
+        for i, s in enumerate(segments):
+            for j, f in enumerate(s.dests):
+                if f < 0:
+                    continue
+                for d in receivers[(int(shard_of[f]), int(cp_of[f]))]:
+                    a = source_of(i, int(d))
+                    items.append((a, int(d), out_row[(i, j, a)], int(local_of[f])))
+        src, dst, out, to = (np.array(c, np.int64) for c in zip(*items)) if items else [np.zeros(0, np.int64)] * 4
+    key = src * D + dst
+    order = np.argsort(key, kind="stable")  # a pair's tokens keep their (segment, token) order
+    key, src, dst, out, to = key[order], src[order], dst[order], out[order], to[order]
+    first = np.searchsorted(key, key, side="left")
+    slot_in_pair = np.arange(key.size) - first
+    pair_keys = np.unique(key)
+    need = int(slot_in_pair.max()) + 1 if key.size else 0
     C = caps.setdefault("route", _bucket(max(need, 1), 1, min_route))
     if need > C:
         raise ConfigError(f"pinned route capacity {C} is too small: a device pair exchanges {need} tokens")
-    drop = (B // grid.batch_shards) * (L // grid.size("cp"))
     send = np.full((len(kept), D, C), pad_row, np.int32)
     recv = np.full((len(kept), D, C), drop, np.int32)
-    for (src, dst), items in sorted(pairs.items()):
-        rows = np.array(items, np.int64)
-        if src in fill:
-            send[slot[src], dst, :len(items)] = rows[:, 0]
-        if dst in fill:
-            recv[slot[dst], src, :len(items)] = rows[:, 1]
+    here = np.array([d in fill for d in range(D)])
+    s_ok, d_ok = here[src], here[dst]
+    rank = np.full(D, -1, np.int64)
+    rank[kept] = np.arange(len(kept))
+    send[rank[src[s_ok]], dst[s_ok], slot_in_pair[s_ok]] = out[s_ok]
+    recv[rank[dst[d_ok]], src[d_ok], slot_in_pair[d_ok]] = to[d_ok]
     arrays["route_send"], arrays["route_recv"] = send, recv
+    pairs = pair_keys
 
     stats = _stats(segments, assignment, grid, caps, names, reductions, batch, pairs)
     return Plan(arrays, stats, tuple(sorted(caps.items())), None if fill_devices is None else tuple(kept))
+
+
+def _route_pairs(segments, hold_dev, hold_row, receivers, shard_of, cp_of, local_of):
+    """(source device, destination device, output row at the source, flat LLM index at the destination)
+    of every routed token, in (segment, token, receiver) order, vectorised over tokens."""
+    empty = np.zeros(0, np.int64)
+    if not segments:
+        return empty, empty, empty, empty
+    dests = np.concatenate([s.dests for s in segments])
+    hold = np.concatenate([h[:len(s.dests)] for h, s in zip(hold_dev, segments)])
+    rows = np.concatenate([h[:len(s.dests)] for h, s in zip(hold_row, segments)])
+    ok = dests >= 0
+    dests, hold, rows = dests[ok], hold[ok], rows[ok]
+    blocks = sorted(receivers)
+    width = {len(v) for v in receivers.values()}
+    if len(width) != 1:
+        raise ValueError("every LLM block must have the same number of replicas")
+    (R,) = width
+    table = np.zeros((max(b[0] for b in blocks) + 1, max(b[1] for b in blocks) + 1, R), np.int64)
+    for (sh, c), devs in receivers.items():
+        table[sh, c] = devs
+    to_dev = table[shard_of[dests], cp_of[dests]]                        # [T, R]
+    src = np.repeat(hold, R)
+    return src, to_dev.reshape(-1), np.repeat(rows, R), np.repeat(local_of[dests].astype(np.int64), R)
 
 
 def _coupled(segments: list[Segment], grid: DeviceGrid, shard_of: np.ndarray):
