@@ -225,6 +225,22 @@ def test_refine_splits_segments_that_block_each_other():
     np.testing.assert_allclose(b.device_cost.sum(), cost.sum())
 
 
+def test_refine_splits_two_whole_segments_together():
+    # each whole segment alone does not fit split: its chunks overflow the other one's device (long
+    # buffers of 1,816 rows: 1,448 of chunks + 348 / + 328 whole); split together they free that room
+    grid = routing.DeviceGrid((1, 1, 1, 8, 1, 1), 8)
+    rows = [2984, 1768, 1408, 1196, 1072, 884, 880, 632, 632, 348, 328]
+    segs = routing.segments_from_metadata(["audio"] * len(rows), rows, RED, COSTS.encoder_fn)
+    caps = {"audio_long": 1816, "audio_short": 0}
+    a = routing.Assignment([[] for _ in range(8)], [list(range(9))], np.zeros(8),
+                           long_whole=[[9], [10], [], [], [], [], [], []])
+    _placed_once_within(a, segs, grid, caps)
+    b = placement_meta.refine_assignment(a, segs, grid, caps)
+    _placed_once_within(b, segs, grid, caps)
+    assert sorted(b.long[0]) == list(range(11))
+    assert b.device_cost.max() / b.device_cost.mean() == pytest.approx(1.0)
+
+
 def _tight_host(seed: int = 21):
     """One omni_8b host (fsdp2 x tp4, esp4): two long clips and 40 small images, whose smallest
     capacities leave the greedy 26% above the mean and no room to move cost."""

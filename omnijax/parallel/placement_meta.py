@@ -12,7 +12,9 @@ maximum, and that lowers Σ load² (so the search ends):
 - move a whole segment (short buffer, or the room of a long buffer) to another device;
 - swap a whole segment with a cheaper one of the same encoder on another device;
 - split a whole segment over an esp group (long-short: its chunks go into the group's long buffers);
-- move a split segment to another esp group.
+- move a split segment to another esp group;
+- split several whole segments of one group at once (each alone may not fit where together they
+  free the room).
 
 Each move keeps every buffer within its capacity, so the plan's shapes (and compiled programs) do not
 change. Deterministic (ties: move kind in the order above, then lowest index), pure numpy on the host.
@@ -125,6 +127,16 @@ def refine_assignment(assignment: Assignment, segments: list[Segment], grid: Dev
             load[g * esp:(g + 1) * esp] += cost[i] / esp
             kind[i], place[i] = 2, g
             whole[i] = False
+        elif move[0] == "splitall":
+            _, ids, g = move
+            for i in ids:
+                d = place[i]
+                used[kind[i], enc[i], d] -= rows[i]
+                used[1, enc[i], g * esp:(g + 1) * esp] += chunks(i)
+                load[d] -= cost[i]
+                load[g * esp:(g + 1) * esp] += cost[i] / esp
+                kind[i], place[i] = 2, g
+                whole[i] = False
         else:
             _, i, g = move
             gd = place[i]
@@ -217,6 +229,25 @@ def _best_move(d, load, gmax, whole, kind, place, cost, rows, enc, used, cap, G,
                 was = np.maximum(grp.max(1), grp[gd].max())
                 for g in np.flatnonzero(fits).tolist():
                     offer(float(new[g]), float(was[g]), float(dssq[g]), 3, ("regroup", i, g))
+        # 5. split several whole segments of d's group at once: each alone may not fit (its chunks land
+        # on a device whose long buffer the other one fills) where together they free that room
+        for e in np.unique(enc[whole & (place // esp == gd)]).tolist():
+            ws = np.flatnonzero(whole & (enc == e) & (place // esp == gd))
+            if ws.size < 2:
+                continue
+            ws = ws[np.argsort(-cost[ws], kind="stable")][:16]
+            lu = used[1, e, gd * esp:(gd + 1) * esp].copy()
+            gl = load[gd * esp:(gd + 1) * esp].copy()
+            was = float(gl.max())
+            for k, i in enumerate(ws.tolist()):
+                lu += chunks(i)
+                if kind[i] == 1:
+                    lu[place[i] - gd * esp] -= rows[i]
+                gl[place[i] - gd * esp] -= cost[i]
+                gl += cost[i] / esp
+                if k and (lu <= cap[1, e]).all():
+                    dssq = float((gl ** 2).sum() - (load[gd * esp:(gd + 1) * esp] ** 2).sum())
+                    offer(float(gl.max()), was, dssq, 4, ("splitall", tuple(int(j) for j in ws[:k + 1]), gd))
     return None if best is None else best[4]
 
 
