@@ -286,7 +286,7 @@ def host_groups(layout: Layout, devices: int) -> tuple[int, int, int]:
 
 def plan_step_hosts(meta: StepMeta, layout: Layout, devices: int, costs: Costs, plan_hosts: list[int],
                     *, fill: float = 0.99, long_factor: float = 1.0, capacities: dict | None = None,
-                    refine: bool = True) -> HostPlan:
+                    refine: bool = True, growth: float = routing.BUCKET_GROWTH) -> HostPlan:
     """The plan of one step from metadata: G1, G2 (global) and L1-L3 for `plan_hosts` (see module doc).
 
     `capacities` pins the encoder buffers (the window's, as the trainer's `fit_window` does; a host
@@ -347,7 +347,7 @@ def plan_step_hosts(meta: StepMeta, layout: Layout, devices: int, costs: Costs, 
                                               costs.encoder_fn)
         device_enc[h], caps[h] = np.zeros(8), {}
         if segs:
-            kw = dict(long_short=hg.esp > 1, long_factor=long_factor)
+            kw = dict(long_short=hg.esp > 1, long_factor=long_factor, growth=growth)
             names = {s.encoder for s in segs}
             pins = {k: v for k, v in (capacities or {}).items() if k.rsplit("_", 1)[0] in names}
             try:
@@ -615,7 +615,8 @@ def evaluate(meta: StepMeta, hp: HostPlan, layout: Layout, devices: int, costs: 
 
 
 def window_capacities(meta: StepMeta, glob: HostPlan, layout: Layout, costs: Costs, hosts: list[int],
-                      slack: float = 1.0, long_factor: float = 1.0, balance_target: float | None = None) -> dict:
+                      slack: float = 1.0, long_factor: float = 1.0, balance_target: float | None = None,
+                      growth: float = routing.BUCKET_GROWTH) -> dict:
     """Encoder capacities every listed host's segments fit, searched jointly (`routing.fit_segment_capacities`):
     what the trainer's window fit does ahead of the steps (prefetched, not per step). `slack` > 1 adds
     room (rounded to the reduction) so the cost-balancing placement fits instead of best fit.
@@ -634,10 +635,10 @@ def window_capacities(meta: StepMeta, glob: HostPlan, layout: Layout, costs: Cos
         mean = float(glob.host_load.sum()) / (len(glob.host_load) * 8)
         caps, _ = placement_meta.fit_balanced_capacities(parts, hg, costs.reductions, mean, target=balance_target,
                                                          long_short=hg.esp > 1, long_factor=long_factor,
-                                                         pad_cost=costs.padding_cost)
+                                                         pad_cost=costs.padding_cost, growth=growth)
     else:
         caps = routing.fit_segment_capacities(parts, hg, costs.reductions, long_short=hg.esp > 1,
-                                              long_factor=long_factor)
+                                              long_factor=long_factor, growth=growth)
     red = lambda k: costs.reductions[k.rsplit("_", 1)[0]]  # noqa: E731
     return {k: int(math.ceil(v * slack / red(k)) * red(k)) for k, v in caps.items()}
 
@@ -658,7 +659,8 @@ LAYOUTS = {
 
 def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: StepModel, *, steps: int = 3,
                 token_fill: float = 0.95, seed: int = 0, slack: float = 1.0, long_factor: float = 1.0,
-                refine: bool = True, balance_target: float | None = 1.05) -> dict:
+                refine: bool = True, balance_target: float | None = 1.05,
+                growth: float = routing.BUCKET_GROWTH) -> dict:
     """Weak scaling: `steps` steps walking through the mix's phases, each with the per-device work of
     the layout (rows_per_device rows of row_len tokens, `token_fill` of them real); the plan of every
     step as one host makes it, and the modeled step time of every variant on the same batches."""
@@ -677,10 +679,10 @@ def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: Ste
         pick = hosts_to_plan(glob.host_load, groups, g_load, seed=seed + k, heavy=heavy)
         t0 = time.perf_counter()
         caps = window_capacities(meta, glob, layout, costs, pick, slack, long_factor,  # the window fit, ahead
-                                 balance_target if refine else None)
+                                 balance_target if refine else None, growth)
         window_s.append(time.perf_counter() - t0)
         hp = plan_step_hosts(meta, layout, devices, costs, pick, capacities=caps, long_factor=long_factor,
-                             refine=refine)
+                             refine=refine, growth=growth)
         plan_s.append(hp.seconds["host_s"])
         for key, v in hp.seconds.items():
             parts[key] = parts.get(key, 0.0) + v / steps

@@ -27,7 +27,7 @@ def _options(overrides: list[str]) -> dict:
             "mixes": "image,video,audio_text",
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 3, "cal_batch_size": 32,
             "plot": "1", "long_factor": 0.25, "refine": "1",
-            "balance_target": 1.05}
+            "balance_target": 1.05, "bucket_growth": 1.25}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.")
@@ -175,9 +175,11 @@ def run(overrides: list[str]) -> Iterator[dict]:
                 t0 = time.perf_counter()
                 row = scale.scaling_row(layout, devices, scale.MIXES[mix], costs, model, steps=opts["steps"],
                                         long_factor=opts["long_factor"], refine=opts["refine"] in ("1", "true"),
-                                        balance_target=opts["balance_target"] or None)
+                                        balance_target=opts["balance_target"] or None,
+                                        growth=opts["bucket_growth"])
                 row["long_factor"] = opts["long_factor"]
                 row["refine"] = opts["refine"] in ("1", "true")
+                row["bucket_growth"] = opts["bucket_growth"]
                 row["bench_s"] = round(time.perf_counter() - t0, 1)
                 rows.append(row)
                 yield row
