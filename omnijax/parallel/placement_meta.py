@@ -1,13 +1,14 @@
 """A second pass over an encoder placement: local moves that lower the most loaded device.
 
-`routing._place_balanced` (what `build_plan` and `routing.place_segments` run) places each encoder in
-turn, largest segment first by rows, into the smallest capacities that hold the step; when those are
-tight it falls back to best fit, which packs by room and not by cost. On a host with few segments per
-device (weak scaling: ~1–10), or after a long clip fills one esp group, that leaves devices 20–30%
-above the mean although the host's total is on the mean. `refine_assignment` keeps the capacities and
-repeatedly takes work off the most loaded device (else the next most loaded, so a move that clears
-the way comes first) by the one move whose touched devices end lowest, never above the current
-maximum, and that lowers Σ load² (so the search ends):
+`encoder_placement._place_balanced` (what `routing.build_plan` and `routing.place_segments` run)
+places each encoder in turn, largest segment first by rows, into the smallest capacities that hold
+the step; when those are tight it falls back to best fit, which packs by room and not by cost. On a
+host with few segments per device (weak scaling: ~1–10), or after a long clip fills one esp group,
+that leaves devices 20–30% above the mean although the host's total is on the mean.
+`refine_assignment` keeps the capacities and repeatedly takes work off the most loaded device (else
+the next most loaded, so a move that clears the way comes first): the move that lowers the highest
+load among the devices it touches (the sorted loads fall), else one that lowers Σ load² (two
+devices can block each other otherwise); the best placement seen is kept. Moves:
 
 - move a whole segment (short buffer, or the room of a long buffer) to another device;
 - swap a whole segment with a cheaper one of the same encoder on another device;
@@ -27,7 +28,8 @@ from typing import Callable
 import numpy as np
 
 from omnijax.errors import ConfigError
-from omnijax.parallel.routing import BUCKET_GROWTH, Assignment, DeviceGrid, Segment, _bucket, _chunks
+from omnijax.parallel.device_grid import DeviceGrid
+from omnijax.parallel.encoder_placement import BUCKET_GROWTH, Assignment, Segment, _bucket, _chunks
 
 _EPS = 1e-9
 
