@@ -66,7 +66,7 @@ def simulate(plan, batch, grid, B, L):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 10_000), st.sampled_from(LAYOUTS), st.sampled_from(["balanced", "arrival", "coupled"]),
+@given(st.integers(0, 10_000), st.sampled_from(LAYOUTS), st.sampled_from(["balanced", "arrival", "coupled", "coupled_replicated"]),
        st.booleans(), st.integers(1, 9))
 def test_every_token_reaches_every_replica_once(seed, sizes, mode, long_short, n_segments):
     rng = np.random.default_rng(seed)
@@ -100,11 +100,63 @@ def test_balanced_placement_spreads_work_and_coupled_concentrates_it():
     common = dict(order=balanced_order)
     bal = routing.build_plan(batch, grid, RED, DIMS, cost, mode="balanced", **common).stats
     arr = routing.build_plan(batch, grid, RED, DIMS, cost, mode="arrival", long_short=False, **common).stats
+    rep = routing.build_plan(batch, grid, RED, DIMS, cost, mode="coupled_replicated", **common).stats
     cpl = routing.build_plan(batch, grid, RED, DIMS, cost, mode="coupled", **common).stats
     assert bal["enc_cost_max_over_mean"] < 1.15 < arr["enc_cost_max_over_mean"]
-    # coupled: only pp=0 devices encode, each twice (tp replicas): max/mean >= 2 and work is duplicated
-    assert cpl["enc_cost_max_over_mean"] >= 1.9 and cpl["redundant_enc_cost"] > 0
+    # coupled_replicated: only pp=0 devices encode, each twice (tp replicas): max/mean >= 2, work duplicated
+    assert rep["enc_cost_max_over_mean"] >= 1.9 and rep["redundant_enc_cost"] > 0
+    # coupled: only pp=0 devices encode (half of them here), split over tp: max/mean >= 2, nothing duplicated
+    assert cpl["enc_cost_max_over_mean"] >= 1.9 and cpl["redundant_enc_cost"] == 0
     assert bal["redundant_enc_cost"] == 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from(LAYOUTS), st.integers(1, 9))
+def test_coupled_splits_each_shards_segments_over_its_first_stage(seed, sizes, n_segments):
+    """Coupled (Megatron-style): every segment on exactly one device, a pp=0 device of the batch shard
+    holding its LLM rows; the shard's stage-0 ranks share its work; routes reach every replica."""
+    rng = np.random.default_rng(seed)
+    grid = routing.DeviceGrid(sizes)
+    B, L = 2 * grid.batch_shards, 8 * grid.size("cp")
+    batch = synthetic_batch(rng, B, L, n_segments)
+    cost = lambda name, rows: float(rows)  # noqa: E731
+    plan = routing.build_plan(batch, grid, RED, DIMS, cost, order=balanced_order, mode="coupled", long_short=False)
+    shard, cp, local = routing.llm_geometry(B, L, grid, balanced_order)
+    dev_shard, pp = grid.batch_shard(), grid.axis("pp")
+    owner, busy = [], np.zeros(grid.num_devices, bool)
+    for name, r in RED.items():
+        seg = plan.arrays[f"{name}_short_segment_ids"]
+        assert not (plan.arrays[f"{name}_long_segment_ids"] > 0).any()
+        busy |= (seg > 0).any(axis=1)
+        holders: dict[int, set] = {}
+        first_dest = {}  # plan segment id -> its first routed output token's LLM position (0 if none)
+        dest = np.concatenate([batch[f"{name}_dest"], -np.ones(len(batch[f"{name}_inputs"]), np.int64)])
+        for d in range(grid.num_devices):
+            live = seg[d] > 0
+            for i, row in zip(seg[d][live], plan.arrays[f"{name}_short_inputs"][d][live, 0].astype(int)):
+                holders.setdefault(int(i), set()).add(d)
+                if dest[row // r] >= 0:
+                    first_dest.setdefault(int(i), int(dest[row // r]))
+        assert len(holders) == n_segments
+        for i, devs in holders.items():
+            (d,) = devs  # exactly one device
+            owner.append(int(shard[first_dest.get(i, 0)]))
+            assert pp[d] == 0 and dev_shard[d] == owner[-1]
+    # the shard's work is split: with at least as many segments as ranks, no stage-0 rank idles
+    per_shard = np.bincount(owner, minlength=grid.batch_shards)
+    for s in range(grid.batch_shards):
+        stage0 = np.flatnonzero((dev_shard == s) & (pp == 0))
+        assert busy[stage0].sum() == min(len(stage0), per_shard[s])
+    assert plan.stats["redundant_enc_cost"] == 0
+    got = simulate(plan, batch, grid, B, L)
+    expected = [dict() for _ in range(grid.num_devices)]
+    receivers = grid.receivers()
+    for name, r in RED.items():
+        for t, f in enumerate(batch[f"{name}_dest"]):
+            if f >= 0:
+                for d in receivers[(int(shard[f]), int(cp[f]))]:
+                    expected[d][int(local[f])] = (name, t)
+    assert got == expected
 
 
 def test_long_segments_are_split_over_an_esp_group():

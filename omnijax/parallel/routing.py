@@ -38,7 +38,7 @@ from omnijax.parallel.encoder_placement import (BUCKET_GROWTH, Assignment, Segme
 from omnijax.parallel.row_balance import (balance_rows, llm_row_costs, row_costs_from_lengths,  # noqa: F401
                                           shard_cost_max_over_mean)
 
-Mode = Literal["balanced", "arrival", "coupled"]
+Mode = Literal["balanced", "arrival", "coupled", "coupled_replicated"]
 
 
 # -------------------------------------------------------------------------------------- plan
@@ -110,8 +110,10 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
     geometry = (shard_of, cp_of, local_of, receivers)
 
     if mode != "balanced":
-        if mode == "coupled":
-            assignment, source_of = _coupled(segments, grid, shard_of)
+        from omnijax.parallel import baselines  # the baselines' placements (coupled, coupled_replicated)
+
+        if mode in baselines.PLACEMENTS:
+            assignment, source_of = baselines.place(mode, segments, grid, shard_of)
         else:
             assignment, source_of = assign(segments, grid, mode, long_short, long_factor), None
         return _materialize(batch, grid, reductions, dims, segments, names, assignment, source_of, pinned,
@@ -277,30 +279,6 @@ def _route_pairs(segments, hold_dev, hold_row, receivers, shard_of, cp_of, local
     to_dev = table[shard_of[dests], cp_of[dests]]                        # [T, R]
     src = np.repeat(hold, R)
     return src, to_dev.reshape(-1), np.repeat(rows, R), np.repeat(local_of[dests].astype(np.int64), R)
-
-
-def _coupled(segments: list[Segment], grid: DeviceGrid, shard_of: np.ndarray):
-    """Each batch shard's segments on its pp=0 devices, replicated over cp and tp, arrival order."""
-    D = grid.num_devices
-    shard, pp, cp, tp = grid.batch_shard(), grid.axis("pp"), grid.axis("cp"), grid.axis("tp")
-    short: list[list[int]] = [[] for _ in range(D)]
-    load = np.zeros(D)
-    owners = {}
-    for i, s in enumerate(segments):
-        valid = s.dests[s.dests >= 0]
-        sh = int(shard_of[valid[0]]) if valid.size else 0
-        for d in np.flatnonzero((shard == sh) & (pp == 0)):
-            short[int(d)].append(i)
-            load[int(d)] += s.cost
-        owners[i] = sh
-    replicas = grid.size("cp") * grid.size("tp")
-    redundant = sum(s.cost for s in segments) * (replicas - 1)
-    lookup = {(int(shard[d]), int(cp[d]), int(tp[d])): int(d) for d in range(D) if pp[d] == 0}
-
-    def source_of(i: int, dst: int) -> int:
-        return lookup[(owners[i], int(cp[dst]), int(tp[dst]))]
-
-    return Assignment(short, [[] for _ in range(grid.edp)], load, redundant), source_of
 
 
 def _stats(segments, assignment, grid, caps, names, reductions, batch, pairs) -> dict[str, float]:
