@@ -4,12 +4,27 @@ All variants train the same model on the same batches from the built-in world (i
 resolutions, long videos, audio, text-only samples; the mix changes over steps) on one LLM layout
 (default pp2xdp2xtp2 with encoders edp4xesp2), interleaved step by step in one process so that
 machine noise hits them alike:
-- omnijax:       decoupled encoders, cost-balanced placement, long-short SP, LLM rows balanced;
-- coupled:       encoders follow the LLM layout (pp stage 0 only, replicated over tp/cp), arrival order;
-- no_reorder:    decoupled, but segments and rows in arrival order;
-- no_long_short: decoupled and balanced, every segment data-parallel;
+- omnijax:            decoupled encoders, cost-balanced placement, long-short SP, LLM rows balanced;
+- coupled:            the baseline users run today (`parallel/baselines.py`): encoders on pp stage 0,
+  each batch shard's segments split over that stage's tp/cp ranks as Megatron shards its ViT over the
+  tensor-parallel group (no replicated work, but stage 0 carries all encoder time), arrival order;
+- coupled_replicated: as coupled, but every tp/cp rank of stage 0 encodes the shard's whole set;
+- no_reorder:         decoupled, but segments and rows in arrival order;
+- no_long_short:      decoupled and balanced, every segment data-parallel;
 - omnijax_interleaved: omnijax with the encoders inside the pipeline loop (each microbatch planned
   and encoded one iteration ahead of stage 0), side by side with the encoder phase before it.
+
+Two figures per row, because 8 fake devices share this machine's cores: `tokens_per_s` (measured) follows
+the *total* work of all devices and cannot show a straggler, so a placement that piles work on a few
+devices looks as fast as one that spreads it; `critical_path_s` is the planned time of the busiest
+device per phase (encoders, all-to-all, LLM; `scale.plan_phases_cpu`'s per-device work with the FLOP cost
+model on an H100 table entry, each phase lasting as long as its slowest device), what a GPU step follows.
+`*_speedup` compare with `coupled`.
+
+Then a host-work pair (`host_pair=1`): the omnijax steps fed by the trainer's prefetcher
+(`train/prefetch.py`: loader + plan + transfer running ahead in a thread) vs the same steps with their
+batches prepared beforehand; `prefetch_over_prepared` is the ratio of their step times (steady state, the
+first step's fill excluded).
 """
 from __future__ import annotations
 
@@ -21,6 +36,7 @@ DESCRIPTION = "multimodal joint step: tokens/s, padding, encoder/LLM imbalance o
 VARIANTS = {  # mode, long_short, balance LLM rows, encoders inside the pipeline loop (None: bench.interleave)
     "omnijax": ("balanced", True, True, None),
     "coupled": ("coupled", False, False, None),
+    "coupled_replicated": ("coupled_replicated", False, False, None),
     "no_reorder": ("arrival", True, False, None),
     "no_long_short": ("balanced", False, True, None),
     "omnijax_interleaved": ("balanced", True, True, True),
@@ -42,7 +58,7 @@ PHASES = [{"image": 0.5, "video": 0.2, "audio": 0.2, "text": 0.1},
 def _options(overrides: list[str]) -> dict:
     opts = {"steps": 6, "llm": "pp2xdp2xtp2", "encoder": "edp4xesp2", "batch_size": 32, "seq_len": 128,
             "cpu_devices": 8, "variants": ",".join(VARIANTS), "lookahead": 128, "window": 3,
-            "bucket_growth": 1.0625, "interleave": "0"}
+            "bucket_growth": 1.0625, "interleave": "0", "host_pair": "1", "host_repeats": 2, "hardware": "h100"}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.").removeprefix("parallel.")
@@ -60,6 +76,13 @@ def batches(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 256
     world source per mix phase, switched by a step schedule; each window of `window` steps is planned
     together (grouped reordering by cost over `devices` ranks) from a pool of `lookahead` samples per
     step; samples that find no room wait for the next window, none is dropped."""
+    loader = make_loader(cfg, steps, batch_size, seq_len, lookahead, devices, window)
+    return [loader.host_batch(step)["microbatches"][0] for step in range(steps)]
+
+
+def make_loader(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 256, devices: int = 8,
+                window: int = 3):
+    """The data-plane `Loader` behind `batches` (a fresh one gives the same batches: plans are pure)."""
     from omnijax.data.loader import Loader, LoaderConfig
     from omnijax.data.sources import SourceSpec, WorldSource
     from omnijax.data.world import Tail, WorldConfig
@@ -76,8 +99,48 @@ def batches(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 256
                          samples_per_step=max(lookahead, 1), dp=devices, microbatches=1, window=max(window, 1),
                          row_len=seq_len, max_rows=batch_size // devices, fixed_shapes=True,
                          max_encoder_rows={"vision": 8192 * scale // devices, "audio": 4096 * scale // devices})
-    loader = Loader(plane, mm_cfg=cfg, sources=sources)
-    return [loader.host_batch(step)["microbatches"][0] for step in range(steps)]
+    return Loader(plane, mm_cfg=cfg, sources=sources)
+
+
+def critical_path(mx, host_batch: dict, plan, hw) -> dict[str, float]:
+    """Planned seconds of one step on the busiest device of each phase (GPU mode: the encoder phase, the
+    all-to-all and the LLM are separated by barriers): per-device encoder work of the real buffers
+    (`scale.plan_phases_cpu`, every non-empty buffer costs its capacity plus the attention blocks it
+    visits) and each batch shard's LLM work over its pp·tp·cp devices with the pipeline bubble, from the
+    FLOP cost model at `hw`'s achieved FLOP/s. Interleaved plans ([D, M, ...]) add their microbatches'
+    encoder work (the overlap with the pipeline is not credited)."""
+    import numpy as np
+
+    from omnijax.data.cost import CostModel
+    from omnijax.parallel import routing, scale
+
+    sec = 1e6 / (hw.peak_flops * hw.efficiency)  # MFLOP -> s
+    cm = CostModel.from_flops(mx.mm_cfg)
+    enc_coeffs = {}
+    for name, c in cm.encoders.items():  # per input row (the default cost counts audio after its reduction)
+        r = mx.reductions[name] if name == "audio" else 1
+        enc_coeffs[name] = (c.a * sec / r, c.b * sec / r ** 2, 0.0)
+    cpu = scale.CpuConstants(enc_coeffs, (cm.llm.a * sec, cm.llm.b * sec, 0.0), hw.nvlink_Bps)
+    arr = plan.arrays
+    D = arr["route_send"].shape[0]
+    subs = ([plan] if arr["route_send"].ndim == 3 else
+            [routing.Plan({k: v[:, m] for k, v in arr.items()}) for m in range(arr["route_send"].shape[1])])
+    enc, route = np.zeros(D), np.zeros(D)
+    for sub in subs:
+        ph = scale.plan_phases_cpu(sub, host_batch, mx.grid.esp, mx.engine.model_cfg.embed_dim, cpu)
+        enc += ph.enc
+        route += ph.route
+    batch = mx.balanced(host_batch)  # the rows as the step places them (deterministic)
+    seg = np.asarray(batch["segment_ids"])
+    a, b = cm.llm.a * sec, cm.llm.b * sec
+    rows = np.array([float((a * n + b * n * n).sum()) for n in
+                     (np.bincount(row[row > 0]).astype(np.float64) for row in seg)])
+    g = mx.grid
+    shard_cost = rows.reshape(g.batch_shards, -1).sum(axis=1)
+    llm = shard_cost / (g.size("pp") * g.size("tp") * g.size("cp")) / (1.0 - mx.bubble_fraction)
+    phases = scale.Phases(enc, route, llm)
+    return {"total": phases.step_s(), "encoder": float(enc.max()), "route": float(route.max()),
+            "llm": float(llm.max())}
 
 
 def run(overrides: list[str]) -> Iterator[dict]:
@@ -99,6 +162,19 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from omnijax.train.state import init_state
     from omnijax.train.step import make_train_step
 
+    from omnijax.parallel.scale import HARDWARE
+
+    if opts["hardware"] not in HARDWARE:
+        from omnijax.errors import ConfigError
+
+        raise ConfigError(f"bench omni: hardware={opts['hardware']!r}; known: {', '.join(HARDWARE)}")
+    hw = HARDWARE[opts["hardware"]]
+    names = [v for v in opts["variants"].split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        from omnijax.errors import ConfigError
+
+        raise ConfigError(f"bench omni: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     cfg = from_dict(MMConfig, MM)
     steps, w = opts["steps"], max(1, opts["window"])
     t0 = time.perf_counter()
@@ -107,7 +183,6 @@ def run(overrides: list[str]) -> Iterator[dict]:
     windows = [list(range(i, min(i + w, steps))) for i in range(0, steps, w)]
     window_of = {i: k for k, win in enumerate(windows) for i in win}
     opt = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), steps)
-    names = [v for v in opts["variants"].split(",") if v]
     runs = {}
     for name in names:
         mode, long_short, balance, interleave = VARIANTS[name]
@@ -124,7 +199,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         step = jax.jit(make_train_step(g, rest, mx.loss_fn, opt), donate_argnums=0)
         runs[name] = {"mx": mx, "step": step, "state": mx.put_state(init_state(params, opt)), "caps": caps,
                       "fit_s": fit_s, "time": 0.0, "plan_s": 0.0, "tokens": 0, "stats": [], "losses": [],
-                      "compile_s": 0.0, "grew": 0}
+                      "compile_s": 0.0, "grew": 0, "critical": []}
     # Warm-up: compile every window's program once, on a throwaway copy of the state (steady-state timing).
     for name in names:
         r = runs[name]
@@ -156,6 +231,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
             traffic = routing.route_traffic(plan, hosts=2, bytes_per_token=4 * cfg.llm.embed_dim)
             r["stats"].append({**plan.stats, **traffic})
             r["losses"].append(float(m["loss"]))
+            r["critical"].append(critical_path(mx, host[i], plan, hw))
     # Encoder share of the omnijax step: the same program on the same batches with every encoder
     # segment removed (lax.cond skips empty buffers; capacities are unchanged, so no recompile).
     shares = {}
@@ -179,9 +255,12 @@ def run(overrides: list[str]) -> Iterator[dict]:
         shares[name] = {"encoder_share_of_step": round(1.0 - t_bare / r["time"], 3),
                         "step_s_without_encoder_work": round(t_bare / len(host), 3),
                         "recompiled_for_text_only": int(r["step"]._cache_size()) - programs}
+    host_rows = host_pair(runs["omnijax"], host, windows, window_of, opts, cfg) \
+        if opts["host_pair"] in ("1", "true") and "omnijax" in runs else []
     rows = {}
     for name in names:
         r = runs[name]
+        crit = {k: float(np.mean([c[k] for c in r["critical"]])) for k in r["critical"][0]}
         mean = lambda key: float(np.mean([s[key] for s in r["stats"]]))  # noqa: E731
         total = lambda key: float(np.sum([s.get(key, 0) for s in r["stats"]]))  # noqa: E731
         rows[name] = {"variant": name, "tokens_per_s": round(r["tokens"] / r["time"], 1),
@@ -192,6 +271,9 @@ def run(overrides: list[str]) -> Iterator[dict]:
                       "compiled_programs": int(r["step"]._cache_size()), "windows": len(windows),
                       "capacities_grew": r["grew"],
                       "step_s": round(r["time"] / steps, 3), "plan_ms": round(1e3 * r["plan_s"] / steps, 1),
+                      "critical_path_s": float(f"{crit['total']:.4g}"),
+                      "critical_path_parts_s": {k: float(f"{v:.4g}") for k, v in crit.items() if k != "total"},
+                      "critical_path_hardware": hw.name,
                       "fit_capacities_ms": round(1e3 * r["fit_s"] / len(windows), 1),
                       "compile_s": round(r["compile_s"], 1),
                       "reshard_kb_intra_host": round(mean("intra_host_bytes") / 1024, 1),  # as 2 hosts x 4 devices
@@ -210,7 +292,68 @@ def run(overrides: list[str]) -> Iterator[dict]:
     for name in names:
         row = rows[name]
         row.update(shares.get(name, {}))
-        if name in ("omnijax", "omnijax_interleaved") and base:
+        if base:
             row["vs"] = "coupled"
             row["speedup"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+            row["critical_path_speedup"] = round(base["critical_path_s"] / row["critical_path_s"], 3)
         yield row
+    yield from host_rows
+
+
+def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: dict, opts: dict, cfg) -> list[dict]:
+    """The omnijax step with host work on (the trainer's prefetcher over a fresh loader of the same
+    batches: read, pack, plan and transfer run ahead in a thread) and off (every batch planned and
+    transferred beforehand), `host_repeats` times each, alternating. Steady state: each pass runs its
+    first step untimed (the prefetcher's fill), then times the rest; capacities are the main run's
+    per window, so both reuse its compiled programs."""
+    import jax
+
+    from omnijax.data.loader import TrainerBatches
+    from omnijax.train.prefetch import Prefetcher
+
+    mx, step, steps = r["mx"], r["step"], len(host)
+    if steps < 2:
+        return []
+
+    def put(batch: dict, i: int):
+        mx.capacities = dict(r["caps"][window_of[i]])
+        return mx.put_batch(batch)
+
+    def run_steps(batches) -> float:
+        t0 = None
+        for dev in batches:
+            r["state"], m = step(r["state"], dev)
+            jax.block_until_ready(m["loss"])
+            t0 = t0 or time.perf_counter()  # from the end of the first step on
+        return time.perf_counter() - t0
+
+    def prefetched():
+        counter = iter(range(steps))
+        loader = make_loader(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], opts["cpu_devices"],
+                             max(1, opts["window"]))
+        pf = Prefetcher(TrainerBatches(loader), lambda b: put(b, next(counter)), depth=2)
+        waits = []
+        try:
+            for _ in range(steps):
+                item = next(pf)
+                waits.append(pf.wait_s)
+                yield item.batch
+        finally:
+            pf.close()
+            wait_s.append(sum(waits[1:]))
+
+    t = {"prepared": 0.0, "prefetch": 0.0}
+    wait_s: list[float] = []
+    for _ in range(max(1, opts["host_repeats"])):
+        ready = [put(b, i) for i, b in enumerate(host)]
+        jax.block_until_ready(ready)
+        t["prepared"] += run_steps(ready)
+        t["prefetch"] += run_steps(prefetched())
+    n = max(1, opts["host_repeats"]) * (steps - 1)
+    ratio = t["prefetch"] / t["prepared"]
+    common = {"steps_timed": n, "layout": f"{opts['llm']}+{opts['encoder']}", "batch_size": opts["batch_size"]}
+    return [{"variant": "omnijax_host_prepared", "step_s": round(t["prepared"] / n, 3),
+             "host_work": "off: batches planned and transferred before the timed steps", **common},
+            {"variant": "omnijax_host_prefetch", "step_s": round(t["prefetch"] / n, 3),
+             "host_wait_s_per_step": round(sum(wait_s) / n, 4), "prefetch_over_prepared": round(ratio, 3),
+             "host_work": "on: loader + plan + transfer in the trainer's prefetch thread (depth 2)", **common}]
