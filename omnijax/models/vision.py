@@ -21,6 +21,7 @@ from omnijax.config import from_dict
 from omnijax.mm_config import VisionConfig, encoder_tokens
 from omnijax.models.encoder_layers import (EncoderBlock, GeluMLP, as_static, layer_norm, linear, rope_inv_freq,
                                            transformer_flops)
+from omnijax.layers import sequence
 from omnijax.layers.attention import dot_product_attention
 
 
@@ -28,12 +29,13 @@ def relative_coordinate_features(positions: jax.Array, segment_ids: jax.Array, f
     """Sinusoids [N, 6 * freqs] of each patch's (t, h, w) divided by its own segment's grid extent.
 
     Interpolable absolute position for any grid: the extent of every image/clip comes from a segment
-    max over the packed buffer, so "top left" means the same thing at every resolution.
+    max over the packed buffer, so "top left" means the same thing at every resolution. The max is
+    taken over the whole segment even when sequence parallelism splits it over devices
+    (`omnijax.layers.sequence`), so every split computes the single-device features.
     """
     n = positions.shape[0]
-    seg = jnp.clip(segment_ids.astype(jnp.int32), 0, n)
-    extent = jax.ops.segment_max(positions, seg, num_segments=n + 1)[seg] + 1
-    coords = (positions.astype(jnp.float32) + 0.5) / jnp.maximum(extent, 1).astype(jnp.float32)  # (0, 1)
+    extent = sequence.segment_extent(segment_ids, positions.astype(jnp.int32))
+    coords = (positions.astype(jnp.float32) + 0.5) / extent.astype(jnp.float32)  # (0, 1)
     angles = coords[:, :, None] * (jnp.pi * jnp.arange(1, freqs + 1, dtype=jnp.float32))
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(n, 6 * freqs)
 
@@ -62,8 +64,9 @@ class PoolingHead(nnx.Module):
         q_seg = jnp.arange(1, num_segments + 1, dtype=jnp.int32)[:, None]
         kv_seg = jnp.broadcast_to(segment_ids[None].astype(jnp.int32), (num_segments, n))
         zero_q, zero_kv = jnp.zeros_like(q_seg), jnp.zeros_like(kv_seg)
-        out = dot_product_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                                    q_positions=zero_q, kv_positions=zero_kv, causal=False, impl=self.impl)
+        out, lse = dot_product_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=zero_q,
+                                         kv_positions=zero_kv, causal=False, impl=self.impl, return_lse=True)
+        out = sequence.merge_partial_softmax(out, lse)  # a segment split over an esp group pools all its rows
         h = self.o(out.reshape(num_segments, d))
         return h + self.mlp(self.norm(h))
 
