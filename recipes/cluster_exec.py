@@ -20,8 +20,8 @@ def main(argv: list[str]) -> int:
     from omnijax.errors import ConfigError
 
     cfg = build(ExecConfig, None, argv, check=None)
-    if cfg.scheduler not in SCHEDULERS or cfg.scheduler == "learned":
-        raise ConfigError(f"scheduler={cfg.scheduler!r}: the executor takes one of {', '.join(SCHEDULERS[:-1])}")
+    if cfg.scheduler not in SCHEDULERS[:-2]:
+        raise ConfigError(f"scheduler={cfg.scheduler!r}: the executor takes one of {', '.join(SCHEDULERS[:-2])}")
     kinds = {"tiny_lm": TinyLMRunner, "toy": ToyRunner, "ps": PSRunner}
     bad = [r for r in [cfg.runner, *cfg.runners] if r not in kinds]
     if bad:

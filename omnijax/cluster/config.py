@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from omnijax.cluster.simulator import SimConfig
 from omnijax.errors import ConfigError
 
-SCHEDULERS = ("fifo", "drf", "tiresias", "fitted", "fitted_rt", "fitted_oracle", "learned")
+SCHEDULERS = ("fifo", "drf", "tiresias", "fitted", "fitted_rt", "fitted_oracle", "learned", "learned_ac")
 
 
 @dataclass
@@ -25,6 +25,14 @@ class LearnedConfig:
     replay: int = 4                # replay passes over the buffer per episode
     gamma: float = 0.97
     seed: int = 0
+    # "learned" (omnijax/cluster/residual.py): ES over a policy steering the fitted plan
+    train_sets: list[str] = field(default_factory=lambda: ["workloads-0.5", "workloads-1.5", "workloads-2.0"])
+    window_s: float = 3600.0       # generated workloads: a window of this length of a training trace
+    es_iterations: int = 6
+    es_pairs: int = 3
+    es_sigma: float = 0.3
+    es_lr: float = 0.3
+    hidden_es: int = 16
 
 
 @dataclass
@@ -41,8 +49,8 @@ class ClusterConfig:
 def validate(cfg: ClusterConfig) -> ClusterConfig:
     if cfg.scheduler not in SCHEDULERS:
         raise ConfigError(f"scheduler={cfg.scheduler!r}: must be one of {', '.join(SCHEDULERS)}")
-    if cfg.learned.teacher not in SCHEDULERS[:-1]:
-        raise ConfigError(f"learned.teacher={cfg.learned.teacher!r}: must be one of {', '.join(SCHEDULERS[:-1])}")
+    if cfg.learned.teacher not in SCHEDULERS[:-2]:
+        raise ConfigError(f"learned.teacher={cfg.learned.teacher!r}: must be one of {', '.join(SCHEDULERS[:-2])}")
     if cfg.limit < 0:
         raise ConfigError(f"limit={cfg.limit}: must be >= 0")
     s = cfg.sim
@@ -57,7 +65,7 @@ def validate(cfg: ClusterConfig) -> ClusterConfig:
 @dataclass
 class BenchConfig:
     """`python -m recipes bench cluster` options; each row averages workload-1..files of a set."""
-    schedulers: list[str] = field(default_factory=lambda: list(SCHEDULERS))
+    schedulers: list[str] = field(default_factory=lambda: list(SCHEDULERS[:-1]))   # learned_ac on request
     workloads: list[str] = field(default_factory=lambda: ["workloads", "workloads-realistic"])   # sets, CSVs, folders
     files: int = 1                 # workload-1..N of a set, the first N CSVs of a folder (0: all)
     limit: int = 0

@@ -7,7 +7,7 @@ from omnijax.errors import ConfigError
 
 
 def make_scheduler(name: str, cfg: ClusterConfig | None = None) -> Scheduler:
-    """A fresh scheduler; "learned" is trained first (supervised warm-up, then actor-critic)."""
+    """A fresh scheduler; "learned" is trained first (evolution strategies on generated workloads; "learned_ac": imitation, then actor-critic)."""
     cfg = cfg or ClusterConfig()
     if name == "fifo":
         return FIFO()
@@ -22,6 +22,9 @@ def make_scheduler(name: str, cfg: ClusterConfig | None = None) -> Scheduler:
     if name == "fitted_oracle":
         return FittedOracle()
     if name == "learned":
+        from omnijax.cluster.residual import train_residual
+        return train_residual(cfg)
+    if name == "learned_ac":
         from omnijax.cluster.learned import train_learned
         return train_learned(cfg)
     raise ConfigError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")

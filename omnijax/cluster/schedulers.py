@@ -371,6 +371,7 @@ class FittedModel(Scheduler):
         table = self._table(jobs, cluster)
         work = {j.name: float(np.min(table[j.name][0] * table[j.name][1]))
                 - self.hysteresis * self.penalty(j) * j.allocation for j in jobs}
+        betas = self._adjust(now, all_jobs, jobs, table, work)
         order = sorted(jobs, key=lambda j: (work[j.name], j.arrival, j.name))
         n = len(order)
         bound = [True] * n                 # capacity-bound: got less than it would pick on an empty cluster
@@ -384,7 +385,7 @@ class FittedModel(Scheduler):
             for i, j in enumerate(order):
                 sizes, r, rp = table[j.name]
                 behind[j.name] = float(after[i])
-                cost = shadow_cost(rp, sizes, after[i], C, self.beta)
+                cost = shadow_cost(rp, sizes, after[i], C, betas[j.name])
                 ok = (sizes <= gpus) & (sizes * j.cpus_per_replica <= cpus)
                 if not ok.any():
                     pick[j.name], now_bound[i] = -1, True
@@ -405,10 +406,15 @@ class FittedModel(Scheduler):
                 "cpus": cluster.cpus - sum(alloc[j.name] * j.cpus_per_replica for j in all_jobs)}
         self._grow(jobs, table, dict(pick), alloc, free, efficient=False)
         if self.repair_placement:
-            self._repair(all_jobs, order, behind, alloc, cluster)
+            self._repair(all_jobs, order, behind, alloc, cluster, betas)
         return alloc
 
-    def _repair(self, all_jobs, order, behind, alloc, cluster) -> None:
+    def _adjust(self, now: float, all_jobs, jobs, table: dict, work: dict[str, float]) -> dict[str, float]:
+        """Hook of the shadow-price plan: may rescale the ranking keys `work` in place; returns each job's
+        `beta`. The fitted model leaves the keys and uses one beta; the learned scheduler adjusts both."""
+        return {j.name: self.beta for j in jobs}
+
+    def _repair(self, all_jobs, order, behind, alloc, cluster, betas=None) -> None:
         """Re-size jobs that `jobs.place` would spread over more nodes than they need (see the class
         docstring), then hand devices still free to waiting jobs, one each, in rank order."""
         gpn, C = cluster.gpus_per_node, cluster.gpus
@@ -444,7 +450,8 @@ class FittedModel(Scheduler):
                     m = sum(1 for c in cnt if c)
                     st = float(j.speed_model.predict_many(np.array([s]), np.array([m]), measured=self.measured)[0])
                     r = steps * st + (0.0 if s == n and kept else self.penalty(j))
-                    options.append((float(shadow_cost(r, s, behind.get(j.name, 0.0), C, self.beta)), s, cnt))
+                    beta = self.beta if betas is None else betas.get(j.name, self.beta)
+                    options.append((float(shadow_cost(r, s, behind.get(j.name, 0.0), C, beta)), s, cnt))
                 cost, s, cnt = min(options, key=lambda o: (o[0], -o[1]))
                 if s != n:
                     alloc[j.name] = s
