@@ -116,7 +116,8 @@ def calibration(opts: dict) -> dict:
                              "llm_a_b_const_s": [float(f"{x:.3g}") for x in cpu.llm],
                              "copy_GBps": round(copy_Bps / 1e9, 2)},
            "batches": steps, "batch_size": bs, "layout": f"{o['llm']}+{o['encoder']}",
-           "coupled_meaning": "bench omni's `coupled`: encoders on pp stage 0, replicated over tp/cp",
+           "coupled_meaning": "bench omni's `coupled`: encoders on pp stage 0, split over tp/cp "
+                              "(parallel/baselines.py)",
            "seconds": round(time.perf_counter() - t0, 1)}
     return row
 
