@@ -186,3 +186,22 @@ def test_guard_does_not_copy_donated_state(monkeypatch):
     monkeypatch.setattr(step_lib, "apply_update", _where_guard)
     where_copies, _ = state_copies()
     assert where_copies >= len(jax.tree.leaves(state.opt_state)) // 2  # the baseline does copy: the check sees it
+
+
+def test_dryrun_activation_estimate_follows_remat_and_sharding():
+    """The dryrun's activation bytes: remat full < save_dots < none, and each sharding axis divides what
+    it splits (batch shards and cp the tokens, pp the layers, tp the head/MLP parts and the logits)."""
+    from omnijax.parallel.mesh import Layout
+    from omnijax.train.dryrun import llm_activation_bytes
+
+    one = Layout()
+    est = {r: llm_activation_bytes(UNTIED, one, B, L, r, 4) for r in ("none", "full", "save_dots")}
+    assert est["full"] < est["save_dots"] < est["none"]
+    for r, v in est.items():
+        assert llm_activation_bytes(UNTIED, Layout(fsdp=8), B, L, r, 4) == pytest.approx(v / 8)
+        assert llm_activation_bytes(UNTIED, Layout(dp=2, cp=4), B, L, r, 4) == pytest.approx(v / 8)
+    layers = est["none"] - B * L * V * 4  # the per-layer part, logits aside
+    assert llm_activation_bytes(UNTIED, Layout(pp=2), B, L, "none", 4) == pytest.approx(layers / 2 + B * L * V * 4)
+    tp = llm_activation_bytes(UNTIED, Layout(tp=2), B, L, "none", 4)
+    assert est["none"] / 2 < tp < est["none"]
+    assert llm_activation_bytes(UNTIED, one, B, L, "none", 2) < est["none"]  # bf16 halves the saved layers

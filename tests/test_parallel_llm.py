@@ -7,6 +7,7 @@ parameter/optimizer bytes, and for the collectives in its HLO.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -119,8 +120,8 @@ def expected_bytes(state, layout_sizes: dict, table: dict) -> int:
 # layout, model, options, collectives the layout implies (kind -> at least this many)
 CASES = {
     "dp8": (DENSE, {}, {"all-reduce": 1}),
-    "fsdp8": (DENSE, {}, {"all-gather": 1}),
-    "tp2": (DENSE, {}, {"all-reduce": 1}),
+    "fsdp8": (DENSE, {"remat": "full"}, {"all-gather": 1}),  # the explicit shard_map step, recomputed layers
+    "tp2": (DENSE, {"remat": "save_dots"}, {"all-reduce": 1}),
     "cp8": (DENSE, {}, {"collective-permute": 1}),
     "pp2": (DENSE, {}, {"collective-permute": 1}),
     "ep4": (MOE, {}, {"all-to-all": 2}),
@@ -175,6 +176,29 @@ def test_layout_matches_reference_and_is_parallel(layout):
     found = count_collectives(run["hlo"])
     for kind, least in implied.items():
         assert found.get(kind, 0) >= least, (layout, found)
+
+
+def _remat_count(layout: str, remat: str, n: int) -> int:
+    """Checkpointed regions in the jaxpr of the layout's loss-and-gradient (traced, not compiled)."""
+    model, *_ = reference(DENSE)
+    par = LLMParallel(layout, DENSE, devices=jax.devices()[:n], remat=remat)
+    gd, params, rest = nnx.split(par.prepare(model), nnx.Param, ...)
+    params = jax.device_put(params, par.state_shardings(params))
+    batch = par.put_batch(BATCH)
+    grads_fn = par.grads_fn(par.loss_fn) or loss_and_grads
+    jaxpr = jax.make_jaxpr(lambda p, b: grads_fn(gd, rest, par.loss_fn, p, b))(params, batch)
+    return len(re.findall(r"\b(?:remat2?|checkpoint)\[", str(jaxpr)))  # the primitive, by either name
+
+
+@pytest.mark.parametrize("layout,n", [("fsdp8", 8), ("tp2", 2), ("pp2", 2)])
+def test_remat_setting_reaches_every_layout(layout, n):
+    """parallel.remat wraps the layers in a checkpoint in every layout (the explicit FSDP step, GSPMD,
+    pipeline stages); 'none' leaves none. Equal numbers under remat: CASES run fsdp8/tp2 with it."""
+    assert _remat_count(layout, "none", n) == 0
+    assert _remat_count(layout, "full", n) >= 1
+    assert _remat_count(layout, "save_dots", n) >= 1
+    with pytest.raises(ConfigError, match="parallel.remat='some'"):
+        LLMParallel(layout, DENSE, devices=jax.devices()[:n], remat="some")
 
 
 def test_moe_drops_are_counted_like_the_reference():

@@ -13,11 +13,14 @@ import dataclasses
 import json
 import math
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from omnijax.config import LLMConfig
+from omnijax.errors import ConfigError
 from omnijax.layers.attention import Attention
 from omnijax.layers.mlp import MLP
 from omnijax.layers.moe import MoE
@@ -55,6 +58,37 @@ class Block(nnx.Module):
         else:
             y, aux = self.mlp(h), zero_aux()
         return x + y, aux
+
+
+REMAT_MODES = ("none", "full", "save_dots")
+
+
+def remat_mode(value: Any) -> str:
+    """``parallel.remat`` as one of ``REMAT_MODES`` (a bool reads as full / none)."""
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "full"
+    if isinstance(value, str) and value.lower() in REMAT_MODES:
+        return value.lower()
+    raise ConfigError(f"parallel.remat={value!r}: must be one of {', '.join(REMAT_MODES)}")
+
+
+def remat_policy(mode: str) -> Callable | None:
+    """What the backward may keep from the forward: nothing (``full``: the layer input only, everything
+    recomputed) or every matmul output without batch dimensions (``save_dots``: weights' products kept,
+    norms, activations and attention recomputed)."""
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable if mode == "save_dots" else None
+
+
+def run_block(fn: Callable[..., Any], block: nnx.Module, *args: Any, remat: Any = "none") -> Any:
+    """``fn(block, *args)`` under the remat mode: the layer's activations are recomputed in the backward
+    (``jax.checkpoint`` around the whole layer) instead of being stored, trading FLOPs for memory."""
+    mode = remat_mode(remat)
+    if mode == "none":
+        return fn(block, *args)
+    graph, state = nnx.split(block)
+    return jax.checkpoint(lambda st, *a: fn(nnx.merge(graph, st), *a), policy=remat_policy(mode))(state, *args)
 
 
 def default_packing(tokens_shape: tuple[int, ...], segment_ids: jax.Array | None,
@@ -103,8 +137,10 @@ class LLM(nnx.Module):
         return jnp.einsum("bld,dv->blv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
 
     def forward_embeddings(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                           positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                           positions: jax.Array | None = None, remat: Any = "none") -> tuple[jax.Array, dict]:
         """x [B, L, D] -> (logits [B, L, V] float32, aux scalars summed over layers).
+
+        ``remat`` (``parallel.remat``): none | full | save_dots, per layer (see ``run_block``).
 
         aux["moe_aux_loss"] is already multiplied by cfg.moe.aux_loss_weight (add it to the loss as
         is); aux["moe_lb_loss"] is the unweighted sum; aux["moe_dropped_tokens"] counts (token, expert)
@@ -113,7 +149,7 @@ class LLM(nnx.Module):
         segment_ids, positions = default_packing(x.shape, segment_ids, positions)
         aux = zero_aux()
         for block in self.blocks:
-            x, block_aux = block(x, segment_ids, positions)
+            x, block_aux = run_block(lambda b, *a: b(*a), block, x, segment_ids, positions, remat=remat)
             aux = {k: aux[k] + block_aux[k] for k in AUX_KEYS}
         return self.logits(self.final_norm(x)), aux
 

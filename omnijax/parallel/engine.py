@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from omnijax.errors import ConfigError
 from omnijax.layers.attention import dot_product_attention
-from omnijax.models.llm import AUX_KEYS, LLM, default_packing, is_moe_layer, zero_aux
+from omnijax.models.llm import AUX_KEYS, LLM, default_packing, is_moe_layer, remat_mode, run_block, zero_aux
 from omnijax.parallel import context, embedding, expert, hosts, pipeline, rules as rules_lib
 from omnijax.parallel.mesh import Layout, make_mesh, parse_layout
 from omnijax.models.losses import masked_cross_entropy
@@ -109,7 +109,7 @@ class LLMParallel:
 
     def __init__(self, layout: str | Layout, model_cfg: Any, *, devices: list | None = None,
                  rules: str = "llm_5d", microbatches: int = 0,
-                 schedule: Literal["gpipe", "circular"] = "gpipe", repeats: int = 2, remat: bool = False,
+                 schedule: Literal["gpipe", "circular"] = "gpipe", repeats: int = 2, remat: bool | str = "none",
                  cp_impl: Literal["ring", "allgather"] = "ring", ep_impl: Literal["alltoall", "gspmd"] = "alltoall",
                  skip_bubbles: bool = True):
         devices = list(jax.devices() if devices is None else devices)
@@ -118,7 +118,9 @@ class LLMParallel:
         self.mesh: Mesh = make_mesh(self.layout, devices, model_cfg, microbatches=microbatches, circular_repeats=r)
         self.rules = rules_lib.load_rules(rules)
         self.model_cfg = model_cfg
-        self.remat, self.cp_impl, self.ep_impl, self.skip_bubbles = remat, cp_impl, ep_impl, skip_bubbles
+        # parallel.remat (none | full | save_dots): every layer, in every layout (pipeline stages included)
+        self.remat = remat_mode(remat)
+        self.cp_impl, self.ep_impl, self.skip_bubbles = cp_impl, ep_impl, skip_bubbles
         self.schedule: pipeline.Schedule | None = None
         if self.layout.pp > 1:
             m = microbatches or 2 * self.layout.pp
@@ -249,7 +251,7 @@ class LLMParallel:
                 raise ConfigError("feeding microbatches inside the pipeline needs a pipelined layout (pp > 1)")
             aux = zero_aux()
             for blk in model.blocks:
-                x, a = self.block(blk, x, seg, pos)
+                x, a = run_block(self.block, blk, x, seg, pos, remat=self.remat)
                 aux = {kk: aux[kk] + a[kk] for kk in AUX_KEYS}
         logits = model.logits(model.final_norm(x))
         return self.constrain(logits, "batch", "seq", "vocab"), aux
@@ -348,7 +350,7 @@ class LLMParallel:
                 else:
                     x = embedding.local_lookup(model.embedding[...], mb["tokens"], mesh=self.mesh,
                                                table_spec=table_spec, ids_spec=b_specs["tokens"])
-                logits, aux = model.forward_embeddings(x, mb["segment_ids"], mb["positions"])
+                logits, aux = model.forward_embeddings(x, mb["segment_ids"], mb["positions"], remat=self.remat)
                 loss_sum, count = masked_cross_entropy(logits, mb["targets"], mb["loss_mask"])
                 return loss_sum, count, aux
 

@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from omnijax.errors import ConfigError
+from omnijax.models.llm import remat_mode, remat_policy
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def _varies(x: jax.Array, axis: str) -> bool:
 
 
 def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_params: Any, xs: jax.Array,
-                  extras: Any, *, mesh: Mesh, schedule: Schedule, axis: str = "pp", remat: bool = True,
+                  extras: Any, *, mesh: Mesh, schedule: Schedule, axis: str = "pp", remat: bool | str = True,
                   feed: tuple[Callable[[Any, jax.Array, jax.Array], jax.Array], Any, Any] | None = None,
                   skip_bubbles: bool = True) -> tuple[jax.Array, jax.Array]:
     """Run ``stage_fn(params, x, extras) -> (x, aux)`` as a pipeline; returns (outputs [M, ...], sum aux).
@@ -132,7 +133,8 @@ def spmd_pipeline(stage_fn: Callable[..., tuple[jax.Array, jax.Array]], stage_pa
         raise ConfigError(f"pipeline has {S} stages but mesh axis '{axis}' has size {mesh.shape.get(axis, 1)}")
     if xs.shape[0] != M:
         raise ConfigError(f"pipeline expects {M} microbatches, got {xs.shape[0]}")
-    fn = jax.checkpoint(stage_fn) if remat else stage_fn
+    mode = remat_mode(remat)  # none | full | save_dots (a bool reads as full / none)
+    fn = stage_fn if mode == "none" else jax.checkpoint(stage_fn, policy=remat_policy(mode))
     perm = [(j, (j + 1) % S) for j in range(S)]
     T = schedule.iterations
 
