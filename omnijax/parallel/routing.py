@@ -31,6 +31,7 @@ from typing import Callable, Collection, Literal
 import numpy as np
 
 from omnijax.errors import ConfigError
+from omnijax.parallel import placement_meta
 # the planner's parts, re-exported: callers name them as routing.X
 from omnijax.parallel.device_grid import MESH_AXES, DeviceGrid, parse_encoder_layout  # noqa: F401
 from omnijax.parallel.encoder_placement import (BUCKET_GROWTH, Assignment, Segment, _bucket,  # noqa: F401
@@ -119,8 +120,8 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
         return _materialize(batch, grid, reductions, dims, segments, names, assignment, source_of, pinned,
                             geometry, long_short, min_rows, min_route, growth, fill_devices)
     try:
-        (assignment,), caps = _place_balanced([segments], grid, names, long_short, long_factor, pinned, min_rows,
-                                              growth, reductions)
+        assignment, caps = _balanced(segments, grid, names, long_short, long_factor, pinned, min_rows, growth,
+                                     reductions)
         return _materialize(batch, grid, reductions, dims, segments, names, assignment, None, caps, geometry,
                             long_short, min_rows, min_route, growth, fill_devices)
     except ConfigError:
@@ -130,13 +131,20 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
     # routes need more than the pinned route capacity: the unpinned placement still fits if its own
     # capacities lie inside the pins (so capacities that grew to cover it always work).
     enc_pins = {k: v for k, v in pinned.items() if k != "route"}
-    (assignment,), caps = _place_balanced([segments], grid, names, long_short, long_factor, {}, min_rows, growth,
-                                          reductions)
+    assignment, caps = _balanced(segments, grid, names, long_short, long_factor, {}, min_rows, growth, reductions)
     too_small = [k for k, v in caps.items() if v > enc_pins.get(k, v)]
     if too_small:
         raise ConfigError(f"pinned capacities too small for this batch: {', '.join(f'{k} needs {caps[k]} > {pinned[k]}' for k in too_small)}")
     return _materialize(batch, grid, reductions, dims, segments, names, assignment, None, {**caps, **pinned},
                         geometry, long_short, min_rows, min_route, growth, fill_devices)
+
+
+def _balanced(segments, grid, names, long_short, long_factor, pins, min_rows, growth, reductions):
+    """Capacity-aware LPT placement, then local moves inside those capacities that lower the most
+    loaded device (`placement_meta.refine_assignment`, the pass the scale model runs too)."""
+    (assignment,), caps = _place_balanced([segments], grid, names, long_short, long_factor, pins, min_rows, growth,
+                                          reductions)
+    return placement_meta.refine_assignment(assignment, segments, grid, caps, splittable=long_short), caps
 
 
 def _materialize(batch, grid, reductions, dims, segments, names, assignment, source_of, caps, geometry,
