@@ -102,11 +102,12 @@ def test_pooling_merges_a_split_segment():
 
 # ----------------------------------------------------------------------- the recipe's step, end to end
 STEPS = 3
+SHALLOW = ["model.llm.num_layers=1", "model.encoders.vision.num_layers=1", "model.encoders.audio.num_layers=1"]
 
 
 def _recipe(layout: str = "", encoder: str = ""):
-    """tiny_omni's config (vision abs positions on) with these layouts, its packer and world."""
-    cfg = load([f"parallel.llm={layout}", f"parallel.encoder={encoder}", "trainer.steps=10"])
+    """tiny_omni's config (vision abs positions on) with these layouts, one layer per part (compile time)."""
+    cfg = load([f"parallel.llm={layout}", f"parallel.encoder={encoder}", "trainer.steps=10", *SHALLOW])
     assert encoder_configs(cfg.model)["vision"].abs_position
     return cfg
 

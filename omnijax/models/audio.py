@@ -17,7 +17,8 @@ from flax import nnx
 
 from omnijax.config import from_dict
 from omnijax.mm_config import AudioConfig, encoder_tokens
-from omnijax.models.encoder_layers import EncoderBlock, as_static, layer_norm, linear, rope_inv_freq, transformer_flops
+from omnijax.models.encoder_layers import (EncoderBlock, as_static, compute_dtype, layer_norm, linear, rope_inv_freq,
+                                           run_blocks, transformer_flops)
 
 
 class AudioEncoder(nnx.Module):
@@ -42,12 +43,11 @@ class AudioEncoder(nnx.Module):
     def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         r = self.reduction
         n = inputs.shape[0]
-        x = jax.nn.gelu(self.downsample(inputs.astype(jnp.float32).reshape(n // r, r * self.input_dim)), approximate=True)
+        dt = compute_dtype(self.downsample.kernel)  # the params' dtype: bf16 under trainer.compute_dtype
+        x = jax.nn.gelu(self.downsample(inputs.astype(dt).reshape(n // r, r * self.input_dim)), approximate=True)
         seg = segment_ids[::r][None]
         pos = (positions[::r, :1] // r)[None]
-        x = x[None]
-        for block in self.blocks:
-            x = block(x, seg, pos, self.inv_freq)
+        x = run_blocks(self.blocks, x[None], seg, pos, self.inv_freq)
         return self.post_norm(x[0])
 
     def cost(self, segment_shape: tuple[int, ...]) -> float:

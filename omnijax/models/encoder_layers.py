@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.layers import remat
 from omnijax.layers.attention import attention_fn
 
 
@@ -118,6 +119,20 @@ class EncoderBlock(nnx.Module):
     def __call__(self, x, segment_ids, positions, inv_freq):
         x = x + self.attn(self.ln1(x), segment_ids, positions, inv_freq)
         return x + self.mlp(self.ln2(x))
+
+
+def compute_dtype(param: nnx.Variable) -> jnp.dtype:
+    """The dtype an encoder computes in: its parameters' (the trainer casts fp32 masters to
+    `trainer.compute_dtype` before the forward, as for the LLM), inputs are cast to it on entry."""
+    return param[...].dtype
+
+
+def run_blocks(blocks, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
+    """The encoder's blocks in order, each rematerialised as `parallel.remat` says
+    (`omnijax.layers.remat.use_remat`, entered by the placement while tracing)."""
+    for block in blocks:
+        x = remat.run_checkpointed(block, x, segment_ids, positions, static=(inv_freq,))
+    return x
 
 
 def transformer_flops(n: int, dim: int, mlp_dim: int, layers: int) -> float:

@@ -19,8 +19,8 @@ from flax import nnx
 
 from omnijax.config import from_dict
 from omnijax.mm_config import VisionConfig, encoder_tokens
-from omnijax.models.encoder_layers import (EncoderBlock, GeluMLP, as_static, layer_norm, linear, rope_inv_freq,
-                                           transformer_flops)
+from omnijax.models.encoder_layers import (EncoderBlock, GeluMLP, as_static, compute_dtype, layer_norm, linear,
+                                           rope_inv_freq, run_blocks, transformer_flops)
 from omnijax.layers import sequence
 from omnijax.layers.attention import dot_product_attention
 
@@ -58,7 +58,7 @@ class PoolingHead(nnx.Module):
         """x [N, D], segment_ids [N] (1-based) -> [num_segments, D] (segment s at row s-1)."""
         n, d = x.shape
         dh = d // self.heads
-        q = jnp.broadcast_to(self.q(self.probe[...]).reshape(1, 1, self.heads, dh), (num_segments, 1, self.heads, dh))
+        q = jnp.broadcast_to(self.q(self.probe[...].astype(x.dtype)).reshape(1, 1, self.heads, dh), (num_segments, 1, self.heads, dh))
         k = jnp.broadcast_to(self.k(x).reshape(1, n, self.heads, dh), (num_segments, n, self.heads, dh))
         v = jnp.broadcast_to(self.v(x).reshape(1, n, self.heads, dh), (num_segments, n, self.heads, dh))
         q_seg = jnp.arange(1, num_segments + 1, dtype=jnp.int32)[:, None]
@@ -104,16 +104,14 @@ class VisionEncoder(nnx.Module):
 
     def hidden(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """Per-patch features [N, D] after the blocks (and post-norm)."""
-        x = self.patch_embed(inputs.astype(jnp.float32))
+        dt = compute_dtype(self.patch_embed.kernel)  # the params' dtype: bf16 under trainer.compute_dtype
+        x = self.patch_embed(inputs.astype(dt))
         if self.pos_embed is not None:
             g = self.learned_grid
-            x = x + self.pos_embed[...][positions[:, 1] * g + positions[:, 2]]
-        if self.abs_pos is not None:
-            x = x + self.abs_pos(relative_coordinate_features(positions, segment_ids, self.abs_freqs))
-        x, seg, pos = x[None], segment_ids[None], positions[None]
-        for block in self.blocks:
-            x = block(x, seg, pos, self.inv_freq)
-        x = x[0]
+            x = x + self.pos_embed[...][positions[:, 1] * g + positions[:, 2]].astype(dt)
+        if self.abs_pos is not None:  # features in float32, projected in the compute dtype
+            x = x + self.abs_pos(relative_coordinate_features(positions, segment_ids, self.abs_freqs).astype(dt))
+        x = run_blocks(self.blocks, x[None], segment_ids[None], positions[None], self.inv_freq)[0]
         return self.post_norm(x) if self.post_norm is not None else x
 
     def pool(self, hidden: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:

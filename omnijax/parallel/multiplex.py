@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from omnijax.data.payload import LazyRows
 from omnijax.errors import ConfigError
-from omnijax.layers import attention as attention_lib, sequence
+from omnijax.layers import attention as attention_lib, remat as remat_lib, sequence
+from omnijax.models.encoder_layers import compute_dtype
 from omnijax.models.mllm import MultimodalModel
 from omnijax.parallel import context, hosts, routing, rules as rules_lib
 from omnijax.parallel.engine import LLMParallel
@@ -317,8 +318,11 @@ class Multiplexer:
 
     # --------------------------------------------------------------------------- the step
     def _encode_local(self, part: EncoderPart, arrays: dict) -> jax.Array:
-        """This device's projected encoder outputs [M, D_llm] (short then long, per encoder) + a zero pad row."""
+        """This device's projected encoder outputs [M, D_llm] (short then long, per encoder) + a zero pad row,
+        in the compute dtype (the projectors' parameters': bf16 under trainer.compute_dtype=bfloat16)."""
         outs = []
+        dts = [compute_dtype(p.fc2.kernel) for p in part.projectors.values()]
+        dt = jnp.result_type(*dts) if dts else jnp.dtype(jnp.float32)
         for name in sorted(self.reductions):
             if f"{name}_short_inputs" not in arrays:
                 continue
@@ -334,18 +338,21 @@ class Multiplexer:
                 if kind == "long":  # every device of the group must take the same branch (collectives inside)
                     has_work = jax.lax.psum(has_work.astype(jnp.int32), self.esp_axes) > 0
                 width = self.engine.model_cfg.embed_dim
-                outs.append(jax.lax.cond(has_work, run, lambda: jnp.zeros((x.shape[0] // r, width), jnp.float32)))
+                outs.append(jax.lax.cond(has_work, lambda run=run: run().astype(dt),
+                                         lambda: jnp.zeros((x.shape[0] // r, width), dt)))
         width = self.engine.model_cfg.embed_dim
-        outs.append(jnp.zeros((1, width), jnp.float32))
+        outs.append(jnp.zeros((1, width), dt))
         return jnp.concatenate(outs, axis=0)
 
     def _run_encoder(self, enc, proj, x, seg, pos, kind: Literal["short", "long"]) -> jax.Array:
-        if kind == "long":  # segments split over the esp group: attention and segment reductions span it
-            with attention_lib.use_attention(ulysses_attention(self.esp_axes)), sequence.use_sequence_group(self.esp_axes):
+        """One buffer through its encoder (blocks rematerialised as `parallel.remat` says) and projector."""
+        with remat_lib.use_remat(self.engine.remat):
+            if kind == "long":  # segments split over the esp group: attention and segment reductions span it
+                with attention_lib.use_attention(ulysses_attention(self.esp_axes)), sequence.use_sequence_group(self.esp_axes):
+                    h = enc(x, seg, pos)
+            else:
                 h = enc(x, seg, pos)
-        else:
-            h = enc(x, seg, pos)
-        return proj(h).astype(jnp.float32)
+        return proj(h)
 
     def _encode_and_route(self, part: EncoderPart, x: jax.Array, local: dict) -> jax.Array:
         """Per device (inside shard_map): encode this device's buffers, send every output token to the
