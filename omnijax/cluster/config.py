@@ -32,6 +32,7 @@ class LearnedConfig:
     es_pairs: int = 3
     es_sigma: float = 0.3
     es_lr: float = 0.3
+    es_validation: int = 4         # generated workloads the trained policy must beat fitted on (0: no check)
     hidden_es: int = 16
 
 

@@ -16,7 +16,9 @@ back-propagating through the simulator) with rank-shaped fitness; every iteratio
 the training distribution (`generate_workload`: a time window of a training trace, its jobs resampled
 and their arrivals jittered) and scores each perturbation by its average JCT over the fitted scheduler's
 on that same workload. The training traces are the Pollux sets the bench does not report (0.5x, 1.5x and
-2x load); the bench evaluates on `workloads` and `workloads-realistic`.
+2x load); the bench evaluates on `workloads` and `workloads-realistic`. The trained policy is kept only if
+it beats the fitted scheduler on `learned.es_validation` further generated workloads; otherwise the
+warm start (= fitted) is returned, so a failed training run cannot make the scheduler worse.
 """
 from __future__ import annotations
 
@@ -184,6 +186,7 @@ def evolve(theta: np.ndarray, workloads: Sequence[Sequence[JobSpec]], sim_cfg, *
 
 def train_residual(cfg) -> ResidualScheduler:
     """Train on workloads generated from the `learned.train_sets` traces; returns the scheduler."""
+    from omnijax.cluster.simulator import run_workload
     from omnijax.cluster.traces import load_workload, workload_files
     lc = cfg.learned
     pool = [load_workload(w) for s in lc.train_sets for w in workload_files(s, 0)]
@@ -196,6 +199,17 @@ def train_residual(cfg) -> ResidualScheduler:
     theta, hist = evolve(mlp.init(lc.seed), episodes, cfg.sim, hidden=lc.hidden_es, pairs=lc.es_pairs,
                          sigma=lc.es_sigma, lr=lc.es_lr, seed=lc.seed,
                          log=lambda r: print(f"# learned es: {r}", file=sys.stderr))
+    # validation on fresh generated workloads (same distribution, none trained on): keep the trained
+    # policy only if it beats its warm start (the fitted scheduler) there on average
+    held = [generate_workload(pool, rng, window_s=lc.window_s) for _ in range(lc.es_validation)]
+    score = float(np.mean([episode_score(theta, s, cfg.sim, lc.hidden_es, run_workload(s, FittedModel(), cfg.sim).avg_jct_s)
+                           for s in held])) if held else 0.0
+    kept = score < 1.0
+    print(f"# learned es: validation on {len(held)} generated workloads: {score:.4f} x fitted; "
+          f"{'keeping the trained policy' if kept else 'keeping the warm start (fitted)'}", file=sys.stderr)
+    if not kept:
+        theta = mlp.init(lc.seed)
     sched = ResidualScheduler(theta=theta, hidden=lc.hidden_es)
     sched.history = hist
+    sched.validation_vs_fitted = score
     return sched
