@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 
-DESCRIPTION = "check a recipe's config, meshes, shardings, per-device memory and step shapes without running it: dryrun NAME [devices=N]"
+DESCRIPTION = ("check a recipe's config, meshes, shardings, per-device memory (state + LLM activations at parallel.remat) "
+               "and step shapes without running it: dryrun NAME [devices=N]")
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,7 @@ from flax import nnx
 import omnijax  # noqa: F401
 from omnijax.config import Config, LLMConfig
 from omnijax.models.llm import LLM
-from omnijax.parallel.engine import LLMParallel
+from omnijax.parallel.engine import LLMParallel, all_reduce_then_slice
 from omnijax.train import step as step_lib
 from omnijax.train.loop import Trainer
 from omnijax.models.losses import lm_loss
@@ -118,9 +118,11 @@ def test_layout_matches_one_device_every_step(runs, layout):
 
 def test_fsdp_grads_reduce_scatter_and_state_is_one_eighth(runs):
     t, par, _ = runs["fsdp8"]
-    ops = collectives(compiled_text(t, par))
+    text = compiled_text(t, par)
+    ops = collectives(text)
     kinds = {k for k, _, _ in ops}
     assert "reduce-scatter" in kinds
+    assert all_reduce_then_slice(text) == 0
     # no gradient is all-reduced: every all-reduce is a scalar (loss, norms, token counts)
     assert all(shape.endswith("[]") for k, shape, _ in ops if k == "all-reduce"), ops
     state = (t.state.params, t.state.opt_state)
@@ -128,6 +130,20 @@ def test_fsdp_grads_reduce_scatter_and_state_is_one_eighth(runs):
     dev0 = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards
                if s.device == jax.devices()[0])
     assert dev0 <= total / 8 * 1.01
+
+
+def test_all_reduce_then_slice_is_seen():
+    """The HLO check the FSDP test relies on finds the pattern where GSPMD leaves it: a row-sharded
+    operand's column sums wanted sharded come out as a full all-reduce and a slice on XLA:CPU."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    fn = jax.jit(lambda a: a.sum(0), in_shardings=NamedSharding(mesh, P("x")), out_shardings=NamedSharding(mesh, P("x")))
+    text = fn.lower(jnp.ones((64, 64))).compile().as_text()
+    assert all_reduce_then_slice(text) >= 1
+    scatter = jax.jit(jax.shard_map(lambda a: jax.lax.psum_scatter(a.sum(0), "x", tiled=True), mesh=mesh,
+                                    in_specs=P("x"), out_specs=P("x")))
+    assert all_reduce_then_slice(scatter.lower(jnp.ones((64, 64))).compile().as_text()) == 0
 
 
 @pytest.mark.parametrize("layout", ["fsdp8", "fsdp4xtp2"])

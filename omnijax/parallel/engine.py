@@ -42,6 +42,63 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+
+
+def all_reduce_then_slice(hlo_text: str) -> int:
+    """Arrays (elements of combined all-reduces counted one by one, scalars left out) that compiled HLO
+    all-reduces whole and then only slices (a ``dynamic-slice``, directly or inside the fusion that
+    consumes it): a full reduction where a reduce-scatter into the shard would do (XLA:CPU does not
+    rewrite the pair by itself)."""
+    lines = hlo_text.splitlines()
+    comps: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        m = _COMPUTATION.match(line)
+        if m:
+            current = comps.setdefault(m.group(1), [])
+        elif current is not None:
+            current.append(line)
+    slicing = {name for name, body in comps.items() if any(" dynamic-slice(" in ln for ln in body)}
+    defs = [(m.group(1), ln) for ln in lines if (m := re.match(r"\s*(?:ROOT )?%(\S+) = ", ln))]
+    used_by: dict[str, list[tuple[str, str]]] = {}
+    for n, ln in defs:
+        rhs = ln.split(" = ", 1)[1].split(" metadata=")[0]
+        for operand in set(re.findall(r"[(,] ?%([^,)\s]+)(?=[,)])", rhs)):
+            used_by.setdefault(operand, []).append((n, ln))
+
+    def users(name: str) -> list[tuple[str, str]]:
+        return used_by.get(name, [])
+
+    def only_sliced(name: str) -> bool:
+        us = users(name)
+        for n, ln in us:
+            if " get-tuple-element(" in ln:
+                if not only_sliced(n):
+                    return False
+                continue
+            called = re.search(r"calls=%([^,\s]+)", ln)
+            if not (" dynamic-slice(" in ln or (called and called.group(1) in slicing)):
+                return False
+        return bool(us)
+
+    count = 0
+    for name, ln in defs:
+        m = re.search(r"= (\(.*?\)|\S+) all-reduce(?:-start)?\(", ln)
+        if not m:
+            continue
+        shapes = re.findall(r"[a-z0-9]+\[[0-9,]*\]", m.group(1))
+        if not m.group(1).startswith("("):
+            count += int(not shapes[0].endswith("[]") and only_sliced(name))
+            continue
+        for i, shape in enumerate(shapes):
+            if shape.endswith("[]"):
+                continue
+            gtes = [n for n, u in users(name) if " get-tuple-element(" in u and re.search(rf"index={i}\b", u)]
+            count += int(bool(gtes) and all(only_sliced(g) for g in gtes))
+    return count
+
+
 class CompileCounter:
     """Wraps a jitted function and reports how many distinct programs it compiled."""
 

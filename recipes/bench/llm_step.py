@@ -4,6 +4,13 @@ Two rows, measured side by side in one process: the step on one device (``1dev``
 ``parallel.llm`` on every device (plain data parallelism when it is empty; no second row on one device). Each row names its
 ``layout`` and ``state_bytes_per_device`` (parameters + optimizer state resident on the fullest device,
 read from the arrays' own shards), so a layout that was not applied shows.
+
+Both variants are compiled first, then timed in ``bench.repeats`` interleaved rounds of ``bench.steps``
+steps (rotating which goes first): ``step_s`` is the median round, ``step_time_ratio`` the median of the
+per-round ratios (``step_time_ratio_per_round``), and ``process_cpu_s_per_wall_s`` shows how many cores
+the process actually got in each round (a shared machine gives fewer than it has; ``cpu_s_per_step`` is the
+median CPU time of one step, the work a layout costs whatever the load). ``collectives`` and
+``all_reduce_then_slice`` are read from the compiled step (gradients reduced whole and then sliced).
 """
 from __future__ import annotations
 
@@ -26,6 +33,14 @@ def state_bytes_per_device(tree) -> int:
     return max(per.values(), default=0)
 
 
+def _cpu_s() -> float:
+    """CPU seconds this process used (user + system): over wall time, how many cores it got."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def allocator() -> str:
     preload = os.environ.get("LD_PRELOAD", "")
     return "tcmalloc" if "tcmalloc" in preload else "jemalloc" if "jemalloc" in preload else "glibc malloc"
@@ -35,7 +50,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from recipes.common import load_config, setup_devices
 
     setup_devices(overrides)
-    extra = [o for o in overrides if o.split("=")[0] in {"bench.warmup", "bench.steps"}]
+    extra = [o for o in overrides if o.split("=")[0] in {"bench.warmup", "bench.steps", "bench.repeats"}]
     overrides = [o for o in overrides if o not in extra]
     opts = {k.split(".")[1]: int(v) for k, v in (o.split("=") for o in extra)}
     cfg = load_config("tiny_lm", overrides)
@@ -46,7 +61,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
 
     from omnijax.data import stdlib_text
     from omnijax.models.llm import LLM
-    from omnijax.parallel.engine import LLMParallel
+    from omnijax.parallel.engine import LLMParallel, all_reduce_then_slice, count_collectives
     from omnijax.train.loop import Trainer
     from omnijax.models.losses import lm_loss
     from omnijax.train.metrics import device_peak_flops, llm_flops_per_token, llm_param_counts, mfu
@@ -72,7 +87,11 @@ def run(overrides: list[str]) -> Iterator[dict]:
         variants.append((f"dp{jax.device_count()}", f"dp{jax.device_count()} (parameters replicated)",
                          DataParallel(), lm_loss))
 
-    base_step_s = None
+    # Every variant built and compiled first; then `repeats` rounds, each timing every variant for `steps`
+    # steps in a rotated order, so load from other processes falls on all variants alike. Rows carry the
+    # median step time and each round's ratio against 1dev measured in that same round.
+    repeats = opts.get("repeats", 5)
+    runs = []
     for name, layout, placement, loss_fn in variants:
         model = (lambda p=placement: p.prepare(build())) if hasattr(placement, "prepare") else build
         trainer = Trainer(cfg, model, loss_fn, loader, placement=placement)
@@ -80,30 +99,51 @@ def run(overrides: list[str]) -> Iterator[dict]:
         state = trainer.state
         state_bytes = state_bytes_per_device((state.params, state.opt_state))
         t0 = time.perf_counter()
-        state, m = trainer._step(state, batches[0])
-        jax.block_until_ready(m)
+        compiled = trainer._step.lower(state, batches[0]).compile()  # the trainer's own program, ahead of time
         compile_s = time.perf_counter() - t0
+        hlo = compiled.as_text()
         for i in range(opts.get("warmup", 2)):
-            state, m = trainer._step(state, batches[i % 4])
+            state, m = compiled(state, batches[i % 4])
         jax.block_until_ready(m)
-        steps = opts.get("steps", 10)
-        t0 = time.perf_counter()
-        for i in range(steps):
-            state, m = trainer._step(state, batches[i % 4])
-        jax.block_until_ready(m)
-        step_s = (time.perf_counter() - t0) / steps
-        n_dev = placement.mesh.size
+        runs.append({"name": name, "layout": layout, "placement": placement, "step": compiled, "state": state,
+                     "batches": batches, "state_bytes": state_bytes, "compile_s": compile_s, "times": [],
+                     "cpu": [], "m": m, "collectives": count_collectives(hlo),
+                     "all_reduce_then_slice": all_reduce_then_slice(hlo)})
+        del trainer
+    steps = opts.get("steps", 3)
+    for r in range(repeats):
+        for k in range(len(runs)):
+            run_ = runs[(r + k) % len(runs)]
+            state = run_["state"]
+            c0, t0 = _cpu_s(), time.perf_counter()
+            for i in range(steps):
+                state, m = run_["step"](state, run_["batches"][i % 4])
+            jax.block_until_ready(m)
+            wall = time.perf_counter() - t0
+            run_["times"].append(wall / steps)
+            run_["cpu"].append((_cpu_s() - c0) / wall)
+            run_["state"], run_["m"] = state, m
+
+    base = runs[0]["times"]
+    for run_ in runs:
+        step_s = float(np.median(run_["times"]))
+        n_dev = run_["placement"].mesh.size
         tok_s = tokens / step_s
-        row = {"variant": name, "layout": layout, "num_devices": n_dev, "state_bytes_per_device": state_bytes,
-               "tokens_per_s": round(tok_s, 1), "step_s": round(step_s, 4), "compile_s": round(compile_s, 2),
+        row = {"variant": run_["name"], "layout": run_["layout"], "num_devices": n_dev,
+               "state_bytes_per_device": run_["state_bytes"], "tokens_per_s": round(tok_s, 1),
+               "step_s": round(step_s, 4), "step_s_per_round": [round(t, 4) for t in run_["times"]],
+               "rounds": repeats, "steps_per_round": steps,
+               "process_cpu_s_per_wall_s": [round(c, 2) for c in run_["cpu"]],
+               "cpu_s_per_step": round(float(np.median([t * c for t, c in zip(run_["times"], run_["cpu"])])), 4),
+               "compile_s": round(run_["compile_s"], 2), "collectives": run_["collectives"],
+               "all_reduce_then_slice": run_["all_reduce_then_slice"],
                "flops_per_token": fpt, "mfu": mfu(tok_s, fpt, n_dev, peak), "device": kind,
                "peak_flops_per_device": peak, "params": total, "active_params": active, "seq_len": cfg.data.seq_len,
-               "batch_size": cfg.data.batch_size, "loss": float(np.asarray(m["loss"])), "allocator": allocator(),
+               "batch_size": cfg.data.batch_size, "loss": float(np.asarray(run_["m"]["loss"])), "allocator": allocator(),
                "flops_formula": "6*N_active + 12*layers*heads*head_dim*seq_len",
                **({} if peak else {"mfu_note": f"no datasheet peak FLOP/s for device kind '{kind}'; MFU not computed"})}
-        if base_step_s is None:
-            base_step_s = step_s
-        else:
-            row.update({"vs": "1dev", "step_time_ratio": round(step_s / base_step_s, 3)})
-        del trainer, state, batches
+        if run_ is not runs[0]:
+            ratios = [t / b for t, b in zip(run_["times"], base)]
+            row.update({"vs": "1dev", "step_time_ratio": round(float(np.median(ratios)), 3),
+                        "step_time_ratio_per_round": [round(x, 3) for x in ratios]})
         yield row
