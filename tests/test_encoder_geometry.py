@@ -125,11 +125,21 @@ def recipe_batches():
     return cfg, batches
 
 
+_MODELS: dict = {}
+
+
+def _model(cfg):
+    """The recipe's initial model, built once (every layout starts from the same weights)."""
+    if "model" not in _MODELS:
+        _MODELS["model"] = mllm.MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))
+    return _MODELS["model"]
+
+
 def _train(cfg, batches, placement=None) -> tuple[list[tuple[float, float]], list]:
     """(loss, grad norm) of each step with the recipe's optimizer from the same initial model, and the
     placement's plan of each step."""
 
-    model = mllm.MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))
+    model = _model(cfg)
     opt = make_optimizer(cfg.optimizer, cfg.trainer.steps)
     if placement is not None:
         placement.reserve(batches)  # one program for all steps
@@ -138,7 +148,7 @@ def _train(cfg, batches, placement=None) -> tuple[list[tuple[float, float]], lis
     loss_fn = mllm.mm_loss if placement is None else placement.loss_fn
     if placement is not None:
         params = placement.put_state(params)
-    state = init_state(params, opt)
+    state = jax.jit(lambda p: init_state(p, opt))(params)  # one program, not one dispatch per leaf
     step = jax.jit(make_train_step(graphdef, rest, loss_fn, opt))
     out, plans = [], []
     for b in batches:
