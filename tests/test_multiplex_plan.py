@@ -66,7 +66,8 @@ def simulate(plan, batch, grid, B, L):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 10_000), st.sampled_from(LAYOUTS), st.sampled_from(["balanced", "arrival", "coupled", "coupled_replicated"]),
+@given(st.integers(0, 10_000), st.sampled_from(LAYOUTS),
+       st.sampled_from(["balanced", "arrival", "coupled", "coupled_replicated"]),
        st.booleans(), st.integers(1, 9))
 def test_every_token_reaches_every_replica_once(seed, sizes, mode, long_short, n_segments):
     rng = np.random.default_rng(seed)
