@@ -278,3 +278,28 @@ def test_trainer_runs_a_layout_with_one_program(tmp_path):
     assert per_device_bytes(params) == expected_bytes(params, par.layout.sizes, load_rules("llm_5d").params)
     assert per_device_bytes(params) * 4 <= sum(v.nbytes for v in jax.tree.leaves(params)) * 1.0001
     del result
+
+
+def test_fsdp_cp_grads_reduce_scatter_into_their_shards():
+    """fsdp x cp runs the explicit per-device step (cp ring inside it): the reference's loss and grads, and
+    no gradient all-reduced whole and then sliced, where the GSPMD program of the same layout has them."""
+    from omnijax.parallel.engine import all_reduce_then_slice
+
+    model, ref_loss, _, ref_grads = reference(DENSE)
+    par = LLMParallel("fsdp2xcp4", DENSE, remat="full")
+    gd, params, rest = nnx.split(par.prepare(model), nnx.Param, ...)
+    p_sh = par.state_shardings(params)
+    params = jax.device_put(params, p_sh)
+    batch = par.put_batch(BATCH)
+    grads_fn = par.grads_fn(par.loss_fn)
+    assert grads_fn is not None
+    compiled = jax.jit(lambda p, b: grads_fn(gd, rest, par.loss_fn, p, b), out_shardings=(None, p_sh, None)) \
+        .lower(params, batch).compile()
+    loss, grads, _ = compiled(params, batch)
+    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+    errs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                        nnx.to_pure_dict(jax.device_get(grads)), ref_grads)
+    assert max(jax.tree.leaves(errs)) <= 1e-4, errs
+    assert all_reduce_then_slice(compiled.as_text()) == 0
+    assert "reduce-scatter" in count_collectives(compiled.as_text())
+    assert all_reduce_then_slice(get_run("fsdp4xcp2")["hlo"]) > 0  # GSPMD's program: the check can fail

@@ -76,6 +76,19 @@ def merge_partials(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Arra
     return out, jnp.where(ok, m + jnp.log(safe), -jnp.inf)
 
 
+def _like(x: jax.Array, *refs: jax.Array) -> jax.Array:
+    """``x`` typed as varying over every manual axis the ``refs`` vary over (a typed shard_map wants both
+    branches of a ``lax.cond`` alike); a no-op outside typed shard_maps."""
+    def vma(a: jax.Array) -> set:
+        t = jax.typeof(a)
+        mat = getattr(t, "manual_axis_type", None)
+        return set(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+    want = set().union(*(vma(r) for r in refs))
+    missing = tuple(sorted(want - vma(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _ring_body(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, axis, size, causal, attention_impl):
     """Each rank attends its queries to every rank's K/V block as the blocks travel round the ring,
     merging partial results by their log-sum-exp (whose gradient the attention honours). A ring step
@@ -94,7 +107,8 @@ def _ring_body(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, axis, size, causal, att
             return out.astype(jnp.float32), lse
 
         def empty(k, v):
-            return jnp.zeros((b, sq, h, d), jnp.float32), jnp.full((b, sq, h), -jnp.inf, jnp.float32)
+            return (_like(jnp.zeros((b, sq, h, d), jnp.float32), q, k),
+                    _like(jnp.full((b, sq, h), -jnp.inf, jnp.float32), q, k))
         return lax.cond(visible, run, empty, k, v)
 
     out, lse = attend(k, v, kv_seg, kv_pos)

@@ -14,6 +14,7 @@ the model's own layers with the parallel pieces plugged in:
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable, Literal
 
@@ -368,8 +369,8 @@ class LLMParallel:
 
     # ---------------------------------------------------------------- explicit FSDP gradients
     def grads_fn(self, loss_fn: Callable) -> Callable | None:
-        """``loss_and_grads`` replacement for layouts that only split the batch (dp x fsdp, a dense LLM),
-        or None where GSPMD keeps the step.
+        """``loss_and_grads`` replacement for layouts that split the batch and the sequence (dp x fsdp x cp,
+        a dense LLM), or None where GSPMD keeps the step.
 
         XLA:CPU lowers a sharded weight's gradient as an all-reduce of the full gradient followed by a
         slice; here the whole forward/backward runs per device inside one ``shard_map``: each weight is
@@ -378,7 +379,7 @@ class LLMParallel:
         the logits need it (tied embeddings)."""
         lay = self.layout
         dense = not any(is_moe_layer(self.model_cfg, i) for i in range(self.model_cfg.num_layers))
-        if loss_fn != self.loss_fn or not dense or lay.tp * lay.cp * lay.pp * lay.ep != 1 or lay.fsdp == 1:
+        if loss_fn != self.loss_fn or not dense or lay.tp * lay.pp * lay.ep != 1 or lay.fsdp == 1:
             return None
         return self._manual_loss_and_grads
 
@@ -386,6 +387,7 @@ class LLMParallel:
                                grad_accum: int = 1, compute_dtype: Any = jnp.float32,
                                aux_weights: dict[str, float] | None = None) -> tuple[jax.Array, Any, dict]:
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        lay = self.layout
         p_specs = jax.tree.map(lambda v: v.get_value().spec, self.state_shardings(params), is_leaf=is_var)
         p_specs = jax.tree.map(lambda v: v.get_value() if is_var(v) else v, p_specs, is_leaf=is_var)
         b_specs = {k: v.spec for k, v in self.batch_sharding(batch).items()}
@@ -407,7 +409,13 @@ class LLMParallel:
                 else:
                     x = embedding.local_lookup(model.embedding[...], mb["tokens"], mesh=self.mesh,
                                                table_spec=table_spec, ids_spec=b_specs["tokens"])
-                logits, aux = model.forward_embeddings(x, mb["segment_ids"], mb["positions"], remat=self.remat)
+                if lay.cp == 1:
+                    logits, aux = model.forward_embeddings(x, mb["segment_ids"], mb["positions"], remat=self.remat)
+                else:  # the sequence split over cp: this device's chunks, attention over the cp ring
+                    seg, pos = mb["segment_ids"], mb["positions"]
+                    for blk in model.blocks:
+                        x, _ = run_block(self._manual_block, blk, x, seg, pos, remat=self.remat)
+                    logits, aux = model.logits(model.final_norm(x)), zero_aux()
                 loss_sum, count = masked_cross_entropy(logits, mb["targets"], mb["loss_mask"])
                 return loss_sum, count, aux
 
@@ -423,6 +431,18 @@ class LLMParallel:
 
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=(p_specs, b_specs, P()), out_specs=(P(), p_specs, P()))
         return fn(params, batch, total)
+
+    def _manual_block(self, blk: nnx.Module, x: jax.Array, seg: jax.Array, pos: jax.Array) -> tuple[jax.Array, dict]:
+        """One dense layer per device inside the explicit step: the sequence is this device's cp chunks
+        (balanced order; masks come from positions), attention runs over the cp ring or an all-gather."""
+        impl = getattr(self.model_cfg, "attention", "auto")
+        body = context._ring_body if self.cp_impl == "ring" else context._allgather_body
+        extra = ({"attention_impl": impl} if self.cp_impl == "ring"
+                 else {"attention_fn": functools.partial(dot_product_attention, impl=impl)})
+        q, k, v = blk.attn.project_qkv(blk.attn_norm(x), pos)
+        att = body(q, k, v, seg, seg, pos, pos, axis="cp", size=self.layout.cp, causal=True, **extra)
+        x = x + blk.attn.output(att)
+        return x + blk.mlp(blk.mlp_norm(x)), zero_aux()
 
     # ------------------------------------------------------------------------------ train step
     def jit_train_step(self, step: Callable, state: Any, batch: dict) -> CompileCounter:
