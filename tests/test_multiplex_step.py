@@ -87,7 +87,7 @@ def test_fsdp4_cp2_with_edp8(dense):
 def test_coupled_baseline_is_also_exact(dense):
     """Coupled placement, with the encoders as a phase before the pipeline (interleave off)."""
     plan = _check(dense, "pp2xdp2xtp2", "edp4xesp2", mode="coupled", interleave=False)
-    assert plan.stats["redundant_enc_cost"] > 0
+    assert plan.stats["redundant_enc_cost"] == 0  # stage 0's tp ranks split the work, none repeats it
     assert plan.arrays["route_send"].ndim == 3
 
 

@@ -126,8 +126,9 @@ def _encoder_path(path) -> bool:
 class Multiplexer:
     """Placement + loss for the joint multimodal step (the trainer's placement interface).
 
-    mode: "balanced" (omnijax), "arrival" (decoupled, no reordering) or "coupled" (the baseline that
-    encodes on pipeline stage 0, replicated over tp/cp). long_short=False keeps every segment DP.
+    mode: "balanced" (omnijax), "arrival" (decoupled, no reordering), "coupled" (the baseline that
+    encodes on pipeline stage 0, work split over its tp/cp ranks) or "coupled_replicated" (the same,
+    every tp/cp rank encoding the whole shard). long_short=False keeps every segment DP.
     interleave (pipelined LLMs): plan each pipeline microbatch separately and encode + route it inside
     the pipeline loop, one iteration ahead of stage 0 (microbatch m+1 during iteration m), so encoder
     work runs beside the stages instead of as a phase before the pipeline; outputs then go to the pp=0

@@ -13,9 +13,10 @@ flattened order, i.e. its innermost (fastest) axes. Per step the plan
    `(batch shard, cp rank)`, replicated over `pp` and `tp`), as fixed-capacity send/receive tables
    for one `all_to_all`.
 
-The *coupled* baseline places encoder work as a trainer that bolts encoders onto the first
-pipeline stage would: each batch shard's segments are encoded on the `pp=0` devices of that shard,
-replicated over its `cp` and `tp` ranks, in arrival order.
+The baselines (`parallel/baselines.py`) place encoder work as trainers that bolt encoders onto the
+first pipeline stage do: each batch shard's segments are encoded on the `pp=0` devices of that shard,
+in arrival order, either split over its `tp`/`cp` ranks (`coupled`, as Megatron shards its ViT over the
+tensor-parallel group) or replicated on each of them (`coupled_replicated`).
 
 Everything here is numpy on the host: the same inputs give the same plan on every host. The parts:
 `device_grid` (the devices and the encoder view), `encoder_placement` (segments, LPT placement,
