@@ -21,6 +21,7 @@ from omnijax.train.checkpoint import Checkpointer, abstract_like
 from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
 from omnijax.train.placement import DataParallel
 from omnijax.data.payload import global_layout
+from omnijax.layers.remat import use_remat
 from omnijax.train.prefetch import Prefetcher
 
 HOST_KEYS = ("payload_bytes_decoded", "payload_bytes_step", "host_wait_s", "skipped_bad_records")
@@ -74,6 +75,15 @@ class _Preemption:
             signal.signal(sig, old)
 
 
+def _with_remat(loss_fn: LossFn, mode: Any) -> LossFn:
+    """`loss_fn` traced with `parallel.remat` in force, so encoder blocks rematerialise on every path
+    (plain data parallelism too, not only where a placement enters it)."""
+    def traced(model, batch):
+        with use_remat(mode):
+            return loss_fn(model, batch)
+    return traced
+
+
 class Trainer:
     """Runs `loss_fn` on `model` over batches from `loader` as the config says.
 
@@ -90,6 +100,7 @@ class Trainer:
         self.eval_fn = eval_fn
         self.eval_data = eval_data  # () -> iterable of held-out host batches: `eval_loss` in the metrics
         self.step_flops = step_flops  # host batch -> model FLOPs on its real segment lengths (metrics.FlopCounter)
+        loss_fn = _with_remat(loss_fn, cfg.parallel.remat)
         self.loss_fn = loss_fn
         self._eval_step = None
         self._consumed: dict | None = None  # loader state after the last consumed batch
