@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omnijax.config import LLMConfig
-from omnijax.errors import ConfigError
+from omnijax.layers.remat import REMAT_MODES, parse_remat as remat_mode, remat_policy  # noqa: F401 (re-exported)
 from omnijax.layers.attention import Attention
 from omnijax.layers.mlp import MLP
 from omnijax.layers.moe import MoE
@@ -58,27 +58,6 @@ class Block(nnx.Module):
         else:
             y, aux = self.mlp(h), zero_aux()
         return x + y, aux
-
-
-REMAT_MODES = ("none", "full", "save_dots")
-
-
-def remat_mode(value: Any) -> str:
-    """``parallel.remat`` as one of ``REMAT_MODES`` (a bool reads as full / none)."""
-    if value is None or value is False:
-        return "none"
-    if value is True:
-        return "full"
-    if isinstance(value, str) and value.lower() in REMAT_MODES:
-        return value.lower()
-    raise ConfigError(f"parallel.remat={value!r}: must be one of {', '.join(REMAT_MODES)}")
-
-
-def remat_policy(mode: str) -> Callable | None:
-    """What the backward may keep from the forward: nothing (``full``: the layer input only, everything
-    recomputed) or every matmul output without batch dimensions (``save_dots``: weights' products kept,
-    norms, activations and attention recomputed)."""
-    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable if mode == "save_dots" else None
 
 
 def run_block(fn: Callable[..., Any], block: nnx.Module, *args: Any, remat: Any = "none") -> Any:
