@@ -63,7 +63,7 @@ def test_metadata_placement_equals_packed_batch_planner(sizes, esp):
     # the metadata path: segments in segments_of's order (encoders by name, arrival within each)
     order = [i for i, e in enumerate(encs) if e == "audio"] + [i for i, e in enumerate(encs) if e == "vision"]
     segs = routing.segments_from_metadata([encs[i] for i in order], [rows[i] for i in order], RED, COSTS.encoder_fn)
-    assignment, caps = routing.place_segments(segs, grid, RED, long_short=esp > 1)
+    assignment, caps = routing.place_segments(segs, grid, RED, long_short=esp > 1, refine=True)
     plan_caps = {k: v for k, v in plan.capacities if k != "route"}
     assert caps == plan_caps
     meta_dev = [set() for _ in range(grid.num_devices)]
@@ -78,7 +78,7 @@ def test_metadata_placement_equals_packed_batch_planner(sizes, esp):
     # and the scale driver on one host of this shape reproduces the same device costs
     meta = scale.StepMeta(np.array(encs, object), np.array(rows), np.array([r // 4 + 10 for r in rows]))
     layout = scale.Layout("t", pp=1, tp=sizes[5], ep=sizes[3], esp=esp, rows_per_device=1, row_len=4096)
-    hp = scale.plan_step_hosts(meta, layout, 8, COSTS, [0], refine=False)
+    hp = scale.plan_step_hosts(meta, layout, 8, COSTS, [0], refine=True)
     np.testing.assert_allclose(np.sort(hp.device_enc[0]), np.sort(assignment.device_cost))
     assert hp.caps[0] == caps
 

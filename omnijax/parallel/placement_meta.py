@@ -120,18 +120,9 @@ def refine_assignment(assignment: Assignment, segments: list[Segment], grid: Dev
             load[d] += cost[j] - cost[i]
             load[x] += cost[i] - cost[j]
             kind[i], place[i], kind[j], place[j] = kj, x, ki, d
-        elif move[0] == "split":
-            _, i, g = move
-            d = place[i]
-            used[kind[i], enc[i], d] -= rows[i]
-            used[1, enc[i], g * esp:(g + 1) * esp] += chunks(i)
-            load[d] -= cost[i]
-            load[g * esp:(g + 1) * esp] += cost[i] / esp
-            kind[i], place[i] = 2, g
-            whole[i] = False
-        elif move[0] == "splitall":
+        elif move[0] in ("split", "splitall"):  # one segment, or several of one group, over esp group g
             _, ids, g = move
-            for i in ids:
+            for i in ([ids] if move[0] == "split" else ids):
                 d = place[i]
                 used[kind[i], enc[i], d] -= rows[i]
                 used[1, enc[i], g * esp:(g + 1) * esp] += chunks(i)

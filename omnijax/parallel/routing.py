@@ -400,12 +400,16 @@ def segments_from_metadata(encoders: list[str], rows: list[int] | np.ndarray, re
 
 def place_segments(segments: list[Segment], grid: DeviceGrid, reductions: dict[str, int], *,
                    long_short: bool = True, long_factor: float = 1.0, capacities: dict | None = None,
-                   min_rows: int = 16, growth: float = BUCKET_GROWTH) -> tuple[Assignment, dict]:
-    """The balanced placement `build_plan(mode="balanced")` makes, from metadata: (assignment, capacities).
-
-    Exactly `_place_balanced` on one part (same capacity search, same tie-breaking), without the
-    payload buffers and routing tables that `_materialize` builds."""
+                   min_rows: int = 16, growth: float = BUCKET_GROWTH,
+                   refine: bool = False) -> tuple[Assignment, dict]:
+    """The balanced placement from metadata: (assignment, capacities). With `refine`, exactly what
+    `build_plan(mode="balanced")` places (`_balanced`: the capacity-aware LPT, then the second pass);
+    without, the first pass alone (callers that run the second pass themselves). No payload buffers
+    or routing tables."""
     names = sorted({s.encoder for s in segments})
+    if refine:
+        return _balanced(segments, grid, names, long_short, long_factor, dict(capacities or {}), min_rows, growth,
+                         reductions)
     (assignment,), caps = _place_balanced([segments], grid, names, long_short, long_factor, dict(capacities or {}),
                                           min_rows, growth, reductions)
     return assignment, caps
