@@ -1,15 +1,16 @@
 """Joint multimodal step on a dynamic mix: omnijax's decoupled multiplexing vs its baselines.
 
 All variants train the same model on the same batches from the built-in world (images of varied
-resolutions, long videos, audio, text-only samples; the mix changes over steps) on one LLM layout
-(default pp2xdp2xtp2 with encoders edp4xesp2), interleaved step by step in one process so that
-machine noise hits them alike:
-- omnijax:            decoupled encoders, cost-balanced placement, long-short SP, LLM rows balanced;
+resolutions, long videos, audio, text-only samples; the mix changes over steps), packed by the data
+plane that training uses (`batches`: rows already balanced over the ranks by cost, so no variant moves
+them again), on one LLM layout (default pp2xdp2xtp2 with encoders edp4xesp2), interleaved step by step
+in one process so that machine noise hits them alike:
+- omnijax:            decoupled encoders, cost-balanced placement, long-short SP;
 - coupled:            the baseline users run today (`parallel/baselines.py`): encoders on pp stage 0,
   each batch shard's segments split over that stage's tp/cp ranks as Megatron shards its ViT over the
   tensor-parallel group (no replicated work, but stage 0 carries all encoder time), arrival order;
 - coupled_replicated: as coupled, but every tp/cp rank of stage 0 encodes the shard's whole set;
-- no_reorder:         decoupled, but segments and rows in arrival order;
+- no_reorder:         decoupled, but segments in arrival order;
 - no_long_short:      decoupled and balanced, every segment data-parallel;
 - omnijax_interleaved: omnijax with the encoders inside the pipeline loop (each microbatch planned
   and encoded one iteration ahead of stage 0), side by side with the encoder phase before it.
@@ -33,13 +34,13 @@ from typing import Iterator
 
 DESCRIPTION = "multimodal joint step: tokens/s, padding, encoder/LLM imbalance of omnijax vs coupled and ablations"
 
-VARIANTS = {  # mode, long_short, balance LLM rows, encoders inside the pipeline loop (None: bench.interleave)
-    "omnijax": ("balanced", True, True, None),
-    "coupled": ("coupled", False, False, None),
-    "coupled_replicated": ("coupled_replicated", False, False, None),
-    "no_reorder": ("arrival", True, False, None),
-    "no_long_short": ("balanced", False, True, None),
-    "omnijax_interleaved": ("balanced", True, True, True),
+VARIANTS = {  # mode, long_short, encoders inside the pipeline loop (None: bench.interleave)
+    "omnijax": ("balanced", True, None),
+    "coupled": ("coupled", False, None),
+    "coupled_replicated": ("coupled_replicated", False, None),
+    "no_reorder": ("arrival", True, None),
+    "no_long_short": ("balanced", False, None),
+    "omnijax_interleaved": ("balanced", True, True),
 }
 
 MM = {"llm": {"vocab_size": 512, "embed_dim": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -185,12 +186,12 @@ def run(overrides: list[str]) -> Iterator[dict]:
     opt = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), steps)
     runs = {}
     for name in names:
-        mode, long_short, balance, interleave = VARIANTS[name]
+        mode, long_short, interleave = VARIANTS[name]
         engine = LLMParallel(opts["llm"], cfg.llm)
         if interleave is None:
             interleave = opts["interleave"] in ("1", "true")
         mx = Multiplexer(engine, cfg, encoder_layout=opts["encoder"], mode=mode, long_short=long_short,
-                         balance_rows=balance, interleave=interleave)
+                         balance_rows=False, interleave=interleave)
         model = mx.prepare(mllm.MultimodalModel(cfg, rngs=nnx.Rngs(0)))
         g, params, rest = nnx.split(model, nnx.Param, ...)
         t0 = time.perf_counter()

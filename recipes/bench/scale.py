@@ -87,9 +87,9 @@ def calibration(opts: dict) -> dict:
                              (fitted.llm.a, fitted.llm.b, const("llm")), copy_Bps)
     preds = {}
     for name in ("omnijax", "coupled"):
-        mode, long_short, balance, _ = omni.VARIANTS[name]
+        mode, long_short, _ = omni.VARIANTS[name]
         mx = Multiplexer(LLMParallel(o["llm"], cfg.llm), cfg, encoder_layout=o["encoder"], mode=mode,
-                         long_short=long_short, balance_rows=balance)
+                         long_short=long_short, balance_rows=False)
         mx.capacities = mx.fit_window(host, o["bucket_growth"])
         total = 0.0
         for b in host:
