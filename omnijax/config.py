@@ -73,7 +73,9 @@ class ParallelConfig:
     encoder_rules: str = "encoder_dp"  # shardings/<encoder_rules>.yaml: encoders on the (edp, esp) view
     microbatches: int = 0    # pipeline microbatches (0 = 2 x pp)
     pipeline_schedule: Literal["gpipe", "circular"] = "gpipe"
-    remat: bool = False
+    # recompute in the backward pass: "none", "full" (every layer, LLM and encoders) or "save_dots"
+    # (keep matmul outputs); true/false read as full/none
+    remat: Literal["none", "full", "save_dots"] | bool = "none"
     # encoders + resharding inside the pipeline loop, one microbatch ahead of stage 0 (needs pp > 1)
     interleave_encoders: bool = False
 

@@ -1,6 +1,7 @@
 """The training loop: step, progress bar, metrics, evaluation, checkpoints, preemption, guards."""
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import sys
@@ -78,6 +79,7 @@ class _Preemption:
 def _with_remat(loss_fn: LossFn, mode: Any) -> LossFn:
     """`loss_fn` traced with `parallel.remat` in force, so encoder blocks rematerialise on every path
     (plain data parallelism too, not only where a placement enters it)."""
+    @functools.wraps(loss_fn)
     def traced(model, batch):
         with use_remat(mode):
             return loss_fn(model, batch)
