@@ -132,12 +132,12 @@ TINY_LM = ["model.embed_dim=64", "model.num_layers=2", "model.head_dim=16", "mod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2xfsdp2xtp2", "fsdp4xtp2", "dp"])
+@pytest.mark.parametrize("layout", ["pp2xfsdp2xtp2", "fsdp4xtp2"])
 def test_tiny_lm_two_processes_match_one(tmp_path, layout):
     """pp outermost: each host holds every batch shard of its stage and loads the whole batch; fsdp across
-    hosts: each loads its half; dp: plain data parallelism (no parallel.llm). Losses, gradient norms and
-    the held-out loss match one process."""
-    _launch("tiny_lm", TINY_LM + ([f"parallel.llm={layout}"] if layout != "dp" else []), tmp_path, "lm")
+    hosts: each loads its half (the same host-row path plain data parallelism takes). Losses, gradient
+    norms and the held-out loss match one process."""
+    _launch("tiny_lm", TINY_LM + [f"parallel.llm={layout}"], tmp_path, "lm")
     _assert_same(_metrics(tmp_path / "lm_one"), _metrics(tmp_path / "lm_two"))
     ev = [json.loads((tmp_path / f"lm_{n}" / "eval.json").read_text())["metrics"]["eval_loss"] for n in ("one", "two")]
     assert ev[1] == pytest.approx(ev[0], rel=1e-5)
