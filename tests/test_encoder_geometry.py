@@ -4,7 +4,6 @@ trains exactly like one device."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
