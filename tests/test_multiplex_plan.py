@@ -34,18 +34,6 @@ def synthetic_batch(rng, B, L, n_segments):
     return batch
 
 
-def expected_deliveries(batch, grid, shard, cp, local) -> list[dict]:
-    """Per device: local LLM position -> (encoder, output token) it must receive (every replica)."""
-    expected = [dict() for _ in range(grid.num_devices)]
-    receivers = grid.receivers()
-    for name in RED:
-        for t, f in enumerate(batch[f"{name}_dest"]):
-            if f >= 0:
-                for d in receivers[(int(shard[f]), int(cp[f]))]:
-                    expected[d][int(local[f])] = (name, t)
-    return expected
-
-
 def simulate(plan, batch, grid, B, L):
     """Run the plan's send/all-to-all/receive in numpy; return, per device, local index -> (encoder, token)."""
     D = grid.num_devices
@@ -94,8 +82,7 @@ def test_every_token_reaches_every_replica_once(seed, sizes, mode, long_short, n
     for k in plan.arrays:  # deterministic
         np.testing.assert_array_equal(plan.arrays[k], again.arrays[k])
     got = simulate(plan, batch, grid, B, L)
-    shard, cp, local = routing.llm_geometry(B, L, grid, balanced_order)
-    assert got == expected_deliveries(batch, grid, shard, cp, local)
+    assert got == _expected(batch, grid, B, L)
 
 
 def test_balanced_placement_spreads_work_and_coupled_concentrates_it():
@@ -155,7 +142,7 @@ def test_coupled_splits_each_shards_segments_over_its_first_stage(seed, sizes, n
         assert busy[stage0].sum() == min(len(stage0), per_shard[s])
     assert plan.stats["redundant_enc_cost"] == 0
     got = simulate(plan, batch, grid, B, L)
-    assert got == expected_deliveries(batch, grid, shard, cp, local)
+    assert got == _expected(batch, grid, B, L)
 
 
 def test_long_segments_are_split_over_an_esp_group():
