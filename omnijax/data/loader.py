@@ -103,6 +103,7 @@ class WindowPlan:
     start: WindowStart | None = None        # what this window began from
     deferred: tuple[Entry, ...] = ()        # entries with no room here: first in the next window
     next_prefix: tuple[int, ...] = ()       # draws of each source after this window
+    metas: tuple = ()                       # SampleMeta by item key (read once, when planned)
 
 
 class Loader:
@@ -153,10 +154,11 @@ class Loader:
         self.step = 0
 
     # ------------------------------------------------------------------------------ planning
-    def _items(self, step0: int, start: WindowStart) -> tuple[list[Entry], list[balance.Item], list, int, tuple]:
-        """The window's pool: deferred entries first (oldest first), then fresh draws up to the pool size."""
+    def _items(self, step0: int, start: WindowStart) -> tuple[list[Entry], list, list[balance.Item], list, int, tuple]:
+        """The window's pool: deferred entries first (oldest first), then fresh draws up to the pool size;
+        (entries, their metadata, items, dropped, split, next prefix)."""
         cfg = self.cfg
-        entries, items, dropped, split = [], [], [], 0
+        entries, metas, items, dropped, split = [], [], [], [], 0
         for e in start.deferred:  # already checked when first drawn; their metadata is recomputed, not stored
             meta = self.sources[e.source].meta(e.record)
             c = sample_cost(meta, self.cost_model, self.mm_cfg)
@@ -167,6 +169,7 @@ class Loader:
             else:
                 items.append(balance.Item(len(entries), c.total, c.llm_tokens, enc))
             entries.append(Entry(e.source, e.record, e.piece, 0))
+            metas.append(meta)
         fresh = max(0, cfg.samples_per_step * cfg.window - len(start.deferred))
         src, rec, prefix = self.mixer.draw(np.asarray(start.prefix), step0, fresh)
         for j, (s, r) in enumerate(zip(src.tolist(), rec.tolist())):
@@ -186,6 +189,7 @@ class Loader:
                     n = min(cfg.row_len, c.llm_tokens - p * cfg.row_len)
                     items.append(balance.Item(len(entries), float(self.cost_model.llm(n)), n, enc))
                     entries.append(Entry(s, r, p, g))
+                    metas.append(meta)
                 continue
             item = balance.Item(len(entries), c.total, c.llm_tokens, enc)
             if not self.capacity.fits_alone(item):
@@ -195,7 +199,8 @@ class Loader:
                 continue
             items.append(item)
             entries.append(Entry(s, r, -1, g))
-        return entries, items, dropped, split, tuple(int(x) for x in prefix)
+            metas.append(meta)
+        return entries, metas, items, dropped, split, tuple(int(x) for x in prefix)
 
     def window_plan(self, window: int) -> WindowPlan:
         """The plan of window `window` (steps [window*G, (window+1)*G)): identical on every host.
@@ -222,7 +227,7 @@ class Loader:
     def _window_plan(self, window: int, start: WindowStart) -> WindowPlan:
         cfg = self.cfg
         step0 = window * cfg.window
-        entries, items, dropped, split, next_prefix = self._items(step0, start)
+        entries, metas, items, dropped, split, next_prefix = self._items(step0, start)
         if cfg.reorder:
             plan = balance.plan_window(items, cfg.window, cfg.dp, cfg.microbatches, self.capacity)
         else:  # baseline: each step keeps its own samples in arrival order
@@ -258,7 +263,7 @@ class Loader:
         for name, rec, why in dropped:
             log.info("dropped %s[%d]: %s", name, rec, why)
         return WindowPlan(step0, tuple(entries), plan, tuple(layouts), tuple(dropped), split, tuple(items),
-                          start, deferred, next_prefix)
+                          start, deferred, next_prefix, tuple(metas))
 
     # ------------------------------------------------------------------------------ loading
     def _load(self, entry: Entry):
@@ -280,12 +285,11 @@ class Loader:
             log.warning("skipped bad record %s[%d]: %s", source.name, entry.record, exc)
             return None
 
-    def _load_lazy(self, entry: Entry, read_text: bool):
+    def _load_lazy(self, entry: Entry, meta, read_text: bool):
         """`_load` from metadata: text read only if `read_text`, media decoded later and only if sliced.
 
         A record whose text cannot be read keeps its layout (every host planned it) with no loss on it."""
         source = self.sources[entry.source]
-        meta = source.meta(entry.record)
         placeholder = None if self.tokenizer is None else self.tokenizer.placeholder
         vocab = tokenizer_mod.VOCAB_SIZE if self.tokenizer is None else self.tokenizer.vocab_size
 
@@ -328,7 +332,7 @@ class Loader:
                 entries = []
                 read_text = self.text_ranks is None or r in self.text_ranks
                 for key, row in wp.plan.bins[b]:
-                    flat = (self._load_lazy(wp.entries[key], read_text) if self.lazy_media
+                    flat = (self._load_lazy(wp.entries[key], wp.metas[key], read_text) if self.lazy_media
                             else self._load(wp.entries[key]))
                     if flat is not None:
                         entries.append((flat, row))

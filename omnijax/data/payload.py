@@ -89,25 +89,27 @@ class LazyRows:
             return np.asarray(self)[key]
         lo, hi, _ = key.indices(self.shape[0])
         out = np.zeros((max(hi - lo, 0), self.shape[1]), np.float32)
-        i = int(np.searchsorted(self._starts, lo, side="right")) - 1
-        for s, p in zip(self._starts[max(i, 0):], self._pieces[max(i, 0):]):
+        for s, p in self._overlapping(lo, hi):
+            a, b = max(s, lo), min(s + p.rows, hi)
+            out[a - lo:b - lo] = p.get()[a - s:b - s]
+        return out
+
+    def _overlapping(self, lo: int, hi: int):
+        """(start row, payload) of every segment that rows [lo, hi) touch, in row order."""
+        i = max(int(np.searchsorted(self._starts, lo, side="right")) - 1, 0)
+        for s, p in zip(self._starts[i:], self._pieces[i:]):
             if s >= hi:
                 break
-            a, b = max(s, lo), min(s + p.rows, hi)
-            if a < b:
-                out[a - lo:b - lo] = p.get()[a - s:b - s]
-        return out
+            if s + p.rows > lo:
+                yield s, p
 
     def load(self, ranges, threads: int = 8) -> None:
         """Decode every segment overlapping the row ranges [(lo, hi), ...] now, `threads` at a time
         (image and video decoders release the GIL), so the slices that follow only copy."""
         todo, seen = [], set()
         for lo, hi in ranges:
-            i = max(int(np.searchsorted(self._starts, lo, side="right")) - 1, 0)
-            for s, p in zip(self._starts[i:], self._pieces[i:]):
-                if s >= hi:
-                    break
-                if s + p.rows > lo and not p.decoded and id(p) not in seen:
+            for _, p in self._overlapping(lo, hi):
+                if not p.decoded and id(p) not in seen:
                     seen.add(id(p))
                     todo.append(p)
         if len(todo) > 1 and threads > 1:

@@ -26,7 +26,7 @@ import numpy as np
 
 from omnijax.data import formats, media, records
 from omnijax.data import tokenizer as tokenizer_mod
-from omnijax.data.sample import MODALITIES, BadSample, Sample, SampleMeta, Segment, SegmentMeta
+from omnijax.data.sample import BadSample, Sample, SampleMeta, Segment, SegmentMeta
 from omnijax.errors import UserError
 
 
@@ -352,17 +352,11 @@ class JsonlSource(Source):
         return {k: v for k, (m, v, _) in enumerate(parts) if m == "text"}
 
     def media(self, index: int, k: int) -> np.ndarray:
-        calls: list[int] = []
-
-        def load_kth(p, m):  # media parts come in segment order: decode only the one at position k
-            calls.append(0)
-            return _media_call(media.load_media, p, m, self.media_cfg) if len(calls) == target + 1 else None
-
-        kinds = [s.modality for s in self.meta(index).segments]
-        if not 0 <= k < len(kinds) or kinds[k] == "text":
+        parts = self._parts(index, lambda p, m: (p, m))  # one parse, no media file opened yet
+        if not 0 <= k < len(parts) or parts[k][0] == "text":
             raise IndexError(f"{self.name}[{index}]: segment {k} is not a media segment")
-        target = sum(1 for m in kinds[:k] if m != "text")
-        return self._parts(index, load_kth)[k][1]
+        path, modality = parts[k][1]
+        return _media_call(media.load_media, path, modality, self.media_cfg)
 
 
 # ---------------------------------------------------------------------------------- opening
