@@ -75,3 +75,22 @@ def test_plan_builds_and_decodes_only_the_local_devices(steps):
     assert mine.stats == full.stats and mine.capacities == full.capacities
     decoded, total = payload_bytes(fresh)
     assert 0 < decoded < total
+
+
+def test_unreadable_text_keeps_the_layout_and_is_counted():
+    """A record whose text cannot be read on the host that trains on it keeps its place (every host
+    planned it), carries no loss, and is counted as a skipped record."""
+    from omnijax.data.sample import BadSample
+    from omnijax.data.sources import WorldSource
+
+    class Unreadable(WorldSource):
+        def text(self, index):
+            raise BadSample(f"{self.name}[{index}]: truncated record")
+
+    good = Loader(CFG, lazy_media=True).host_batch(0)["microbatches"][0]
+    loader = Loader(CFG, lazy_media=True, sources=[Unreadable("world")])
+    bad = loader.host_batch(0)["microbatches"][0]
+    for k in ("segment_ids", "positions", "vision_dest", "audio_dest"):
+        assert np.array_equal(bad[k], good[k]), k
+    assert good["loss_mask"].any() and not bad["loss_mask"].any()
+    assert loader.metrics()["skipped_bad_records"] == int((good["segment_ids"].max(axis=1)).sum())
