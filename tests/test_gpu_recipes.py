@@ -24,7 +24,9 @@ def test_omni_8b_on_64_gpus():
 
 def test_omni_moe_on_64_gpus():
     report = dry_run(_cfg("omni_moe"), 64)
-    assert 7e9 < report["params"]["llm"] < 8e9 and report["llm_layout"] == "fsdp8xep8"
+    assert 7e9 < report["params"]["llm"] < 8e9 and report["llm_layout"] == "fsdp16xep4"
+    # the encoders' SP groups are the ep groups inside a host (esp4 divides the audio encoder's 12 heads)
+    assert report["encoder_layout"] == "edp16xesp4" and report["esp_axes"] == ["ep"]
     assert report["state_gib_per_device"] < 80
 
 

@@ -23,7 +23,7 @@ DESCRIPTION = ("planner on 1k-16k abstract devices + modeled joint step vs coupl
 
 
 def _options(overrides: list[str]) -> dict:
-    opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_esp8",
+    opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_edp64",
             "mixes": "image,video,audio_text",
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 3, "cal_batch_size": 32,
             "plot": "1", "long_factor": 0.25, "refine": "1",
@@ -39,23 +39,40 @@ def _options(overrides: list[str]) -> dict:
     return opts
 
 
-def mm_config(name: str):
-    """The model section of recipes/configs/<name>.yaml (following `base:`) as an MMConfig."""
-    import yaml
+# Rows by name: a recipe (recipes/configs/<name>.yaml, its own layouts) plus config overrides. The
+# `_edp64` ablation is omni_moe without an encoder SP group (every segment whole on one device).
+VARIANTS = {"omni_8b": ("omni_8b", ()), "omni_moe": ("omni_moe", ()),
+            "omni_moe_edp64": ("omni_moe", ("parallel.encoder=edp64",))}
 
-    from omnijax.config import from_dict
-    from omnijax.mm_config import MMConfig
+
+def recipe_layout(name: str, gpus: int = 64):
+    """(scale.Layout, MMConfig) of a variant, read from its recipe: the LLM mesh (`parallel.llm`), the
+    encoder view's esp (`parallel.encoder`), microbatches, rows per device (`data.batch_size` over the
+    recipe's `gpus`), row length, widths, MoE layers, and the parameter counts of `dry_run`, which also
+    checks the layout against the recipe (esp divides every encoder's heads, sits inside a host)."""
+    from omnijax.config import build
+    from omnijax.models.llm import is_moe_layer
+    from omnijax.parallel import routing, scale
+    from omnijax.parallel.mesh import parse_layout
+    from omnijax.train.dryrun import dry_run
     from recipes.common import CONFIGS
+    from recipes.tiny_omni import OmniConfig, check
 
-    def load(n: str) -> dict:
-        d = yaml.safe_load((CONFIGS / n).read_text())
-        base = load(d["base"]) if "base" in d else {}
-        model = dict(base)
-        for k, v in d.get("model", {}).items():
-            model[k] = {**model[k], **v} if isinstance(v, dict) and isinstance(model.get(k), dict) else v
-        return model
-
-    return from_dict(MMConfig, load(f"{name}.yaml"))
+    recipe, overrides = VARIANTS.get(name, (name, ()))
+    cfg = build(OmniConfig, CONFIGS / f"{recipe}.yaml", list(overrides), check=check)
+    report = dry_run(cfg, gpus)
+    p, llm = cfg.parallel, cfg.model.llm
+    mesh = parse_layout(p.llm, gpus)
+    _, esp = routing.parse_encoder_layout(p.encoder, gpus)
+    moe_layers = sum(is_moe_layer(llm, i) for i in range(llm.num_layers))
+    pp = int(mesh.sizes["pp"])
+    layout = scale.Layout(name, pp=pp, tp=int(mesh.sizes["tp"]), ep=int(mesh.sizes["ep"]), cp=int(mesh.sizes["cp"]),
+                          esp=esp, microbatches=(p.microbatches or 2 * pp) if pp > 1 else 1,
+                          rows_per_device=cfg.data.batch_size / gpus, row_len=cfg.data.seq_len,
+                          llm_params=float(report["params"]["llm"]),
+                          enc_params=float(report["params"]["encoders"] + report["params"]["projectors"]),
+                          embed_dim=llm.embed_dim, moe_top_k=llm.moe.top_k if moe_layers else 0, moe_layers=moe_layers)
+    return layout, cfg.model
 
 
 def calibration(opts: dict) -> dict:
@@ -131,7 +148,7 @@ def plot(rows: list[dict], path: Path) -> None:
     mixes = sorted({r["mix"] for r in rows})
     fig, axes = plt.subplots(1, len(mixes), figsize=(5 * len(mixes), 4), squeeze=False)
     for ax, mix in zip(axes[0], mixes):
-        for layout, style in (("omni_8b", "-"), ("omni_moe", "--"), ("omni_moe_esp8", ":")):
+        for layout, style in (("omni_8b", "-"), ("omni_moe", "--"), ("omni_moe_edp64", ":")):
             sel = sorted((r for r in rows if r["mix"] == mix and r["variant"] == layout), key=lambda r: r["devices"])
             if not sel:
                 continue
@@ -164,10 +181,12 @@ def run(overrides: list[str]) -> Iterator[dict]:
     hw = scale.HARDWARE[opts["hardware"]]
     rows = []
     for name in [x for x in opts["layouts"].split(",") if x]:
-        if name not in scale.LAYOUTS:
-            raise ConfigError(f"bench scale: layout {name!r}; known: {', '.join(scale.LAYOUTS)}")
-        layout = scale.LAYOUTS[name]
-        costs = scale.Costs.from_mm(mm_config(name.removesuffix("_esp8")))
+        from recipes.common import CONFIGS
+
+        if name not in VARIANTS and not (CONFIGS / f"{name}.yaml").exists():
+            raise ConfigError(f"bench scale: layout {name!r}; known: {', '.join(VARIANTS)} or a recipe name")
+        layout, mm = recipe_layout(name)
+        costs = scale.Costs.from_mm(mm)
         model = scale.StepModel(hw, layout)
         for devices in [int(x) for x in opts["devices"].split(",") if x]:
             for mix in [x for x in opts["mixes"].split(",") if x]:
