@@ -416,6 +416,11 @@ class TrainerBatches:
             self._batches = iter(self.loader)
         return next(self._batches)["microbatches"][0]
 
+    @property
+    def window(self) -> int:
+        """Steps planned together: the trainer reserves their buffers at once (one compiled program)."""
+        return self.loader.cfg.window
+
     def get_state(self) -> dict[str, Any]:
         return self.loader.state()
 

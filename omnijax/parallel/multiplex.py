@@ -206,9 +206,10 @@ class Multiplexer:
     def put_state(self, state: Any) -> Any:
         return jax.device_put(state, self.state_shardings(state))
 
-    def plan(self, host_batch: dict) -> routing.Plan:
+    def plan(self, host_batch: dict, fill: bool = True) -> routing.Plan:
         """The step's plan. Capacities come from geometric buckets and only ever grow during a run,
         so the number of compiled step programs is bounded by the bucket growths, not the steps.
+        `fill=False` plans placement and capacities only: no buffer is built, no payload decoded.
 
         Interleaved: one plan per pipeline microbatch (shared capacities), stacked on axis 1 of every
         array ([devices, microbatches, ...])."""
@@ -218,7 +219,7 @@ class Multiplexer:
             return [routing.build_plan(part, self.grid, self.reductions, self.dims, self.cost_fn,
                                        order=context.balanced_order, mode=self.mode, long_short=self.long_short,
                                        capacities=caps, first_stage_only=self.interleave,
-                                       fill_devices=self.local_devices) for part in parts]
+                                       fill_devices=self.local_devices if fill else ()) for part in parts]
 
         try:
             plans = build(self.capacities)
@@ -276,11 +277,20 @@ class Multiplexer:
             host_batch, self.grid.batch_shards, self.llm_coeffs)
         return host_batch, plan
 
+    def get_state(self) -> dict:
+        """The capacities reached so far: saved with checkpoints, so a resumed run places its steps in the
+        same buffers (and so the same way) as the run it continues."""
+        return {"capacities": dict(self.capacities or {})}
+
+    def set_state(self, state: dict) -> None:
+        self.capacities = {str(k): int(v) for k, v in state.get("capacities", {}).items()} or None
+
     def reserve(self, host_batches) -> dict:
-        """Grow the capacities to fit these batches now (e.g. a window ahead), so that the steps that
-        follow reuse one compiled program; returns the capacities."""
+        """Grow the capacities to fit these batches now (the data plane's window ahead), so that the
+        steps that follow reuse one compiled program; returns the capacities. Plans from metadata
+        only: nothing is decoded, so the batches' payloads are still read once, by `put_batch`."""
         for batch in host_batches:
-            self.host_plan(batch)
+            self.plan(self.balanced(batch), fill=False)
         return dict(self.capacities or {})
 
     def put_batch(self, host_batch: dict) -> dict:

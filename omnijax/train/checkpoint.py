@@ -1,6 +1,8 @@
 """Checkpoints with orbax: async saves, retention, atomic finalisation, restore onto any mesh.
 
-A checkpoint holds the TrainState and the loader's (small, JSON) state. orbax writes each step
+A checkpoint holds the TrainState, the loader's (small, JSON) state and, for placements that plan
+their own buffers (the multiplexer's encoder capacities), the placement's state: a resumed run then
+places every step as the uninterrupted run did. orbax writes each step
 to a temporary directory and renames it when complete, so an interrupted save never becomes the
 latest. Restoring takes an abstract target whose leaves carry the *new* shardings, so a job can
 be resized by stop-and-restore.
@@ -32,10 +34,12 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, loader_state: dict | None = None, *, force: bool = False) -> bool:
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  loader=ocp.args.JsonSave(loader_state or {}))
-        return self._manager.save(step, args=args, force=force)
+    def save(self, step: int, state: Any, loader_state: dict | None = None, *,
+             placement_state: dict | None = None, force: bool = False) -> bool:
+        items = {"state": ocp.args.StandardSave(state), "loader": ocp.args.JsonSave(loader_state or {})}
+        if placement_state:
+            items["placement"] = ocp.args.JsonSave(placement_state)
+        return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict, int]:
         """Restore onto the shardings carried by `target` (arrays or ShapeDtypeStructs)."""
@@ -47,6 +51,13 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), loader=ocp.args.JsonRestore()))
         return restored["state"], dict(restored["loader"] or {}), step
+
+    def placement_state(self, step: int) -> dict:
+        """The placement's state saved with `step` ({} for checkpoints saved without one)."""
+        if not (self.directory / str(step) / "placement").exists():
+            return {}
+        restored = self._manager.restore(step, args=ocp.args.Composite(placement=ocp.args.JsonRestore()))
+        return dict(restored["placement"] or {})
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

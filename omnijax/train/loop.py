@@ -106,6 +106,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self._eval_step = None
         self._consumed: dict | None = None  # loader state after the last consumed batch
+        self._placed: dict = {}  # placement state (e.g. encoder capacities) once the last consumed batch was placed
         self.hooks = hooks
         self.placement = placement or DataParallel()
         self.run_dir = run_dir or runs_root() / cfg.trainer.run_name
@@ -163,6 +164,9 @@ class Trainer:
         self.state, loader_state, step = self.checkpointer.restore(target)
         if loader_state:
             self.loader.set_state(loader_state)
+        placed = self.checkpointer.placement_state(step)
+        if placed and hasattr(self.placement, "set_state"):
+            self.placement.set_state(placed)
         self._truncate_metrics(step)
         print(f"resumed from {self.checkpointer.directory} at step {step}", file=sys.stderr)
         return step
@@ -176,7 +180,7 @@ class Trainer:
     def _save(self, step: int, force: bool = False) -> None:
         if self.checkpointer:  # the consumed position (batches prefetched beyond it are read again on resume)
             state = self._consumed if self._consumed is not None else self.loader.get_state()
-            self.checkpointer.save(step, self.state, state, force=force)
+            self.checkpointer.save(step, self.state, state, placement_state=self._placed, force=force)
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> FitResult:
@@ -199,14 +203,16 @@ class Trainer:
         window_wait = 0.0
         pending: tuple[int, dict] | None = None
         prefetch = Prefetcher(self.loader, self.placement.put_batch, tcfg.prefetch,
-                              getattr(self.placement, "metrics", None))
+                              getattr(self.placement, "metrics", None), reserve=getattr(self.placement, "reserve", None),
+                              window=getattr(self.loader, "window", 1), start=start,
+                              placement_state=getattr(self.placement, "get_state", None))
         try:
             with _Preemption() as preempt:
                 for step in range(start + 1, tcfg.steps + 1):
                     item = next(prefetch)  # read, decoded, planned and on the devices ahead of time
                     if step == start + 1:
                         _compile_together(self._step, "train_step", self.state, item.batch)
-                    host_batch, self._consumed = item.host_batch, item.loader_state
+                    host_batch, self._consumed, self._placed = item.host_batch, item.loader_state, item.placement_state
                     window_wait += prefetch.wait_s
                     window_samples += int(np.asarray(host_batch["segment_ids"]).max(axis=-1).sum())
                     self.state, step_metrics = self._step(self.state, item.batch)

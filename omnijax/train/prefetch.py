@@ -4,13 +4,18 @@ A background thread pulls host batches from the loader and hands them to the pla
 routing plan + device transfer), up to `depth` steps ahead. Each item carries the loader state as it was
 right after its batch was read, so a checkpoint records the position the trainer has *consumed*, never
 the prefetched one, and resume stays exact.
+
+With `reserve` (the multiplexer's), the batches of a data-plane window are read together and their
+encoder capacities reserved from metadata before the first of them is placed: the window's steps share
+one compiled program instead of compiling again whenever a later step outgrows the buffers.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
@@ -20,25 +25,47 @@ class Prepared:
     batch: Any                # what the step consumes (device arrays)
     loader_state: dict        # the loader's state after this batch: the position to checkpoint once it is consumed
     metrics: dict             # the placement's figures for this batch (plan imbalance, padding, ...)
+    placement_state: dict = field(default_factory=dict)  # the placement's state once this batch was placed
 
 
 class Prefetcher:
     """Iterator of `Prepared` items; depth 0 does the work inline (no thread)."""
 
     def __init__(self, loader: Any, put_batch: Callable[[dict], Any], depth: int = 2,
-                 placement_metrics: Callable[[], dict] | None = None):
+                 placement_metrics: Callable[[], dict] | None = None,
+                 reserve: Callable[[list[dict]], Any] | None = None, window: int = 1, start: int = 0,
+                 placement_state: Callable[[], dict] | None = None):
+        """`window`: steps planned together (the loader's window; groups align to step // window, also
+        after resuming at `start` consumed steps); `reserve` sees each group's host batches first."""
         self.loader, self.put_batch, self.depth = loader, put_batch, int(depth)
         self.placement_metrics = placement_metrics or (lambda: {})
+        self.placement_state = placement_state or (lambda: {})
+        self.reserve, self.window, self._step = reserve, max(int(window), 1), int(start)
+        self._ahead: deque[tuple[dict, dict]] = deque()  # (host batch, loader state after it) read, not yet placed
         self.wait_s = 0.0                      # time the consumer waited for the last item
         self._queue: queue.Queue = queue.Queue(maxsize=max(self.depth, 1))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _read_group(self) -> None:
+        for _ in range(self.window - self._step % self.window if self.reserve else 1):
+            try:
+                host_batch = next(self.loader)
+            except StopIteration:
+                if not self._ahead:
+                    raise
+                break
+            self._ahead.append((host_batch, self.loader.get_state()))
+        if self.reserve and len(self._ahead) > 1:
+            self.reserve([b for b, _ in self._ahead])
+
     def _prepare(self) -> Prepared:
-        host_batch = next(self.loader)
-        state = self.loader.get_state()
+        if not self._ahead:
+            self._read_group()
+        host_batch, state = self._ahead.popleft()
+        self._step += 1
         batch = self.put_batch(host_batch)
-        return Prepared(host_batch, batch, state, dict(self.placement_metrics()))
+        return Prepared(host_batch, batch, state, dict(self.placement_metrics()), dict(self.placement_state()))
 
     def _work(self) -> None:
         while not self._stop.is_set():
