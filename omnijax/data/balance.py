@@ -17,6 +17,9 @@ each step (LPT over ranks, then the emptiest microbatch of the chosen rank); an 
 fits nowhere in its step goes to the least loaded bin of any step where it fits, else to
 `unplaced`. The greedy also runs on the window cut into 2 and 4 parts; the plan with the shortest
 window time wins.
+`level_window`: a window runs one compiled program, its encoder buffers sized for its fullest step;
+a repair pass over the final placement moves and swaps items between steps (and with the unplaced
+ones) until each encoder's rows per step are near the window's common level.
 `plan_arrival`: the baseline without reordering: batch g's samples in arrival order, split into
 equal consecutive chunks per rank and microbatch (capacity not considered).
 """
@@ -136,12 +139,13 @@ def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -
 
 def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
                 fill: float = 0.9, max_share: float = 2.0, min_share: float = 0.5,
-                splits: tuple[int, ...] = (1, 2, 4)) -> Plan:
+                splits: tuple[int, ...] = (1, 2, 4), level: bool = True) -> Plan:
     """Grouped reordering of a window of `steps` global batches; bins ordered (step, rank, microbatch).
 
     The greedy step assignment is a heuristic, so it also runs on the window cut into `splits`
     equal parts (items in arrival order); the plan with the smallest window time (sum over steps of
-    the slowest rank) wins, ties to fewer parts. Still a pure function of the items.
+    the slowest rank) wins, ties to fewer parts. Still a pure function of the items. With `level`,
+    `level_window` then evens out each encoder's rows over the window's steps (one program per window).
     """
     best, best_time = None, None
     for parts in splits:
@@ -156,8 +160,8 @@ def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, ca
         if best_time is None or (t[1], t[0]) < (best_time[1], best_time[0]):
             best, best_time = plan, t
     if best is None:
-        return _plan_window(items, steps, ranks, microbatches, cap, fill, max_share, min_share)
-    return best
+        best = _plan_window(items, steps, ranks, microbatches, cap, fill, max_share, min_share)
+    return level_window(best, items, steps, ranks, microbatches, cap) if level else best
 
 
 def _plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
@@ -282,3 +286,201 @@ def lower_bound(items: list[Item], ranks: int) -> float:
     """No plan beats max(1, largest item / (window cost / ranks)): the rank holding the largest item."""
     total = sum(it.cost for it in items)
     return max(1.0, max((it.cost for it in items), default=0.0) * ranks / total) if total > 0 else 1.0
+
+
+def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
+                 cost_slack: float = 0.05, max_moves: int = 2000, tries: int = 1000) -> Plan:
+    """Even out each encoder's input rows over the window's steps, as placed; bins ordered (step, rank, microbatch).
+
+    A window runs one compiled program whose encoder buffers hold its fullest step, so every other
+    step pads up to that. This repair pass over the final placement (after `plan_step` and the spill)
+    lowers the window's padded rows: per encoder, steps x (its fullest step) - (its rows placed), minus
+    the LLM tokens placed (rows and tokens count alike, as in the step's padded fraction). Moves, best
+    first by exact integer gain (then by the spread sum of squares of the steps' rows, then in a fixed
+    order): swap two items of different steps, move one to another step, swap a placed item with an
+    unplaced one (deferred in its place), or place an unplaced one where room opened. A move is kept only
+    if every bin stays within capacity, no encoder ends with fewer rows placed in the window than the
+    plan had (the mix is kept; deferral only trades like for like), and the window's time (sum over steps
+    of the slowest rank's cost) grows by at most `cost_slack`. Pure and deterministic.
+    """
+    n_enc = len(cap.enc)
+    if n_enc == 0 or steps < 1 or not items:
+        return plan
+    per_step = ranks * microbatches
+    by_key = {it.key: it for it in items}
+    keys = sorted(by_key)
+    idx = {k: i for i, k in enumerate(keys)}
+    E = np.array([by_key[k].enc for k in keys], np.int64).reshape(len(keys), n_enc)
+    tok = np.array([by_key[k].tokens for k in keys], np.int64)
+    bins = _rebuild(plan.bins, by_key, cap)
+    loads = list(plan.loads)
+    where = {key: b for b, content in enumerate(plan.bins) for key, _ in content}
+    pool = {k for k in plan.unplaced if cap.fits_alone(by_key[k])}
+    R = np.zeros((steps, n_enc), np.int64)
+    for key, b in where.items():
+        R[b // per_step] += E[idx[key]]
+    if not R.any():
+        return plan
+    floor = R.sum(0)
+    budget = (1.0 + cost_slack) * _window_time(loads, steps, ranks, microbatches)
+
+    def put(key: int, g: int, first: int) -> int:
+        """Place `key` in step g (bin `first` first, then the least loaded bins); its bin or -1."""
+        it = by_key[key]
+        order = sorted(range(g * per_step, (g + 1) * per_step), key=lambda b: (b != first, loads[b], b))
+        for b in order:
+            row = bins[b].row_for(it, cap)
+            if row >= 0:
+                bins[b].add(it, row, cap)
+                loads[b] += it.cost
+                where[key] = b
+                return b
+        return -1
+
+    def take(key: int) -> None:
+        b = where.pop(key)
+        it = by_key[key]
+        content = bins[b].items
+        pos = next(p for p, (k, _) in enumerate(content) if k == key)
+        _, row = content.pop(pos)
+        bins[b].free[row] += it.tokens
+        bins[b].enc = [c + e for c, e in zip(bins[b].enc, it.enc)]
+        loads[b] -= it.cost
+
+    def attempt(i: int | None, j: int | None, a: int, b: int | None) -> bool:
+        """Item i (placed, step a) -> step b (None: deferred); item j (step b, or the pool if b is None) -> step a."""
+        touched = sorted({*range(a * per_step, (a + 1) * per_step),
+                          *(range(b * per_step, (b + 1) * per_step) if b is not None else ())})
+        saved = {t: (list(bins[t].free), list(bins[t].enc), list(bins[t].items), loads[t]) for t in touched}
+        saved_where = {k: where[k] for k in (i, j) if k is not None and k in where}
+        x = where.get(i, -1) if i is not None else -1
+        y = where.get(j, -1) if j is not None else -1
+        if i is not None:
+            take(i)
+        if j is not None and y >= 0:
+            take(j)
+        ok = j is None or put(j, a, x) >= 0
+        if ok and i is not None and b is not None:
+            ok = put(i, b, y) >= 0
+        ok = ok and _window_time(loads, steps, ranks, microbatches) <= budget + 1e-9
+        if not ok:
+            for t, (free, enc, content, load) in saved.items():
+                bins[t].free, bins[t].enc, bins[t].items, loads[t] = free, enc, content, load
+            for k in (i, j):
+                if k is not None:
+                    where.pop(k, None)
+            where.update(saved_where)
+        return ok
+
+    for _ in range(max_moves):
+        omax = R.max(0)
+        total = R.sum(0)
+        members = [sorted(k for k, b in where.items() if b // per_step == g) for g in range(steps)]
+        oldest: dict[tuple, int] = {}  # unplaced items alike in rows and tokens: the oldest (lowest key) stands for all
+        for k in sorted(pool, reverse=True):
+            oldest[(*E[idx[k]].tolist(), int(tok[idx[k]]))] = k
+        pool_keys = sorted(oldest.values())
+        # token room: the free tokens of each placed item's row, the largest free row of each step
+        room = np.zeros(len(keys), np.int64)
+        widest = np.zeros(steps, np.int64)
+        for b, st in enumerate(bins):
+            for key, row in st.items:
+                room[idx[key]] = st.free[row]
+            w = max([*st.free, cap.row_len if len(st.free) < cap.rows else 0])
+            widest[b // per_step] = max(widest[b // per_step], w)
+        cands = []  # [padded gain, spread gain, step a, step b (-1: pool), key i, key j]
+        for a in range(steps):
+            A = members[a]
+            ia = np.array([idx[k] for k in A], np.int64)
+            for b in [*range(steps), None]:
+                if b == a:
+                    continue
+                if b is None:
+                    jb = np.array([idx[k] for k in pool_keys], np.int64)
+                    j_keys = pool_keys
+                else:
+                    jb = np.array([idx[k] for k in members[b]], np.int64) if b > a else np.zeros(0, np.int64)
+                    j_keys = members[b] if b > a else []
+                # i in A or none (a pool add / move into a), j in B or none
+                Ei = np.concatenate([np.zeros((1, n_enc), np.int64), E[ia]])            # [1+na, M]
+                Ej = np.concatenate([np.zeros((1, n_enc), np.int64), E[jb]])            # [1+nb, M]
+                Ti = np.concatenate([[0], tok[ia]])
+                Tj = np.concatenate([[0], tok[jb]])
+                Fi = np.concatenate([[0], room[ia]])
+                Fj = np.concatenate([[0], room[jb]])
+                # necessary token fit: j into step a (i's row once i leaves, or a's widest room), i into b
+                fit = Tj[None, :] <= np.maximum(widest[a], Fi + Ti)[:, None]
+                if b is not None:
+                    fit &= Ti[:, None] <= np.maximum(widest[b], Fj + Tj)[None, :]
+                d = Ej[None, :, :] - Ei[:, None, :]                                     # step a gains j, loses i
+                Ra = R[a] + d
+                others = [g for g in range(steps) if g != a and g != b]
+                if b is None:
+                    rest = R[others].max(0) if others else np.zeros(n_enc, np.int64)
+                    new_max = np.maximum(rest, Ra)
+                    dsum = d.sum(-1) + (Tj[None, :] - Ti[:, None])
+                    keep = np.all(total + d >= floor, axis=-1)
+                    dsq = ((Ra ** 2) - R[a] ** 2).sum(-1)
+                else:
+                    Rb = R[b] - d
+                    rest = R[others].max(0) if others else np.zeros(n_enc, np.int64)
+                    new_max = np.maximum(np.maximum(rest, Ra), Rb)
+                    dsum = np.zeros(d.shape[:2], np.int64)
+                    keep = np.ones(d.shape[:2], bool)
+                    dsq = ((Ra ** 2) - R[a] ** 2 + (Rb ** 2) - R[b] ** 2).sum(-1)
+                dpad = steps * (new_max - omax).sum(-1) - dsum
+                keep &= fit & ((dpad < 0) | ((dpad == 0) & (dsq < 0)))
+                keep[0, 0] = False
+                ii, jj = np.nonzero(keep)
+                if ii.size:
+                    ka = np.concatenate([[-1], np.asarray(A, np.int64)])
+                    kb = np.concatenate([[-1], np.asarray(j_keys, np.int64)])
+                    cands.append(np.stack([dpad[ii, jj], dsq[ii, jj], np.full(ii.size, a),
+                                           np.full(ii.size, -1 if b is None else b), ka[ii], kb[jj]], axis=1))
+        if not cands:
+            break
+        c = np.concatenate(cands)
+        c = c[np.lexsort(c.T[::-1])][:tries]
+        moved = False
+        for dp, ds, a, b, i, j in c.tolist():
+            bb = None if b < 0 else b
+            ii = None if i < 0 else i
+            jj = None if j < 0 else j
+            if bb is None and ii is None and jj is None:
+                continue
+            if attempt(ii, jj, a, bb):
+                di = E[idx[ii]] if ii is not None else 0
+                dj = E[idx[jj]] if jj is not None else 0
+                R[a] += dj - di
+                if bb is not None:
+                    R[bb] += di - dj
+                else:
+                    if jj is not None:
+                        pool.discard(jj)
+                    if ii is not None:
+                        pool.add(ii)
+                moved = True
+                break
+        if not moved:
+            break
+    placed = {k for k in where}
+    unplaced = tuple(sorted(k for k in by_key if k not in placed))
+    return Plan(tuple(tuple(b.items) for b in bins), tuple(loads), unplaced)
+
+
+def _window_time(loads, steps: int, ranks: int, microbatches: int) -> float:
+    return float(np.asarray(loads).reshape(steps, ranks, microbatches).sum(-1).max(-1).sum())
+
+
+def _rebuild(content: tuple[tuple[tuple[int, int], ...], ...], by_key: dict[int, Item], cap: Capacity) -> list[_Bin]:
+    """Bins in the state of a placement (rows opened as recorded)."""
+    state = [_Bin(cap) for _ in content]
+    for b, placed in zip(state, content):
+        for key, row in placed:
+            it = by_key[key]
+            while row >= len(b.free):
+                b.free.append(cap.row_len)
+            b.free[row] -= it.tokens
+            b.enc = [c - e for c, e in zip(b.enc, it.enc)]
+            b.items.append((key, row))
+    return state
