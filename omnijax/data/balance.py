@@ -289,7 +289,7 @@ def lower_bound(items: list[Item], ranks: int) -> float:
 
 
 def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
-                 cost_slack: float = 0.05, max_moves: int = 2000, tries: int = 1000) -> Plan:
+                 cost_slack: float = 0.05, max_moves: int = 2000, tries: int = 256) -> Plan:
     """Even out each encoder's input rows over the window's steps, as placed; bins ordered (step, rank, microbatch).
 
     A window runs one compiled program whose encoder buffers hold its fullest step, so every other
@@ -324,6 +324,12 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
     floor = R.sum(0)
     budget = (1.0 + cost_slack) * _window_time(loads, steps, ranks, microbatches)
 
+    saved: dict[int, tuple] = {}  # bins touched by the move being tried, as they were before it
+
+    def save(b: int) -> None:
+        if b not in saved:
+            saved[b] = (list(bins[b].free), list(bins[b].enc), list(bins[b].items), loads[b])
+
     def put(key: int, g: int, first: int) -> int:
         """Place `key` in step g (bin `first` first, then the least loaded bins); its bin or -1."""
         it = by_key[key]
@@ -331,6 +337,7 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
         for b in order:
             row = bins[b].row_for(it, cap)
             if row >= 0:
+                save(b)
                 bins[b].add(it, row, cap)
                 loads[b] += it.cost
                 where[key] = b
@@ -339,6 +346,7 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
 
     def take(key: int) -> None:
         b = where.pop(key)
+        save(b)
         it = by_key[key]
         content = bins[b].items
         pos = next(p for p, (k, _) in enumerate(content) if k == key)
@@ -349,10 +357,8 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
 
     def attempt(i: int | None, j: int | None, a: int, b: int | None) -> bool:
         """Item i (placed, step a) -> step b (None: deferred); item j (step b, or the pool if b is None) -> step a."""
-        touched = sorted({*range(a * per_step, (a + 1) * per_step),
-                          *(range(b * per_step, (b + 1) * per_step) if b is not None else ())})
-        saved = {t: (list(bins[t].free), list(bins[t].enc), list(bins[t].items), loads[t]) for t in touched}
-        saved_where = {k: where[k] for k in (i, j) if k is not None and k in where}
+        saved.clear()
+        was = {k: where.get(k) for k in (i, j) if k is not None}
         x = where.get(i, -1) if i is not None else -1
         y = where.get(j, -1) if j is not None else -1
         if i is not None:
@@ -363,18 +369,19 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
         if ok and i is not None and b is not None:
             ok = put(i, b, y) >= 0
         ok = ok and _window_time(loads, steps, ranks, microbatches) <= budget + 1e-9
-        if not ok:
+        if not ok:  # undo
             for t, (free, enc, content, load) in saved.items():
                 bins[t].free, bins[t].enc, bins[t].items, loads[t] = free, enc, content, load
-            for k in (i, j):
-                if k is not None:
-                    where.pop(k, None)
-            where.update(saved_where)
+            for k, w in was.items():
+                where.pop(k, None)
+                if w is not None:
+                    where[k] = w
         return ok
 
     for _ in range(max_moves):
         omax = R.max(0)
         total = R.sum(0)
+        fullest = {g for g in range(steps) for m in range(n_enc) if omax[m] > 0 and R[g, m] == omax[m]}
         members = [sorted(k for k, b in where.items() if b // per_step == g) for g in range(steps)]
         oldest: dict[tuple, int] = {}  # unplaced items alike in rows and tokens: the oldest (lowest key) stands for all
         for k in sorted(pool, reverse=True):
@@ -393,8 +400,8 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
             A = members[a]
             ia = np.array([idx[k] for k in A], np.int64)
             for b in [*range(steps), None]:
-                if b == a:
-                    continue
+                if b == a or (b is not None and a not in fullest and b not in fullest):
+                    continue  # a move between two steps lowers no encoder's fullest step unless one of them is it
                 if b is None:
                     jb = np.array([idx[k] for k in pool_keys], np.int64)
                     j_keys = pool_keys
@@ -439,8 +446,7 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
                                            np.full(ii.size, -1 if b is None else b), ka[ii], kb[jj]], axis=1))
         if not cands:
             break
-        c = np.concatenate(cands)
-        c = c[np.lexsort(c.T[::-1])][:tries]
+        c = _smallest(np.concatenate(cands), tries)
         moved = False
         for dp, ds, a, b, i, j in c.tolist():
             bb = None if b < 0 else b
@@ -466,6 +472,18 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
     placed = {k for k in where}
     unplaced = tuple(sorted(k for k in by_key if k not in placed))
     return Plan(tuple(tuple(b.items) for b in bins), tuple(loads), unplaced)
+
+
+def _smallest(c: np.ndarray, n: int) -> np.ndarray:
+    """The n lexicographically smallest rows of integer array c, sorted (without sorting all of c)."""
+    if len(c) > n:
+        t = np.partition(c[:, 0], n - 1)[n - 1]
+        low, tie = c[c[:, 0] < t], c[c[:, 0] == t]
+        need = n - len(low)
+        if len(tie) > need:
+            tie = tie[tie[:, 1] <= np.partition(tie[:, 1], need - 1)[need - 1]]
+        c = np.concatenate([low, tie])
+    return c[np.lexsort(c.T[::-1])][:n]
 
 
 def _window_time(loads, steps: int, ranks: int, microbatches: int) -> float:
