@@ -279,3 +279,46 @@ def test_balanced_capacities_grow_a_bucket_when_balance_needs_room():
     same, _ = placement_meta.fit_balanced_capacities([segs], grid, RED, mean, long_factor=0.25,
                                                      pad_cost=lambda n, r: 1e3 * mean * r)
     assert same == base
+
+
+def test_bench_rows_take_their_layout_from_the_recipe():
+    from recipes.bench.scale import recipe_layout
+
+    moe, _ = recipe_layout("omni_moe", check=False)   # fsdp16xep4, encoders edp16xesp4 (recipes/configs/omni_moe.yaml)
+    assert (moe.pp, moe.tp, moe.ep, moe.cp, moe.esp) == (1, 1, 4, 1, 4) and moe.moe_layers == 24
+    assert moe.host_grid().esp_axes() == ("ep",)  # the SP groups sit inside a host
+    ablation, _ = recipe_layout("omni_moe_edp64", check=False)
+    assert ablation.esp == 1 and (ablation.ep, ablation.rows_per_device) == (4, moe.rows_per_device)
+    dense, _ = recipe_layout("omni_8b", check=False)
+    ref = scale.LAYOUTS["omni_8b"]
+    assert [getattr(dense, k) for k in ("pp", "tp", "ep", "cp", "esp", "microbatches", "rows_per_device", "row_len")] \
+        == [getattr(ref, k) for k in ("pp", "tp", "ep", "cp", "esp", "microbatches", "rows_per_device", "row_len")]
+
+
+def test_bounded_fit_recovers_terms_and_resists_a_slow_long_span():
+    from recipes.bench.scale import fit_bounded
+
+    ns = np.array([64, 128, 256, 512, 1024, 2048], np.float64)
+    a, b, c = 2e-6, 3e-10, 1e-3
+    t = c + a * ns + b * ns ** 2
+    got = fit_bounded(ns, t)
+    assert np.allclose(got, (a, b, c), rtol=1e-3)
+    noisy = t.copy()
+    noisy[-1] *= 3.0            # one burst of load on the longest span
+    fa, fb, fc = fit_bounded(ns, noisy)
+    assert fa > 0.5 * a and fc > 0.5 * c and min(fa, fb, fc) >= 0   # the linear and constant terms survive
+
+
+def test_interleaved_timings_time_every_point_each_round_in_shuffled_order():
+    from recipes.bench.scale import interleaved_timings
+
+    calls = []
+
+    def fn(c):
+        return lambda n: calls.append((c, n)) or float(n)
+
+    out = interleaved_timings({"x": fn("x"), "y": fn("y")}, {"x": [1, 2, 3], "y": [4, 5]}, rounds=4)
+    assert out["x"].shape == (4, 3) and np.all(out["x"] == [1, 2, 3]) and np.all(out["y"] == [4, 5])
+    assert calls[:5] == [("x", 1), ("x", 2), ("x", 3), ("y", 4), ("y", 5)]      # one warm-up call each
+    rounds = [calls[5 + 5 * r:10 + 5 * r] for r in range(4)]
+    assert all(sorted(r) == sorted(calls[:5]) for r in rounds) and len({tuple(r) for r in rounds}) > 1

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
 DESCRIPTION = ("planner on 1k-16k abstract devices + modeled joint step vs coupled/replicated/disaggregated/"
                "global LPT, calibrated on CPU")
 
@@ -26,6 +28,7 @@ def _options(overrides: list[str]) -> dict:
     opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_edp64",
             "mixes": "image,video,audio_text",
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 3, "cal_batch_size": 32,
+            "cal_rounds": 5, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
             "plot": "1", "long_factor": 0.25, "refine": "1",
             "balance_target": 1.05, "bucket_growth": 1.25}
     for item in overrides:
@@ -45,74 +48,137 @@ VARIANTS = {"omni_8b": ("omni_8b", ()), "omni_moe": ("omni_moe", ()),
             "omni_moe_edp64": ("omni_moe", ("parallel.encoder=edp64",))}
 
 
-def recipe_layout(name: str, gpus: int = 64):
+def recipe_layout(name: str, gpus: int = 64, check: bool = True):
     """(scale.Layout, MMConfig) of a variant, read from its recipe: the LLM mesh (`parallel.llm`), the
     encoder view's esp (`parallel.encoder`), microbatches, rows per device (`data.batch_size` over the
     recipe's `gpus`), row length, widths, MoE layers, and the parameter counts of `dry_run`, which also
-    checks the layout against the recipe (esp divides every encoder's heads, sits inside a host)."""
+    checks the layout against the recipe (esp divides every encoder's heads, sits inside a host).
+    `check=False` skips `dry_run` (tens of seconds): the LLM's count is then `llm_param_counts`' and
+    the encoders' the Layout default."""
     from omnijax.config import build
     from omnijax.models.llm import is_moe_layer
     from omnijax.parallel import routing, scale
     from omnijax.parallel.mesh import parse_layout
     from omnijax.train.dryrun import dry_run
+    from omnijax.train.metrics import llm_param_counts
     from recipes.common import CONFIGS
-    from recipes.tiny_omni import OmniConfig, check
+    from recipes.tiny_omni import OmniConfig
+    from recipes.tiny_omni import check as check_config
 
     recipe, overrides = VARIANTS.get(name, (name, ()))
-    cfg = build(OmniConfig, CONFIGS / f"{recipe}.yaml", list(overrides), check=check)
-    report = dry_run(cfg, gpus)
+    cfg = build(OmniConfig, CONFIGS / f"{recipe}.yaml", list(overrides), check=check_config)
     p, llm = cfg.parallel, cfg.model.llm
+    if check:
+        n = dry_run(cfg, gpus)["params"]
+        params = {"llm_params": float(n["llm"]), "enc_params": float(n["encoders"] + n["projectors"])}
+    else:
+        params = {"llm_params": float(llm_param_counts(llm)[0] + (0 if llm.tie_embeddings else llm.vocab_size
+                                                                    * llm.embed_dim))}
     mesh = parse_layout(p.llm, gpus)
     _, esp = routing.parse_encoder_layout(p.encoder, gpus)
     moe_layers = sum(is_moe_layer(llm, i) for i in range(llm.num_layers))
     pp = int(mesh.sizes["pp"])
     layout = scale.Layout(name, pp=pp, tp=int(mesh.sizes["tp"]), ep=int(mesh.sizes["ep"]), cp=int(mesh.sizes["cp"]),
                           esp=esp, microbatches=(p.microbatches or 2 * pp) if pp > 1 else 1,
-                          rows_per_device=cfg.data.batch_size / gpus, row_len=cfg.data.seq_len,
-                          llm_params=float(report["params"]["llm"]),
-                          enc_params=float(report["params"]["encoders"] + report["params"]["projectors"]),
+                          rows_per_device=cfg.data.batch_size / gpus, row_len=cfg.data.seq_len, **params,
                           embed_dim=llm.embed_dim, moe_top_k=llm.moe.top_k if moe_layers else 0, moe_layers=moe_layers)
     return layout, cfg.model
 
 
-def calibration(opts: dict) -> dict:
-    """CPU mode of the model vs `bench omni` (omnijax and coupled, its default layout and batches)."""
-    import numpy as np
+def interleaved_timings(fns: dict, sizes: dict[str, list[int]], rounds: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seconds [rounds, sizes] of every (component, span length), timed in a shuffled order per round after
+    one warm-up (compile) call each: on a machine shared with other jobs a burst of load then lands on
+    random points of every curve instead of on the last sizes of one component."""
+    for c, fn in fns.items():
+        for n in sizes[c]:
+            fn(n)
+    jobs = [(c, k) for c in fns for k in range(len(sizes[c]))]
+    out = {c: np.zeros((rounds, len(sizes[c]))) for c in fns}
+    rng = np.random.default_rng(seed)
+    for r in range(rounds):
+        for j in rng.permutation(len(jobs)).tolist():
+            c, k = jobs[j]
+            out[c][r, k] = fns[c](sizes[c][k])
+    return out
 
+
+def fit_bounded(ns, ts, f_scale: float = 0.05) -> tuple[float, float, float]:
+    """(a, b, const) of t ≈ const + a·n + b·n², fitted on relative residuals (every span length counts
+    the same, so the longest cannot absorb the rest) with a robust loss (Cauchy beyond `f_scale`, 5%:
+    a point a burst of load slowed is discounted instead of bending the curve), each term non-negative
+    and at most what the size where it shows best measured: const ≤ t(n_min), a ≤ t(n_min)/n_min,
+    b ≤ t(n_max)/n_max²."""
+    from scipy.optimize import least_squares, lsq_linear
+
+    ns, ts = np.asarray(ns, np.float64), np.asarray(ts, np.float64)
+    X = np.stack([np.ones_like(ns), ns, ns * ns], -1) / ts[:, None]
+    ub = np.array([ts[0], ts[0] / ns[0], ts[-1] / ns[-1] ** 2])
+    scale = X.max(0)
+    Xs, hi = X / scale, ub * scale
+    x0 = lsq_linear(Xs, np.ones_like(ts), bounds=(np.zeros(3), hi)).x
+    res = least_squares(lambda p: Xs @ p - 1.0, np.clip(x0, 1e-12 * hi, hi * (1 - 1e-9)), bounds=(np.zeros(3), hi),
+                        loss="cauchy", f_scale=f_scale)
+    c, a, b = res.x / scale
+    return float(a), float(b), float(c)
+
+
+def calibration(opts: dict) -> dict:
+    """CPU mode of the model vs `bench omni` (omnijax and coupled, its default layout and batches).
+
+    The CPU constants come from `cal_rounds` interleaved timings of each module's forward+backward
+    (`recipes calibrate_cost`'s step functions) at span lengths that cover `bench omni`'s buffers, and of
+    a memory copy; the headline fit uses the median time of every point (`fit_bounded`), and the same
+    fit on each round alone gives the spread of the prediction."""
     from omnijax.config import from_dict
     from omnijax.mm_config import MMConfig
     from omnijax.parallel import scale
     from omnijax.parallel.engine import LLMParallel
     from omnijax.parallel.multiplex import Multiplexer
     from recipes.bench import omni
-    from recipes.calibrate_cost import CalibrateConfig, calibrate
+    from recipes.calibrate_cost import encoder_step, llm_step, time_fn_from
 
     cfg = from_dict(MMConfig, omni.MM)
     o = omni._options([])
-    steps, bs = opts["cal_steps"], opts["cal_batch_size"]
+    steps, bs, rounds = opts["cal_steps"], opts["cal_batch_size"], max(1, opts["cal_rounds"])
     t0 = time.perf_counter()
     host = omni.batches(cfg, steps, bs, o["seq_len"], o["lookahead"])
-    # CPU constants timed here: each module's fwd+bwd at a few span lengths, and a memory copy
-    fitted, report = calibrate(CalibrateConfig(sizes=[256, 1024, 2048, 4096], repeats=3), cfg)
-    x = np.ones(1 << 24, np.float32)
-    t = time.perf_counter()
-    for _ in range(5):
-        x.copy()
-    copy_Bps = 5 * x.nbytes * 2 / (time.perf_counter() - t)
-    const = lambda k: max(0.0, float(report[k].get("const_s", 0.0)))  # noqa: E731
-    cpu = scale.CpuConstants({n: (c.a, c.b, const(n)) for n, c in fitted.encoders.items()},
-                             (fitted.llm.a, fitted.llm.b, const("llm")), copy_Bps)
-    preds = {}
+    plans = {}
     for name in ("omnijax", "coupled"):
         mode, long_short, _ = omni.VARIANTS[name]
         mx = Multiplexer(LLMParallel(o["llm"], cfg.llm), cfg, encoder_layout=o["encoder"], mode=mode,
                          long_short=long_short, balance_rows=False)
         mx.capacities = mx.fit_window(host, o["bucket_growth"])
-        total = 0.0
-        for b in host:
-            batch, plan = mx.host_plan(b)
-            total += scale.plan_phases_cpu(plan, batch, mx.grid.esp, cfg.llm.embed_dim, cpu).step_s(cpu_mode=True)
-        preds[name] = total / len(host)
+        plans[name] = (mx.grid.esp, [mx.host_plan(b) for b in host])
+    # CPU constants timed here, interleaved: encoders over the span lengths of bench omni's buffers and
+    # beyond (the quadratic term needs long spans), the LLM over its row lengths
+    enc_sizes = [int(x) for x in opts["cal_enc_sizes"].split(",")]
+    llm_sizes = [int(x) for x in opts["cal_llm_sizes"].split(",")]
+    names = sorted(cfg.encoders)
+    fns = {"llm": time_fn_from(llm_step(cfg)), **{n: time_fn_from(encoder_step(cfg, n)) for n in names}}
+    sizes = {c: (llm_sizes if c == "llm" else enc_sizes) for c in fns}
+    x = np.ones(1 << 24, np.float32)
+
+    def copy_s(_n: int) -> float:
+        t = time.perf_counter()
+        x.copy()
+        return time.perf_counter() - t
+
+    fns["copy"], sizes["copy"] = copy_s, [x.nbytes]
+    T = interleaved_timings(fns, sizes, rounds)
+
+    def constants(t: dict[str, np.ndarray]) -> scale.CpuConstants:
+        fit = {c: fit_bounded(sizes[c], t[c]) for c in fns if c != "copy"}
+        return scale.CpuConstants({n: fit[n] for n in names}, fit["llm"], 2 * x.nbytes / float(t["copy"][0]))
+
+    def predict(cpu: scale.CpuConstants) -> dict[str, float]:
+        return {name: float(np.mean([scale.plan_phases_cpu(plan, batch, esp, cfg.llm.embed_dim, cpu).step_s(cpu_mode=True)
+                                     for batch, plan in hp])) for name, (esp, hp) in plans.items()}
+
+    cpu = constants({c: np.median(t, 0) for c, t in T.items()})
+    preds = predict(cpu)
+    pred = preds["coupled"] / preds["omnijax"]
+    per_round = [predict(constants({c: t[r] for c, t in T.items()})) for r in range(rounds)]
+    spread = sorted(p["coupled"] / p["omnijax"] for p in per_round)
     measured = None
     path = Path(opts["measured"] or Path(os.environ.get("OMNIJAX_RUNS", "runs")) / "bench" / "omni.jsonl")
     if path.exists():
@@ -121,17 +187,24 @@ def calibration(opts: dict) -> dict:
             measured = {"speedup": rows["coupled"]["step_s"] / rows["omnijax"]["step_s"],
                         "omnijax_step_s": rows["omnijax"]["step_s"], "coupled_step_s": rows["coupled"]["step_s"],
                         "steps": rows["omnijax"].get("steps"), "batch_size": rows["omnijax"].get("batch_size")}
-    pred = preds["coupled"] / preds["omnijax"]
+    ms = measured["speedup"] if measured else None
     row = {"variant": "calibration_cpu8", "predicted_speedup_vs_coupled": round(pred, 3),
-           "measured_speedup_vs_coupled": round(measured["speedup"], 3) if measured else None,
-           "relative_error": round(pred / measured["speedup"] - 1, 3) if measured else None,
+           "measured_speedup_vs_coupled": round(ms, 3) if measured else None,
+           "relative_error": round(pred / ms - 1, 3) if measured else None,
+           "predicted_per_round": {"min": round(spread[0], 3), "median": round(float(np.median(spread)), 3),
+                                   "max": round(spread[-1], 3), "rounds": rounds},
+           "relative_error_per_round": ({"min": round(spread[0] / ms - 1, 3), "max": round(spread[-1] / ms - 1, 3)}
+                                        if measured else None),
            "predicted_step_s": {k: round(v, 3) for k, v in preds.items()},
            "measured_step_s": {k: measured[f"{k}_step_s"] for k in ("omnijax", "coupled")} if measured else None,
            "measured_from": str(path) if measured else f"{path} missing: run `python -m recipes bench omni` first",
-           "cpu_constants": {"encoders_a_b_const_s": {k: [float(f"{x:.3g}") for x in v]
-                                                      for k, v in cpu.encoders.items()},
-                             "llm_a_b_const_s": [float(f"{x:.3g}") for x in cpu.llm],
-                             "copy_GBps": round(copy_Bps / 1e9, 2)},
+           "cpu_constants": {"encoders_a_b_const_s": {k: [float(f"{v:.3g}") for v in c]
+                                                      for k, c in cpu.encoders.items()},
+                             "llm_a_b_const_s": [float(f"{v:.3g}") for v in cpu.llm],
+                             "copy_GBps": round(cpu.copy_Bps / 1e9, 2)},
+           "timing_spread": {c: round(float(np.max((np.percentile(t, 75, 0) - np.percentile(t, 25, 0))
+                                                   / np.median(t, 0))), 3) for c, t in T.items()},
+           "sizes": {"encoders": enc_sizes, "llm": llm_sizes},
            "batches": steps, "batch_size": bs, "layout": f"{o['llm']}+{o['encoder']}",
            "coupled_meaning": "bench omni's `coupled`: encoders on pp stage 0, split over tp/cp "
                               "(parallel/baselines.py)",
@@ -180,7 +253,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
         raise ConfigError(f"bench scale: hardware={opts['hardware']!r}; known: {', '.join(scale.HARDWARE)}")
     hw = scale.HARDWARE[opts["hardware"]]
     rows = []
-    for name in [x for x in opts["layouts"].split(",") if x]:
+    devices_list = [int(x) for x in opts["devices"].split(",") if x]
+    for name in [x for x in opts["layouts"].split(",") if x and devices_list]:
         from recipes.common import CONFIGS
 
         if name not in VARIANTS and not (CONFIGS / f"{name}.yaml").exists():
@@ -188,7 +262,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         layout, mm = recipe_layout(name)
         costs = scale.Costs.from_mm(mm)
         model = scale.StepModel(hw, layout)
-        for devices in [int(x) for x in opts["devices"].split(",") if x]:
+        for devices in devices_list:
             for mix in [x for x in opts["mixes"].split(",") if x]:
                 if mix not in scale.MIXES:
                     raise ConfigError(f"bench scale: mix {mix!r}; known: {', '.join(scale.MIXES)}")
