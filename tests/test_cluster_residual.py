@@ -5,7 +5,7 @@ the training objective from a deliberately bad policy within a few iterations.""
 import numpy as np
 import pytest
 
-from omnijax.cluster.residual import MLP, ResidualScheduler, episode_score, evolve, generate_workload
+from omnijax.cluster.residual import MLP, ResidualScheduler, accept, episode_score, evolve, generate_workload
 from omnijax.cluster.schedulers import FittedModel
 from omnijax.cluster.simulator import SimConfig, run_workload
 from omnijax.cluster.traces import load_workload
@@ -43,3 +43,11 @@ def test_evolution_strategies_improve_a_bad_policy():
     after = episode_score(theta, specs, CFG, HIDDEN, ref)
     assert len(hist) == 3 and before > 1.0
     assert after < before
+
+
+def test_acceptance_needs_a_gain_beyond_the_noise():
+    assert accept([0.95, 0.96, 0.94, 0.97])                 # consistently better
+    assert not accept([0.90, 1.08, 0.97, 1.02])             # mean below 1, but within its noise
+    assert not accept([0.99])                               # one workload says nothing about the spread
+    assert not accept([1.01, 1.02, 1.00, 1.03])
+    assert accept([0.98, 0.99, 0.98, 0.99], z=0.0) and not accept([0.98, 0.99, 0.98, 0.99], z=1e6)

@@ -203,3 +203,19 @@ def test_shadow_price_does_not_spread_a_small_job_over_two_nodes():
     assert {k.name: alloc[k.name] for k in kept} == {"k1": 2, "k2": 1, "k3": 2, "k4": 1}
     assert alloc["n"] == 1
     assert FittedOracle(resize_penalty_s=0.0, repair_placement=0).allocate(0.0, kept + [new], cluster)["n"] == 2
+
+
+def test_prior_comes_from_finished_jobs_of_the_same_application():
+    by_app, mixed = FittedModel(), FittedModel(prior_by_app=False)
+    for name, app, steps in [("c1", "cifar10", 400.0), ("c2", "cifar10", 900.0), ("i1", "imagenet", 90000.0)]:
+        done = _job(name, steps=steps, progress=steps, attained=steps * 0.69)   # 0.69 s a step on one device
+        done.application = app
+        by_app.job_finished(done), mixed.job_finished(done)
+    new = _job("new")                                           # a cifar10 job without a loss fit yet
+    assert by_app.remaining_steps(new) == pytest.approx(600.0)  # geometric mean of the finished cifar10 jobs
+    assert mixed.remaining_steps(new) == pytest.approx(3187.0, rel=1e-3)   # the whole mix: imagenet included
+    other = _job("other")
+    other.application = "bert"                                   # no finished bert job: the mix's prior
+    assert by_app.remaining_steps(other) == pytest.approx(mixed.remaining_steps(other))
+    by_app.reset()
+    assert by_app.remaining_steps(new) == pytest.approx(FittedModel().remaining_steps(new))

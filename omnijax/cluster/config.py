@@ -32,7 +32,8 @@ class LearnedConfig:
     es_pairs: int = 3
     es_sigma: float = 0.3
     es_lr: float = 0.3
-    es_validation: int = 4         # generated workloads the trained policy must beat fitted on (0: no check)
+    es_validation: int = 8         # generated workloads the trained policy must beat fitted on (0: no check)
+    es_confidence: float = 2.0     # ... by this many standard errors of the paired mean (residual.accept)
     hidden_es: int = 16
 
 
