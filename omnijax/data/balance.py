@@ -378,9 +378,29 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
                     where[k] = w
         return ok
 
+    def score(a: int, b: int | None, Ei, Ej, Ti, Tj):
+        """For every (i, j): step a gives i (to step b, or defers it) and takes j (from step b, or the pool):
+        (change of the window's padded rows, change of the steps' sum of squared rows, improves)."""
+        d = Ej[None, :, :] - Ei[:, None, :]
+        Ra = R[a] + d
+        others = [g for g in range(steps) if g != a and g != b]
+        rest = R[others].max(0) if others else np.zeros(n_enc, np.int64)
+        if b is None:
+            new_max = np.maximum(rest, Ra)
+            dsum = d.sum(-1) + (Tj[None, :] - Ti[:, None])
+            ok = np.all(R.sum(0) + d >= floor, axis=-1)
+            dsq = ((Ra ** 2) - R[a] ** 2).sum(-1)
+        else:
+            Rb = R[b] - d
+            new_max = np.maximum(np.maximum(rest, Ra), Rb)
+            dsum = np.zeros(d.shape[:2], np.int64)
+            ok = np.ones(d.shape[:2], bool)
+            dsq = ((Ra ** 2) - R[a] ** 2 + (Rb ** 2) - R[b] ** 2).sum(-1)
+        dpad = steps * (new_max - R.max(0)).sum(-1) - dsum
+        return dpad, dsq, ok & ((dpad < 0) | ((dpad == 0) & (dsq < 0)))
+
     for _ in range(max_moves):
         omax = R.max(0)
-        total = R.sum(0)
         fullest = {g for g in range(steps) for m in range(n_enc) if omax[m] > 0 and R[g, m] == omax[m]}
         members = [sorted(k for k, b in where.items() if b // per_step == g) for g in range(steps)]
         oldest: dict[tuple, int] = {}  # unplaced items alike in rows and tokens: the oldest (lowest key) stands for all
@@ -419,24 +439,8 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
                 fit = Tj[None, :] <= np.maximum(widest[a], Fi + Ti)[:, None]
                 if b is not None:
                     fit &= Ti[:, None] <= np.maximum(widest[b], Fj + Tj)[None, :]
-                d = Ej[None, :, :] - Ei[:, None, :]                                     # step a gains j, loses i
-                Ra = R[a] + d
-                others = [g for g in range(steps) if g != a and g != b]
-                if b is None:
-                    rest = R[others].max(0) if others else np.zeros(n_enc, np.int64)
-                    new_max = np.maximum(rest, Ra)
-                    dsum = d.sum(-1) + (Tj[None, :] - Ti[:, None])
-                    keep = np.all(total + d >= floor, axis=-1)
-                    dsq = ((Ra ** 2) - R[a] ** 2).sum(-1)
-                else:
-                    Rb = R[b] - d
-                    rest = R[others].max(0) if others else np.zeros(n_enc, np.int64)
-                    new_max = np.maximum(np.maximum(rest, Ra), Rb)
-                    dsum = np.zeros(d.shape[:2], np.int64)
-                    keep = np.ones(d.shape[:2], bool)
-                    dsq = ((Ra ** 2) - R[a] ** 2 + (Rb ** 2) - R[b] ** 2).sum(-1)
-                dpad = steps * (new_max - omax).sum(-1) - dsum
-                keep &= fit & ((dpad < 0) | ((dpad == 0) & (dsq < 0)))
+                dpad, dsq, keep = score(a, b, Ei, Ej, Ti, Tj)
+                keep &= fit
                 keep[0, 0] = False
                 ii, jj = np.nonzero(keep)
                 if ii.size:
@@ -447,13 +451,20 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
         if not cands:
             break
         c = _smallest(np.concatenate(cands), tries)
-        moved = False
-        for dp, ds, a, b, i, j in c.tolist():
-            bb = None if b < 0 else b
-            ii = None if i < 0 else i
-            jj = None if j < 0 else j
-            if bb is None and ii is None and jj is None:
-                continue
+        moved = 0
+        zero = np.zeros((1, n_enc), np.int64)
+        for _, _, a, b, i, j in c.tolist():  # best first; after a move, the rest rescored on the new rows
+            bb, ii, jj = (None if b < 0 else b), (None if i < 0 else i), (None if j < 0 else j)
+            if moved:
+                if (ii is not None and where.get(ii, -1) // per_step != a) or \
+                        (jj is not None and (jj not in pool if bb is None else where.get(jj, -1) // per_step != bb)):
+                    continue  # an earlier move of this round took i or j elsewhere
+                Ei = E[idx[ii]][None] if ii is not None else zero
+                Ej = E[idx[jj]][None] if jj is not None else zero
+                Ti = tok[[idx[ii]]] if ii is not None else np.zeros(1, np.int64)
+                Tj = tok[[idx[jj]]] if jj is not None else np.zeros(1, np.int64)
+                if not score(a, bb, Ei, Ej, Ti, Tj)[2][0, 0]:
+                    continue
             if attempt(ii, jj, a, bb):
                 di = E[idx[ii]] if ii is not None else 0
                 dj = E[idx[jj]] if jj is not None else 0
@@ -465,8 +476,7 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
                         pool.discard(jj)
                     if ii is not None:
                         pool.add(ii)
-                moved = True
-                break
+                moved += 1
         if not moved:
             break
     placed = {k for k in where}

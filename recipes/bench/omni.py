@@ -75,8 +75,9 @@ def batches(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 256
             window: int = 3) -> list[dict]:
     """`steps` global batches from the data plane, the packer training uses (`omnijax.data.loader`): one
     world source per mix phase, switched by a step schedule; each window of `window` steps is planned
-    together (grouped reordering by cost over `devices` ranks) from a pool of `lookahead` samples per
-    step; samples that find no room wait for the next window, none is dropped."""
+    together (grouped reordering by cost over `devices` ranks, then each encoder's rows evened out over
+    the window's steps: the window runs one program sized for its fullest step) from a pool of
+    `lookahead` samples per step; samples that find no room wait for the next window, none is dropped."""
     loader = make_loader(cfg, steps, batch_size, seq_len, lookahead, devices, window)
     return [loader.host_batch(step)["microbatches"][0] for step in range(steps)]
 
