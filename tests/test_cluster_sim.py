@@ -96,6 +96,12 @@ def test_preemption_charges_restart_and_counts_it():
     # 60 + 30 + 15 = 105; A restarts at 120 (pays 30 s again): 880 steps left -> 120 + 30 + 220 = 370
     assert by["j1"]["finish"] == pytest.approx(105.0)
     assert by["j0"]["finish"] == pytest.approx(370.0) and by["j0"]["restarts"] == 1
+    # resize_restart_s=0: starts still cost 30 s, A's resumption at 120 is free -> 120 + 220 = 340
+    jobs = [_job(0, arrival=0.0, requested=4, steps=1000.0), _job(1, arrival=60.0, requested=4, steps=60.0)]
+    cfg.resize_restart_s = 0.0
+    result = simulate(jobs, lambda job, n, nodes: 1.0 / n, Tiresias(queues_s=(200.0,)), cfg)
+    by = {j["name"]: j for j in result.jobs}
+    assert by["j1"]["finish"] == pytest.approx(105.0) and by["j0"]["finish"] == pytest.approx(340.0)
 
 
 @pytest.fixture(scope="module")

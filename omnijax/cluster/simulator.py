@@ -34,6 +34,8 @@ class SimConfig:
     cpus_per_node: int = 32
     slot_s: float = 60.0
     restart_s: float = 30.0          # checkpoint + restart cost of any (re)placement
+    resize_restart_s: float | None = None   # ... of a job that has run before (None: restart_s); 0 prices what
+                                            # the restarts of resizes and preemptions cost (an analysis knob)
     speed_noise: float = 0.03        # relative noise of step-time observations
     loss_noise: float = 0.01         # relative noise of loss observations
     loss_eps: float = 0.05           # a job has converged when l − c <= eps · (l(0) − c)
@@ -149,7 +151,8 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
                 j.placement = ()
                 j.allocation = 0
                 continue
-            overhead = cfg.restart_s if new != j.placement else 0.0
+            again = j.started is not None and cfg.resize_restart_s is not None
+            overhead = (cfg.resize_restart_s if again else cfg.restart_s) if new != j.placement else 0.0
             if j.allocation == 0:
                 j.last_run = 0.0
             j.placement, j.allocation = new, n
