@@ -1,14 +1,15 @@
 """Scale evidence: the trainer's host planner on abstract grids of 1k-16k devices, a modeled joint step
 against four baselines, and a calibration of the model against `bench omni` on this machine.
 
-Rows (one per layout x devices x mix): weak scaling at omni_8b's per-device work (2 rows of 4,096
-tokens per device), three workload mixes whose phases change over the steps (`omnijax.parallel.scale`
-states the distributions; the README text cites their sources), the plan one host makes for one step
-from metadata (`plan_s_per_host`, measured here), the plan's balance and padding, and the modeled step
-time (H100 table) of omnijax and of coupled / replicated / disaggregated / global-LPT on the same
-batches. Then `calibration_cpu8`: the same model in CPU mode (work summed over 8 fake devices, constants
-timed here) predicts `bench omni`'s omnijax/coupled ratio, next to the measured one. A PNG of the
-speed-ups goes to runs/bench/scale.png.
+Rows (one per layout x devices x mix; each layout is its recipe's, `recipe_layout`): weak scaling at
+the recipes' per-device work (2 rows of 4,096 tokens per device), three workload mixes whose phases
+change over the steps (`omnijax.parallel.scale` states the distributions; docs/scale.md cites their
+sources), the plan one host makes for one step from metadata (`plan_s_per_host`, measured here), the
+plan's balance and padding, and the modeled step time (H100 table) of omnijax and of coupled /
+replicated / disaggregated / global-LPT on the same batches. Then `calibration_cpu8`: the same model
+in CPU mode (work summed over 8 fake devices, constants timed here in interleaved rounds, fitted with
+bounds) predicts `bench omni`'s omnijax/coupled ratio, with its spread over the rounds, next to the
+measured one. A PNG of the speed-ups goes to runs/bench/scale.png.
 """
 from __future__ import annotations
 
@@ -171,8 +172,9 @@ def calibration(opts: dict) -> dict:
         return scale.CpuConstants({n: fit[n] for n in names}, fit["llm"], 2 * x.nbytes / float(t["copy"][0]))
 
     def predict(cpu: scale.CpuConstants) -> dict[str, float]:
-        return {name: float(np.mean([scale.plan_phases_cpu(plan, batch, esp, cfg.llm.embed_dim, cpu).step_s(cpu_mode=True)
-                                     for batch, plan in hp])) for name, (esp, hp) in plans.items()}
+        step = lambda b, plan, esp: scale.plan_phases_cpu(plan, b, esp, cfg.llm.embed_dim, cpu)  # noqa: E731
+        return {name: float(np.mean([step(b, plan, esp).step_s(cpu_mode=True) for b, plan in hp]))
+                for name, (esp, hp) in plans.items()}
 
     cpu = constants({c: np.median(t, 0) for c, t in T.items()})
     preds = predict(cpu)
