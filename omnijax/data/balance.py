@@ -225,16 +225,7 @@ def _plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, c
         left = set(p.unplaced)
         spill += [it for it in members[g] if it.key in left]
     if spill:  # place leftovers anywhere they fit, least loaded bin first
-        state = [_Bin(cap) for _ in bins]
-        by_key = {x.key: x for x in items}
-        for b, content in zip(state, bins):
-            for key, row in content:
-                it = by_key[key]
-                if row == len(b.free):
-                    b.free.append(cap.row_len)
-                b.free[row] -= it.tokens
-                b.enc = [c - e for c, e in zip(b.enc, it.enc)]
-                b.items.append((key, row))
+        state = _rebuild(tuple(bins), {x.key: x for x in items}, cap)
         for it in sorted(spill, key=lambda it: (-it.cost, it.key)):
             for b in sorted(range(len(state)), key=lambda b: (loads[b], b)):
                 row = state[b].row_for(it, cap)
@@ -295,10 +286,12 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
     A window runs one compiled program whose encoder buffers hold its fullest step, so every other
     step pads up to that. This repair pass over the final placement (after `plan_step` and the spill)
     lowers the window's padded rows: per encoder, steps x (its fullest step) - (its rows placed), minus
-    the LLM tokens placed (rows and tokens count alike, as in the step's padded fraction). Moves, best
-    first by exact integer gain (then by the spread sum of squares of the steps' rows, then in a fixed
-    order): swap two items of different steps, move one to another step, swap a placed item with an
-    unplaced one (deferred in its place), or place an unplaced one where room opened. A move is kept only
+    the LLM tokens placed (rows and tokens count alike, as in the step's padded fraction). Moves: swap
+    two items of different steps, move one to another step, swap a placed item with an older unplaced
+    one (the placed one is deferred: a sample gives its place only to an older one, so none waits for
+    ever), or place an unplaced one where room opened. Each round scores them all on
+    exact integers (gain, then the steps' sum of squared rows, then a fixed order) and tries the best
+    `tries` in turn, each rescored on the rows as the round's earlier moves left them. A move is kept only
     if every bin stays within capacity, no encoder ends with fewer rows placed in the window than the
     plan had (the mix is kept; deferral only trades like for like), and the window's time (sum over steps
     of the slowest rank's cost) grows by at most `cost_slack`. Pure and deterministic.
@@ -442,10 +435,13 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
                 dpad, dsq, keep = score(a, b, Ei, Ej, Ti, Tj)
                 keep &= fit
                 keep[0, 0] = False
+                ka = np.concatenate([[-1], np.asarray(A, np.int64)])
+                kb = np.concatenate([[-1], np.asarray(j_keys, np.int64)])
+                if b is None:  # a placed item gives its place only to an older one: none waits for ever
+                    keep[1:, 1:] &= kb[None, 1:] < ka[1:, None]
+                    keep[1:, 0] = False
                 ii, jj = np.nonzero(keep)
                 if ii.size:
-                    ka = np.concatenate([[-1], np.asarray(A, np.int64)])
-                    kb = np.concatenate([[-1], np.asarray(j_keys, np.int64)])
                     cands.append(np.stack([dpad[ii, jj], dsq[ii, jj], np.full(ii.size, a),
                                            np.full(ii.size, -1 if b is None else b), ka[ii], kb[jj]], axis=1))
         if not cands:
