@@ -1,5 +1,5 @@
 """A MoE LLM (16 experts, top-2) with vision and audio encoders on 64 GPUs (recipes/configs/omni_moe.yaml)."""
-DESCRIPTION = "MoE LLM (16 experts, top-2) + vision/audio encoders on 64 GPUs (fsdp8xep8, edp64); `dryrun omni_moe` checks it on CPU"
+DESCRIPTION = "MoE LLM (16 experts, top-2) + vision/audio encoders on 64 GPUs (fsdp16xep4, encoders edp16xesp4); `dryrun omni_moe` checks it on CPU"
 
 
 def main(argv: list[str]) -> int:

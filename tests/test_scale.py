@@ -6,6 +6,14 @@ import pytest
 from omnijax.errors import ConfigError
 from omnijax.parallel import context, placement_meta, routing, scale
 
+
+def _layout(name: str) -> scale.Layout:
+    """A recipe's layout as bench scale reads it (no dry run)."""
+    from recipes.bench.scale import recipe_layout
+
+    return recipe_layout(name, check=False)[0]
+
+
 RED = {"vision": 4, "audio": 4}
 COSTS = scale.Costs((45.0, 0.0008), {"vision": (3.3, 0.0004), "audio": (0.7, 0.0001)}, RED)
 
@@ -136,7 +144,7 @@ def _meta(devices: int, mix: str = "video", seed: int = 0) -> scale.StepMeta:
 
 
 def test_coupled_puts_all_encoder_time_on_stage0_split_over_tp():
-    layout, devices = scale.LAYOUTS["omni_8b"], 64
+    layout, devices = _layout("omni_8b"), 64
     model = scale.StepModel(scale.HARDWARE["h100"], layout)
     meta = _meta(devices)
     grid = layout.grid(devices)
@@ -150,7 +158,7 @@ def test_coupled_puts_all_encoder_time_on_stage0_split_over_tp():
 
 
 def test_disaggregated_and_global_lpt_assumptions():
-    layout, devices = scale.LAYOUTS["omni_8b"], 128
+    layout, devices = _layout("omni_8b"), 128
     model = scale.StepModel(scale.HARDWARE["h100"], layout)
     meta = _meta(devices, seed=2)
     ph, n_enc = scale.disaggregated_phases(meta, layout, devices, COSTS, model, 0.25)
@@ -163,7 +171,7 @@ def test_disaggregated_and_global_lpt_assumptions():
 
 
 def test_scaling_row_keys_and_weak_scaling():
-    layout = scale.LAYOUTS["omni_moe"]
+    layout = _layout("omni_moe")
     model = scale.StepModel(scale.HARDWARE["h100"], layout)
     row = scale.scaling_row(layout, 64, scale.MIXES["image"], COSTS, model, steps=1)
     for key in ("variant", "devices", "mix", "plan_s_per_host", "enc_cost_max_over_mean", "llm_cost_max_over_mean",
@@ -180,7 +188,7 @@ def test_bad_input_is_one_line_config_error():
     with pytest.raises(ConfigError):
         routing.segments_from_metadata(["pixels"], [8], RED, COSTS.encoder_fn)
     with pytest.raises(ConfigError):
-        scale.LAYOUTS["omni_8b"].grid(100)
+        _layout("omni_8b").grid(100)
     with pytest.raises(ConfigError):
         scale.sample_step(scale.Mix("bad", ({"smell": 1.0},)), 0, 1000, np.random.default_rng(0))
 
@@ -289,10 +297,9 @@ def test_bench_rows_take_their_layout_from_the_recipe():
     assert moe.host_grid().esp_axes() == ("ep",)  # the SP groups sit inside a host
     ablation, _ = recipe_layout("omni_moe_edp64", check=False)
     assert ablation.esp == 1 and (ablation.ep, ablation.rows_per_device) == (4, moe.rows_per_device)
-    dense, _ = recipe_layout("omni_8b", check=False)
-    ref = scale.LAYOUTS["omni_8b"]
+    dense, _ = recipe_layout("omni_8b", check=False)  # pp2 x fsdp8 x tp4, encoders edp16 x esp4, 128 rows of 4096
     assert [getattr(dense, k) for k in ("pp", "tp", "ep", "cp", "esp", "microbatches", "rows_per_device", "row_len")] \
-        == [getattr(ref, k) for k in ("pp", "tp", "ep", "cp", "esp", "microbatches", "rows_per_device", "row_len")]
+        == [2, 4, 1, 1, 4, 8, 2.0, 4096]
 
 
 def test_bounded_fit_recovers_terms_and_resists_a_slow_long_span():

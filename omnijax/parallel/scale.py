@@ -644,19 +644,7 @@ def window_capacities(meta: StepMeta, glob: HostPlan, layout: Layout, costs: Cos
 
 
 # ------------------------------------------------------------------------------------ one row
-LAYOUTS = {
-    # omni_8b on 64 GPUs: pp2 x fsdp8 x tp4, encoders edp16 x esp4, 8 microbatches, 128 rows of 4096
-    "omni_8b": Layout("omni_8b", pp=2, tp=4, esp=4, microbatches=8, llm_params=8.0e9, enc_params=0.5e9,
-                      embed_dim=4096),
-    # omni_moe on 64 GPUs: fsdp8 x ep8 (experts inside a host), encoders edp64, no pipeline
-    "omni_moe": Layout("omni_moe", pp=1, tp=1, ep=8, esp=1, microbatches=1, llm_params=7.4e9, enc_params=0.5e9,
-                       embed_dim=2048, moe_top_k=2, moe_layers=24),
-    # the same with the encoder view edp(N/8) x esp8: the host's ep8 group doubles as the encoders' SP group
-    "omni_moe_esp8": Layout("omni_moe_esp8", pp=1, tp=1, ep=8, esp=8, microbatches=1, llm_params=7.4e9,
-                            enc_params=0.5e9, embed_dim=2048, moe_top_k=2, moe_layers=24),
-}
-
-
+# The layouts come from the recipes themselves (`recipes/bench/scale.py::recipe_layout`), never a copy here.
 def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: StepModel, *, steps: int = 3,
                 token_fill: float = 0.95, seed: int = 0, slack: float = 1.0, long_factor: float = 1.0,
                 refine: bool = True, balance_target: float | None = 1.05,
