@@ -172,14 +172,13 @@ class Multiplexer:
         self.balance_rows = mode == "balanced" if balance_rows is None else balance_rows
         from omnijax.data.cost import CostModel
 
-        llm = CostModel.from_flops(mm_cfg).llm
-        self.llm_coeffs = (llm.a, llm.b)
+        flops = CostModel.from_flops(mm_cfg)  # built once: a config walk per segment cost half the host's planning
+        self.llm_coeffs = (flops.llm.a, flops.llm.b)
+        self._encoder_coeffs = flops.encoders
         self.last_plan: routing.Plan | None = None
 
     def _default_cost(self, name: str, rows: int) -> float:
-        from omnijax.data.cost import CostModel
-
-        coeffs = CostModel.from_flops(self.mm_cfg).encoders[name]
+        coeffs = self._encoder_coeffs[name]
         n = rows // self.reductions[name] if name == "audio" else rows
         return float(coeffs(n))
 
