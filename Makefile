@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(PY) -m recipes $(RECIPE)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile --durations=20 tests
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=20 tests
 
 clean:
 	rm -rf $(VENV) runs
