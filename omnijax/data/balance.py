@@ -156,7 +156,7 @@ def plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, ca
         sub = [_plan_window(c, steps // parts, ranks, microbatches, cap, fill, max_share, min_share) for c in chunks]
         plan = Plan(tuple(b for p in sub for b in p.bins), tuple(x for p in sub for x in p.loads),
                     tuple(sorted(k for p in sub for k in p.unplaced)))
-        t = (rank_costs(plan, steps, ranks, microbatches).max(-1).sum(), len(plan.unplaced))
+        t = (_window_time(plan.loads, steps, ranks, microbatches), len(plan.unplaced))
         if best_time is None or (t[1], t[0]) < (best_time[1], best_time[0]):
             best, best_time = plan, t
     if best is None:
@@ -493,6 +493,7 @@ def _smallest(c: np.ndarray, n: int) -> np.ndarray:
 
 
 def _window_time(loads, steps: int, ranks: int, microbatches: int) -> float:
+    """Sum over steps of the slowest rank's cost: how long the window runs."""
     return float(np.asarray(loads).reshape(steps, ranks, microbatches).sum(-1).max(-1).sum())
 
 
