@@ -233,14 +233,14 @@ class FittedModel(Scheduler):
     def _prior_total(self, j: Job) -> float:
         same = self._finished_by_app.get(j.application) if self.prior_by_app else None
         if same:
-            return float(np.exp(np.mean(np.log(np.maximum(same, 1.0)))))
+            return _geometric_mean(np.maximum(same, 1.0))
         if self.prior == "service":
             svc = self._finished_service
-            prior_s = float(np.exp(np.mean(np.log(np.maximum(svc, 1e-3))))) if svc else self.prior_service_s
+            prior_s = _geometric_mean(np.maximum(svc, 1e-3)) if svc else self.prior_service_s
             t1 = j.speed_model.predict(1, 1)
             if math.isfinite(t1):
                 return max(prior_s / t1, 1.0)
-        return float(np.exp(np.mean(np.log(self._finished_steps)))) if self._finished_steps else self.prior_steps
+        return _geometric_mean(self._finished_steps) if self._finished_steps else self.prior_steps
 
     def remaining_steps(self, j: Job) -> float:
         """Fitted steps-to-converge minus progress; the prior before the fit exists (at least twice the
@@ -513,3 +513,8 @@ class FittedOracle(FittedModel):
 
 
 BASELINES = {"fifo": FIFO, "drf": DRF, "tiresias": Tiresias, "fitted": FittedModel, "fitted_oracle": FittedOracle}
+
+
+def _geometric_mean(values) -> float:
+    """The priors' typical length: job lengths span orders of magnitude, so a few long ones do not dominate."""
+    return float(np.exp(np.mean(np.log(values))))
