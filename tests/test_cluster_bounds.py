@@ -118,3 +118,51 @@ def test_simulator_refuses_to_grow_a_job_past_its_max_replicas():
     cfg = SimConfig(num_nodes=1, gpus_per_node=4, cpus_per_node=64, profile_sizes=())
     with pytest.raises(ValueError, match="max_replicas"):
         simulate([_one_device_job("a", 10.0)], lambda job, n, nodes: 1.0, Greedy(), cfg)
+
+
+def _brute_job_minimum(rates, cpus, release, starts, dt, lam, mu):
+    """The per-job Lagrangian problem as one small LP per completion interval (work ≤ a·D + b·time for
+    every line above the envelope), minimised over the intervals: what `_JobPricer` must equal."""
+    from scipy.optimize import linprog
+    lines = concave_cuts(rates)
+    run_all = np.clip(starts + dt - release, 0.0, dt)
+    ks = np.nonzero(run_all > 0)[0]
+    run, p = run_all[ks], (lam + mu * cpus)[ks]
+    t0 = np.maximum(starts[ks], release)
+    best = max(starts[-1] + dt, release + 1.0 / rates.max())
+    for K in range(len(ks)):
+        n = K + 1                              # variables: W_0..W_K, D_0..D_K, u
+        c = np.concatenate([np.zeros(n), p[:n], [1.0]])
+        A, b = [], []
+        for q in range(n):
+            for a, icpt in lines:
+                row = np.zeros(2 * n + 1)
+                row[q], row[n + q] = 1.0, -a
+                if q == K:                     # the completion interval: b·u, u its running time
+                    row[-1] = -icpt
+                A.append(row)
+                b.append(icpt * run[q] if q < K else 0.0)
+        res = linprog(c, A_ub=np.array(A), b_ub=b, A_eq=np.r_[np.ones(n), np.zeros(n + 1)][None, :], b_eq=[1.0],
+                      bounds=[(0, None)] * (2 * n) + [(0, run[K])], method="highs")
+        if res.status == 0:
+            best = min(best, t0[K] + res.fun)
+    return best
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=6), st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
+       st.floats(0.0, 250.0), st.floats(100.0, 700.0))
+def test_job_pricer_is_the_exact_per_job_minimum(increments, prices, release, alone_s):
+    """The Lagrangian bound's per-job term equals a brute-force LP of the same relaxed schedule, and the
+    schedule it returns costs exactly its value (so column generation converges to the dual)."""
+    from omnijax.cluster.bounds import _JobPricer
+    rates = np.concatenate([[0.0], np.cumsum(increments)])
+    rates = rates / rates[-1] / alone_s          # done in alone_s at the largest size: inside the 8 intervals
+    dt, starts = 100.0, 100.0 * np.arange(8)
+    lam, mu = np.array(prices) / 4.0, np.array(prices[::-1]) / 40.0
+    pricer = _JobPricer(rates, 2.0, release, starts, dt)
+    value, c, dev = pricer.price(lam, mu)
+    assert value == pytest.approx(_brute_job_minimum(rates, 2.0, release, starts, dt, lam, mu), rel=1e-6, abs=1e-6)
+    if dev is not None:
+        p = (lam + mu * 2.0)[pricer.ks]
+        assert c + p @ dev == pytest.approx(value, rel=1e-9)

@@ -196,86 +196,86 @@ def _solve(jobs, rates, release, starts, dt, cluster, sp, linprog) -> tuple[floa
 
 # ----------------------------------------------------------------------------- Lagrangian bound
 class _JobPricer:
-    """One job's best schedule when devices and CPUs cost given prices per second in each interval.
+    """One job's best schedule when devices and CPUs cost given prices per second in each interval: exact.
 
-    A schedule picks the interval K it completes in and buys work in intervals up to K along its
-    speed-up envelope f (segment s of f turns device-seconds into work at slope a_s, at most width_s ×
-    the seconds the job may run there per interval). Its completion is at least the start of K (or the
-    release) plus the time u it runs in K. Work W done in K with D device-seconds there obeys
-    W ≤ u·f(D/u) ≤ a·D + b·u for every line (a, b) above f (f is concave), so u ≥ (W − a·D)/b for each
-    line with b > 0; the flat line (0, ρ) gives u ≥ W/ρ. For one line and one K the cheapest schedule
-    is a fractional knapsack: buy the offers of intervals before K at price/a_s per unit of work and
-    those of K at price/a_s + (1 − a/a_s)/b, cheapest first, until the work is done (and every offer of
-    negative cost: a relaxation that may over-cover, so that a true schedule's image is always in it). Since
-    min over schedules of the max over lines ≥ the max over lines of each line's minimum, the job's
-    value is min over K of max over lines of those knapsacks: a lower bound on its exact minimum, which
-    is all the Lagrangian bound needs. Completing after the horizon costs at least its end."""
+    A schedule picks the interval K it completes in. Before K, the job holds D_k device-seconds in interval
+    k, where it may run r_k seconds; its work there is at most r_k·f(D_k/r_k) (f: the concave speed-up
+    envelope, f(0) = 0; Jensen over time, and τ·f(D/τ) grows with τ, so idling part of the interval never
+    helps). In K it runs u ≤ r_K seconds with D_K device-seconds: work at most u·f(D_K/u), and it completes
+    no earlier than t0_K + u (t0_K: the start of K, or the release). So its value C + priced seconds is at
+    least t0_K plus the minimum of a separable convex problem with total work 1:
+    - interval k < K: work W costs p_k·r_k·f⁻¹(W/r_k); along the envelope's segments s (slope a_s) that is
+      offers of r_k·a_s·width_s work at p_k/a_s each, in increasing order (a_s falls);
+    - interval K: at x devices, work W costs W·(1 + p_K·x)/f(x) (u = W/f(x)), least at a vertex x* of the
+      envelope (a ratio of linear functions is monotone on each segment), while u = W/f(x*) ≤ r_K; past
+      that, u = r_K and more work costs only devices: the segments above x* at p_K/a_s, which is at least
+      (1 + p_K·x*)/f(x*) (x*'s optimality). So: one offer of r_K·f(x*) at (1 + p_K·x*)/f(x*), then those.
+    Every cost is convex and piecewise linear with the offers in increasing order, so taking the cheapest
+    offers first (a fractional knapsack) solves it exactly, and the minimum over K is the job's exact
+    minimum over its relaxed schedules: the Lagrangian bound's per-job term. The schedule returned (its C
+    and device-seconds per interval) costs exactly that value, so column generation converges to the
+    Lagrangian dual. Completing after the horizon costs at least its end."""
 
     def __init__(self, rates: np.ndarray, cpus: float, release: float, starts: np.ndarray, dt: float):
         hull = envelope_vertices(rates)
         widths = np.diff(hull).astype(float)
         slopes = np.diff(rates[hull]) / widths
-        keep = slopes > 0
-        widths, slopes = widths[keep], slopes[keep]
-        self.cpus, self.rho, self.release, self.ns = cpus, float(rates.max()), release, len(slopes)
-        self.lines = [(a, b) for a, b in concave_cuts(rates) if b > 1e-15 * self.rho]   # includes (0, ρ)
+        ns = int(np.sum(slopes > 0))                  # slopes fall along the envelope: the rising ones first
+        self.slopes, self.widths, self.ns = slopes[:ns], widths[:ns], ns
+        self.vx = np.asarray(hull[1:ns + 1], float)  # vertices above 0 (segment s ends at vertex s)
+        self.vf = rates[hull][1:ns + 1]
+        self.cpus, self.rho, self.release = cpus, float(rates.max()), release
         run = np.clip(starts + dt - release, 0.0, dt)
         self.ks = np.nonzero(run > 0)[0]                       # intervals the job may run in
+        self.run = run[self.ks]
         self.t0 = np.maximum(starts[self.ks], release)         # completion in interval K is after this
-        self.pos = np.repeat(np.arange(len(self.ks)), self.ns)   # offers: interval position x segment
-        self.cap = (slopes * widths * run[self.ks][:, None]).ravel()   # work each offer can buy
-        self.dpw = np.tile(1.0 / slopes, len(self.ks))        # device-seconds per unit of work
         self.tail = max(starts[-1] + dt, release + 1.0 / self.rho)   # completing after the horizon
 
-    def _knapsack(self, unit: np.ndarray, timed: np.ndarray, k0: int, k1: int, O: int):
-        """Per completion interval K in [k0, k1): the cheapest cover of the work with offers of intervals
-        before K at `unit` and of K at `unit + timed`; returns (values, and what rebuilds a solution)."""
-        units = np.concatenate([unit[:O], unit[:O] + timed[:O]])
-        order = np.argsort(units, kind="stable")
-        units, final = units[order], order >= O
-        caps, pos = np.tile(self.cap[:O], 2)[order], np.tile(self.pos[:O], 2)[order]
-        K = np.arange(k0, k1)[:, None]
-        w = caps[None, :] * np.where(final[None, :], pos[None, :] == K, pos[None, :] < K)
-        cum = np.cumsum(w, axis=1)
-        idx = np.argmax(cum >= 1.0 - 1e-12, axis=1)
-        w_at = np.take_along_axis(w, idx[:, None], 1)[:, 0]
-        before = np.take_along_axis(cum, idx[:, None], 1)[:, 0] - w_at
-        cost = np.take_along_axis(np.cumsum(w * units[None, :], axis=1), idx[:, None], 1)[:, 0] - w_at * units[idx]
-        cost = cost + units[idx] * (1.0 - before)
-        # offers of negative cost (time charges of lines steeper than their segment) are all worth taking,
-        # even past the work needed: the relaxation may over-cover, so stopping at 1 would not be a minimum
-        neg = units < 0
-        over = (w[:, neg].sum(axis=1) >= 1.0) & np.any(neg)
-        cost = np.where(over, (w[:, neg] * units[neg][None, :]).sum(axis=1), cost)
-        val = np.where(cum[:, -1] >= 1.0 - 1e-12, self.t0[k0:k1] + cost, np.inf)
-        return val, (w, cum, order, final, pos)
-
-    def price(self, lam: np.ndarray, mu: np.ndarray, chunk: int = 16) -> tuple[float, float, np.ndarray | None]:
-        """(a lower bound on min over schedules of C + priced device and CPU seconds, a schedule's C, its
-        device-seconds per interval in `ks` (None: completes after the horizon)). Completion intervals
-        are tried in time order, in chunks, until their start alone exceeds the best value found."""
-        unit = ((lam + mu * self.cpus)[self.ks])[self.pos] * self.dpw
+    def price(self, lam: np.ndarray, mu: np.ndarray, chunk: int = 32) -> tuple[float, float, np.ndarray | None]:
+        """(min over schedules of C + priced device and CPU seconds, that schedule's C, its device-seconds
+        per interval in `ks` (None: completes after the horizon)). Completion intervals are tried in time
+        order, in chunks, until their start alone exceeds the best value found."""
+        ns, nk = self.ns, len(self.ks)
+        p = np.maximum((lam + mu * self.cpus)[self.ks], 0.0)
+        # offers of intervals before K: segment s of interval q
+        b_unit = (p[:, None] / self.slopes[None, :]).ravel()
+        b_cap = (self.run[:, None] * (self.slopes * self.widths)[None, :]).ravel()
+        b_dpw = np.tile(1.0 / self.slopes, nk)                # device-seconds per unit of work
+        b_pos = np.repeat(np.arange(nk), ns)
+        # offers of K: at the best vertex x* until u = r_K, then the segments above x*
+        ratio = (1.0 + p[:, None] * self.vx[None, :]) / self.vf[None, :]
+        star = np.argmin(ratio, axis=1)
+        above = np.arange(ns)[None, :] > star[:, None]
+        k_unit = np.concatenate([ratio[np.arange(nk), star][:, None], b_unit.reshape(nk, ns)], axis=1).ravel()
+        k_cap = np.concatenate([(self.run * self.vf[star])[:, None],
+                                np.where(above, b_cap.reshape(nk, ns), 0.0)], axis=1).ravel()
+        k_dpw = np.concatenate([(self.vx[star] / self.vf[star])[:, None], b_dpw.reshape(nk, ns)], axis=1).ravel()
+        k_time = np.concatenate([(1.0 / self.vf[star])[:, None], np.zeros((nk, ns))], axis=1).ravel()   # u per work
+        k_pos = np.repeat(np.arange(nk), ns + 1)
         best_v, best = self.tail, None
-        nk = len(self.ks)
         for k0 in range(0, nk, chunk):
             if self.t0[k0] >= best_v:
                 break
             k1 = min(nk, k0 + chunk)
-            O = k1 * self.ns                                   # only offers of intervals < k1 can help
-            per_line = [self._knapsack(unit, (1.0 - a * self.dpw) / b, k0, k1, O) for a, b in self.lines]
-            vals = np.array([v for v, _ in per_line])
-            line = np.argmax(vals, axis=0)
-            val = vals[line, np.arange(k1 - k0)]
+            Ob, Ok = k1 * ns, k1 * (ns + 1)                     # only offers of intervals < k1 can help
+            # stable: K's vertex offer sorts before an equally priced segment above it
+            order = np.argsort(np.concatenate([b_unit[:Ob], k_unit[:Ok]]), kind="stable")
+            units = np.concatenate([b_unit[:Ob], k_unit[:Ok]])[order]
+            caps = np.concatenate([b_cap[:Ob], k_cap[:Ok]])[order]
+            pos = np.concatenate([b_pos[:Ob], k_pos[:Ok]])[order]
+            final = order >= Ob
+            K = np.arange(k0, k1)[:, None]
+            w = caps[None, :] * np.where(final[None, :], pos[None, :] == K, pos[None, :] < K)
+            cum = np.cumsum(w, axis=1)
+            take = np.minimum(w, np.maximum(0.0, 1.0 - (cum - w)))
+            val = np.where(cum[:, -1] >= 1.0 - 1e-12, self.t0[k0:k1] + take @ units, np.inf)
             b = int(np.argmin(val))
             if val[b] < best_v:
-                w, cum, order, final, pos = per_line[line[b]][1]
-                take = np.minimum(w[b], np.maximum(0.0, 1.0 - (cum[b] - w[b])))
-                dpw = np.tile(self.dpw[:O], 2)[order]
+                dpw = np.concatenate([b_dpw[:Ob], k_dpw[:Ok]])[order]
+                per_work = np.concatenate([np.zeros(Ob), k_time[:Ok]])[order]
                 dev = np.zeros(nk)
-                np.add.at(dev, pos, take * dpw)
-                work, devs = float(np.sum(take * final)), float(np.sum(take * final * dpw))
-                c = self.t0[k0 + b] + max(max((work - a * devs) / bb for a, bb in self.lines), 0.0)
-                best_v, best = float(val[b]), (float(c), dev)
+                np.add.at(dev, pos, take[b] * dpw)
+                best_v, best = float(val[b]), (float(self.t0[k0 + b] + take[b] @ per_work), dev)
         return (best_v, self.tail, None) if best is None else (best_v, *best)
 
 
@@ -290,7 +290,7 @@ class LagrangianBound:
 
 
 def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, interval_s: float = 300.0,
-                     iterations: int = 20, tolerance: float = 2e-3, smoothing: float = 0.9,
+                     iterations: int = 200, tolerance: float = 2e-3, smoothing: float = 0.8,
                      lp: LPBound | None = None) -> LagrangianBound:
     """Average-JCT lower bound that charges every job its true completion time, not its mean progress time.
 
@@ -302,11 +302,13 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
 
     is below Σ_j C_j of every schedule the simulator can run (each job's part of it is one of its own
     schedules, and it stays within capacity), whatever λ. Each job's minimum is `_JobPricer`: exact
-    completion accounting, the speed-up envelope for speed. The prices start at the LP's optimal duals
-    on the same intervals and are improved by column generation: a master LP over the schedules priced
-    so far (convex combinations per job within capacity) proposes prices, smoothed towards the best
-    ones so far; it stops when the master is within `tolerance` of the best L or after `iterations`.
-    The bound is the best L found (valid at any stopping point), or the LP bound where that is higher.
+    completion accounting, the speed-up envelope for speed, solved exactly. The prices start at the LP's
+    optimal duals on the same intervals and are improved by column generation: a master LP over the
+    schedules priced so far (convex combinations per job within capacity) proposes prices, smoothed
+    towards the best ones so far (Wentges); it stops when the master's average JCT is within `tolerance`
+    (relative) of the bound's, or after `iterations`. Because the pricing is exact, the best L rises
+    towards the master as it converges (the master alone is no bound: it only has some columns). The
+    bound is the best L found (valid at any stopping point), or the LP bound where that is higher.
     """
     import time
 
@@ -325,7 +327,9 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
     arrivals = float(sum(j.arrival for j in jobs))
     cap = np.concatenate([np.full(nk, cluster.gpus * dt), np.full(nk, cluster.cpus * dt)])
     # columns: every job may complete after the horizon without using any capacity (keeps the master feasible)
-    col_job, col_c, col_dev = list(range(J)), [p.tail for p in pricers], [np.zeros(nk) for _ in pricers]
+    col_job, col_c = list(range(J)), [p.tail for p in pricers]
+    rows: list[np.ndarray] = [np.zeros(0, int)] * J       # device-seconds per interval of each column (sparse)
+    vals: list[np.ndarray] = [np.zeros(0)] * J
     lam, mu = lp.prices[0] / dt, lp.prices[1] / dt           # per device-second and CPU-second
     best, best_lam, best_mu, master, it = -np.inf, lam, mu, np.inf, 0
     for it in range(1, iterations + 1):
@@ -333,21 +337,21 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
         for j, p in enumerate(pricers):
             v, c, dev = p.price(lam, mu)
             total += v
-            full = np.zeros(nk)
-            if dev is not None:
-                full[p.ks] = dev
-            col_job.append(j), col_c.append(c), col_dev.append(full)
+            nz = np.zeros(0, int) if dev is None else np.nonzero(dev)[0]
+            col_job.append(j), col_c.append(c), rows.append(p.ks[nz]), vals.append(dev[nz] if len(nz) else np.zeros(0))
         L = total - float(np.sum(lam * cap[:nk]) + np.sum(mu * cap[nk:]))
         if L > best:
             best, best_lam, best_mu = L, lam, mu
-        D = sp.csc_matrix(np.array(col_dev).T)
+        counts = [len(r) for r in rows]
+        D = sp.csc_matrix((np.concatenate(vals), np.concatenate(rows), np.concatenate([[0], np.cumsum(counts)])),
+                          shape=(nk, len(col_job)))
         A_ub = sp.vstack([D, D @ sp.diags(cpu[col_job])]).tocsr()
         A_eq = sp.csr_matrix((np.ones(len(col_job)), (col_job, np.arange(len(col_job)))), shape=(J, len(col_job)))
         res = linprog(np.array(col_c), A_ub=A_ub, b_ub=cap, A_eq=A_eq, b_eq=np.ones(J), bounds=(0, None), method="highs")
         if res.status != 0:
             raise RuntimeError(f"lagrangian_bound: HiGHS failed on the master: {res.message}")
         master = float(res.fun)
-        if master - best <= tolerance * abs(master):
+        if master - best <= tolerance * (master - arrivals):
             break
         duals = -res.ineqlin.marginals
         lam = smoothing * best_lam + (1 - smoothing) * duals[:nk]
