@@ -41,3 +41,37 @@ def test_loader_errors_reach_the_consumer_in_order():
     assert next(pre).host_batch == {"i": 1} and next(pre).host_batch == {"i": 2}
     with pytest.raises(ValueError, match="bad batch 2"):
         next(pre)
+
+
+def test_host_work_runs_on_its_own_cores_and_the_step_keeps_the_rest():
+    import os
+    import threading
+
+    from omnijax.train.prefetch import pin_process, split_cores
+
+    assert split_cores(0) is None and split_cores(len(os.sched_getaffinity(0))) is None  # the step keeps a core
+    split = split_cores(1)
+    if split is None:  # a one-core machine: nothing to split, and the prefetcher must still run unpinned
+        split = (set(os.sched_getaffinity(0)),) * 2
+    step_cores, host_cores = split
+    assert step_cores.isdisjoint(host_cores) or len(os.sched_getaffinity(0)) == 1
+    seen = []
+
+    def place(b):  # runs in the prefetch thread: where host work runs, and where threads it starts run
+        child = []
+        t = threading.Thread(target=lambda: child.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        seen.append((os.sched_getaffinity(0), child[0]))
+        return b
+
+    before = pin_process(step_cores)
+    try:
+        pre = Prefetcher(Counting(), place, depth=1, cpus=host_cores)
+        next(pre)
+        pre.close()
+        assert os.sched_getaffinity(0) == step_cores  # the consumer (the step's thread) stays where it was put
+    finally:
+        pin_process(before)
+    assert seen[0] == (host_cores, host_cores)
+    assert os.sched_getaffinity(0) == before

@@ -11,6 +11,7 @@ one compiled program instead of compiling again whenever a later step outgrows t
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -34,13 +35,16 @@ class Prefetcher:
     def __init__(self, loader: Any, put_batch: Callable[[dict], Any], depth: int = 2,
                  placement_metrics: Callable[[], dict] | None = None,
                  reserve: Callable[[list[dict]], Any] | None = None, window: int = 1, start: int = 0,
-                 placement_state: Callable[[], dict] | None = None):
+                 placement_state: Callable[[], dict] | None = None, cpus: set[int] | None = None):
         """`window`: steps planned together (the loader's window; groups align to step // window, also
-        after resuming at `start` consumed steps); `reserve` sees each group's host batches first."""
+        after resuming at `start` consumed steps); `reserve` sees each group's host batches first.
+        `cpus`: the cores the prefetch thread (and every thread it starts, e.g. the loader's pools) may
+        run on, so that host work does not take the cores the step's own threads run on (Linux)."""
         self.loader, self.put_batch, self.depth = loader, put_batch, int(depth)
         self.placement_metrics = placement_metrics or (lambda: {})
         self.placement_state = placement_state or (lambda: {})
         self.reserve, self.window, self._step = reserve, max(int(window), 1), int(start)
+        self.cpus = set(cpus) if cpus else None
         self._ahead: deque[tuple[dict, dict]] = deque()  # (host batch, loader state after it) read, not yet placed
         self.wait_s = 0.0                      # time the consumer waited for the last item
         self._queue: queue.Queue = queue.Queue(maxsize=max(self.depth, 1))
@@ -68,6 +72,8 @@ class Prefetcher:
         return Prepared(host_batch, batch, state, dict(self.placement_metrics()), dict(self.placement_state()))
 
     def _work(self) -> None:
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread; threads it starts inherit it
         while not self._stop.is_set():
             try:
                 item: Any = self._prepare()
@@ -105,3 +111,27 @@ class Prefetcher:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+
+
+def split_cores(host_cores: int) -> tuple[set[int], set[int]] | None:
+    """(step cores, host cores): the last `host_cores` of this process's cores for host work, the rest
+    for the step's threads, as a GPU host keeps its data workers off the cores that drive the devices.
+    None where that leaves the step no core (or the platform cannot pin threads)."""
+    if host_cores <= 0 or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= host_cores:
+        return None
+    return set(cores[:-host_cores]), set(cores[-host_cores:])
+
+
+def pin_process(cpus: set[int]) -> set[int]:
+    """Move every thread this process has now onto `cpus` (threads started later inherit their
+    starter's cores); returns the cores the calling thread had, to pin back with."""
+    before = set(os.sched_getaffinity(0))
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            continue
+    return before

@@ -25,7 +25,11 @@ model on an H100 table entry, each phase lasting as long as its slowest device),
 Then a host-work pair (`host_pair=1`): the omnijax steps fed by the trainer's prefetcher
 (`train/prefetch.py`: loader + plan + transfer running ahead in a thread) vs the same steps with their
 batches prepared beforehand; `prefetch_over_prepared` is the ratio of their step times (steady state, the
-first step's fill excluded).
+first step's fill excluded). On a GPU host the step computes on the devices while host work uses the CPU;
+here the fake devices are CPU threads, so the pair runs as on a GPU host: the step's threads on all but
+`host_cores` cores, the prefetch thread and the loader threads it starts on those (`Prefetcher(cpus=...)`),
+then once more with every core shared (`*_shared_cores`: what host work costs when it takes the step's
+CPU time).
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ PHASES = [{"image": 0.5, "video": 0.2, "audio": 0.2, "text": 0.1},
 def _options(overrides: list[str]) -> dict:
     opts = {"steps": 6, "llm": "pp2xdp2xtp2", "encoder": "edp4xesp2", "batch_size": 32, "seq_len": 128,
             "cpu_devices": 8, "variants": ",".join(VARIANTS), "lookahead": 128, "window": 3,
-            "bucket_growth": 1.0625, "interleave": "0", "host_pair": "1", "host_repeats": 2, "hardware": "h100"}
+            "bucket_growth": 1.0625, "interleave": "0", "host_pair": "1", "host_repeats": 3, "host_cores": 1, "hardware": "h100"}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.").removeprefix("parallel.")
@@ -311,7 +315,7 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
     import jax
 
     from omnijax.data.loader import TrainerBatches
-    from omnijax.train.prefetch import Prefetcher
+    from omnijax.train.prefetch import Prefetcher, pin_process, split_cores
 
     mx, step, steps = r["mx"], r["step"], len(host)
     if steps < 2:
@@ -329,11 +333,12 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
             t0 = t0 or time.perf_counter()  # from the end of the first step on
         return time.perf_counter() - t0
 
-    def prefetched():
+    def prefetched(cpus: set[int] | None):
         counter = iter(range(steps))
         loader = make_loader(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], opts["cpu_devices"],
                              max(1, opts["window"]))
-        pf = Prefetcher(TrainerBatches(loader), lambda b: put(b, next(counter)), depth=2)
+        pf = Prefetcher(TrainerBatches(loader), lambda b: put(b, next(counter)), depth=2,
+                        cpus=cpus)
         waits = []
         try:
             for _ in range(steps):
@@ -344,18 +349,36 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
             pf.close()
             wait_s.append(sum(waits[1:]))
 
-    t = {"prepared": 0.0, "prefetch": 0.0}
+    def pair(split: tuple[set[int], set[int]] | None) -> dict:
+        t = {"prepared": 0.0, "prefetch": 0.0}
+        restore = pin_process(split[0]) if split else None
+        try:
+            for _ in range(max(1, opts["host_repeats"])):
+                ready = [put(b, i) for i, b in enumerate(host)]
+                jax.block_until_ready(ready)
+                t["prepared"] += run_steps(ready)
+                t["prefetch"] += run_steps(prefetched(split[1] if split else None))
+        finally:
+            if restore:
+                pin_process(restore)
+        return t
+
     wait_s: list[float] = []
-    for _ in range(max(1, opts["host_repeats"])):
-        ready = [put(b, i) for i, b in enumerate(host)]
-        jax.block_until_ready(ready)
-        t["prepared"] += run_steps(ready)
-        t["prefetch"] += run_steps(prefetched())
+    split = split_cores(opts["host_cores"])
+    t = pair(split)
     n = max(1, opts["host_repeats"]) * (steps - 1)
     ratio = t["prefetch"] / t["prepared"]
     common = {"steps_timed": n, "layout": f"{opts['llm']}+{opts['encoder']}", "batch_size": opts["batch_size"]}
-    return [{"variant": "omnijax_host_prepared", "step_s": round(t["prepared"] / n, 3),
+    where = (f"step threads on cores {sorted(split[0])}, host work on {sorted(split[1])}" if split
+             else "step and host work share every core")
+    rows = [{"variant": "omnijax_host_prepared", "step_s": round(t["prepared"] / n, 3), "cores": where,
              "host_work": "off: batches planned and transferred before the timed steps", **common},
-            {"variant": "omnijax_host_prefetch", "step_s": round(t["prefetch"] / n, 3),
+            {"variant": "omnijax_host_prefetch", "step_s": round(t["prefetch"] / n, 3), "cores": where,
              "host_wait_s_per_step": round(sum(wait_s) / n, 4), "prefetch_over_prepared": round(ratio, 3),
              "host_work": "on: loader + plan + transfer in the trainer's prefetch thread (depth 2)", **common}]
+    if split:  # the same pair with every core shared: what host work costs where it competes for the cores
+        wait_s.clear()
+        t = pair(None)
+        rows[1]["prefetch_over_prepared_shared_cores"] = round(t["prefetch"] / t["prepared"], 3)
+        rows[1]["host_wait_s_per_step_shared_cores"] = round(sum(wait_s) / n, 4)
+    return rows
