@@ -118,3 +118,16 @@ def test_chance_and_config_errors():
         W.World(W.WorldConfig(audio_items=W.Tail(1, 4, 0.0)))
     with pytest.raises(UserError, match="split"):
         W.World(split="test")
+
+
+def test_specs_are_cached_without_changing_a_sample():
+    import pickle
+
+    w = W.World(W.WorldConfig(seed=3))
+    first = [w.meta(i) for i in range(40)]
+    assert all(w.spec(i) is w.spec(i) for i in range(40))               # meta then item draw once
+    fresh = W.World(W.WorldConfig(seed=3))
+    assert [fresh._draw_spec(i) for i in range(40)] == [w.spec(i) for i in range(40)]
+    assert first == [fresh.meta(i) for i in range(40)]
+    copy = pickle.loads(pickle.dumps(w))
+    assert copy._specs == {} and copy.spec(7) == w.spec(7)

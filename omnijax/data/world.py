@@ -129,6 +129,9 @@ def _plural(word: str, n: int) -> str:
     return word if n == 1 else word + "s"
 
 
+_SPEC_CACHE = 8192  # specs kept per world (a few MB): more than a window's look-ahead pool
+
+
 class World:
     """Random-access generator: `item(i)`, `sample(i)` and cheap `meta(i)` for i >= 0."""
 
@@ -140,6 +143,10 @@ class World:
         self.name = name
         w = np.array([self.cfg.weights.get(m, 0.0) for m in MODALITY_NAMES], np.float64)
         self._cum = np.cumsum(w / w.sum())
+        self._specs: dict[int, dict[str, Any]] = {}  # recent specs: a loader reads meta(i), then item(i)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_specs": {}}
 
     # ------------------------------------------------------------------------------- specs
     def _rng(self, index: int, stream: int) -> np.random.Generator:
@@ -156,7 +163,16 @@ class World:
         return max(m, int(h) // m * m), max(m, int(w) // m * m)
 
     def spec(self, index: int) -> dict[str, Any]:
-        """All random choices of sample `index` (no rendering)."""
+        """All random choices of sample `index` (no rendering); the same dict for a recent index."""
+        s = self._specs.get(index)
+        if s is None:
+            s = self._draw_spec(index)
+            if len(self._specs) >= _SPEC_CACHE:
+                self._specs = {}  # a new dict, not clear(): other threads may be reading the old one
+            self._specs[index] = s
+        return s
+
+    def _draw_spec(self, index: int) -> dict[str, Any]:
         c, rng = self.cfg, self._rng(index, 0)
         modality = MODALITY_NAMES[int(np.searchsorted(self._cum, rng.random(), side="right").clip(0, 3))]
         s: dict[str, Any] = {"modality": modality, "caption": modality != "text" and rng.random() < c.caption_prob}
