@@ -63,7 +63,7 @@ PHASES = [{"image": 0.5, "video": 0.2, "audio": 0.2, "text": 0.1},
 def _options(overrides: list[str]) -> dict:
     opts = {"steps": 6, "llm": "pp2xdp2xtp2", "encoder": "edp4xesp2", "batch_size": 32, "seq_len": 128,
             "cpu_devices": 8, "variants": ",".join(VARIANTS), "lookahead": 128, "window": 3,
-            "bucket_growth": 1.0625, "interleave": "0", "host_pair": "1", "host_repeats": 3, "host_cores": 1, "hardware": "h100"}
+            "bucket_growth": 1.0625, "interleave": "0", "host_pair": "1", "host_repeats": 5, "host_cores": 1, "hardware": "h100"}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.").removeprefix("parallel.")
