@@ -166,3 +166,15 @@ def test_job_pricer_is_the_exact_per_job_minimum(increments, prices, release, al
     if dev is not None:
         p = (lam + mu * 2.0)[pricer.ks]
         assert c + p @ dev == pytest.approx(value, rel=1e-9)
+
+
+def test_lagrangian_bound_warm_started_on_finer_intervals(trace_runs):
+    """Halving the intervals from a coarse bound's prices climbs above it and stays below every scheduler."""
+    specs, cfg, results = trace_runs
+    jobs, step = jobs_from_specs(specs, cfg)
+    coarse = lagrangian_bound(jobs, step, cfg, interval_s=600.0, iterations=3)
+    fine = lagrangian_bound(jobs, step, cfg, interval_s=300.0, iterations=10, warm=coarse)
+    assert fine.interval_s == 300.0 and len(fine.starts) == 2 * len(coarse.starts)
+    assert coarse.avg_jct_s < fine.avg_jct_s < min(results.values()), (coarse, fine, results)
+    with pytest.raises(ValueError, match="multiple"):
+        lagrangian_bound(jobs, step, cfg, interval_s=400.0, warm=coarse)

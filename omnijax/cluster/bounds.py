@@ -282,16 +282,18 @@ class _JobPricer:
 @dataclass
 class LagrangianBound:
     avg_jct_s: float          # the bound: the best L(prices) found
-    lp_avg_jct_s: float       # the LP bound on the same intervals (its prices start the search)
+    lp_avg_jct_s: float       # the LP bound on the same intervals (its prices start the search; with `warm`: the warm one's)
     master_avg_jct_s: float   # the last restricted master LP (its gap to the bound: how far from converged)
     iterations: int
     interval_s: float
     solve_s: float
+    starts: np.ndarray | None = None   # interval starts
+    prices: tuple[np.ndarray, np.ndarray] | None = None   # the best prices found, per device- and CPU-second
 
 
 def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, interval_s: float = 300.0,
                      iterations: int = 200, tolerance: float = 2e-3, smoothing: float = 0.8,
-                     lp: LPBound | None = None) -> LagrangianBound:
+                     lp: LPBound | None = None, warm: LagrangianBound | None = None) -> LagrangianBound:
     """Average-JCT lower bound that charges every job its true completion time, not its mean progress time.
 
     The LP relaxation (`lp_bound`) bounds C_j by M_j + p_j/2, which is loose for a job that runs slower than
@@ -309,6 +311,12 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
     (relative) of the bound's, or after `iterations`. Because the pricing is exact, the best L rises
     towards the master as it converges (the master alone is no bound: it only has some columns). The
     bound is the best L found (valid at any stopping point), or the LP bound where that is higher.
+
+    `warm`: a bound on coarser intervals (a multiple of `interval_s`) to start from instead of the LP: its
+    horizon and its best prices, each fine interval taking its coarse interval's price per second. On the
+    finer grid every job's minimum at those prices is at least the coarse one (a fine schedule, merged, is a
+    coarse one: Jensen for the work, and its completion is no earlier than the coarse accounting says),
+    so the search starts at or above the warm bound, which also stands in for the LP as the floor.
     """
     import time
 
@@ -316,9 +324,21 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
     from scipy.optimize import linprog
 
     t0 = time.perf_counter()
-    if lp is None or lp.interval_s != interval_s:
-        lp = lp_bound(jobs, step_time, cfg, interval_s=interval_s)
-    cluster, dt, starts = cfg.cluster, interval_s, lp.starts
+    if warm is not None:
+        ratio = warm.interval_s / interval_s
+        if warm.starts is None or warm.prices is None or abs(ratio - round(ratio)) > 1e-9 or ratio < 1:
+            raise ValueError(f"warm start on {warm.interval_s} s intervals: needs its prices and a multiple of "
+                             f"interval_s={interval_s}")
+        starts = warm.starts[0] + interval_s * np.arange(round(len(warm.starts) * ratio))
+        coarse = np.searchsorted(warm.starts, starts, side="right") - 1
+        floor, lp_avg = warm.avg_jct_s, warm.lp_avg_jct_s
+        lam, mu = warm.prices[0][coarse], warm.prices[1][coarse]
+    else:
+        if lp is None or lp.interval_s != interval_s:
+            lp = lp_bound(jobs, step_time, cfg, interval_s=interval_s)
+        starts, floor, lp_avg = lp.starts, lp.avg_jct_s, lp.avg_jct_s
+        lam, mu = lp.prices[0] / interval_s, lp.prices[1] / interval_s   # per device-second and CPU-second
+    cluster, dt = cfg.cluster, interval_s
     nk, J = len(starts), len(jobs)
     release = [math.ceil(j.arrival / cfg.slot_s) * cfg.slot_s + cfg.restart_s for j in jobs]
     pricers = [_JobPricer(speedup_rates(j, step_time, cluster), j.cpus_per_replica, r, starts, dt)
@@ -330,7 +350,6 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
     col_job, col_c = list(range(J)), [p.tail for p in pricers]
     rows: list[np.ndarray] = [np.zeros(0, int)] * J       # device-seconds per interval of each column (sparse)
     vals: list[np.ndarray] = [np.zeros(0)] * J
-    lam, mu = lp.prices[0] / dt, lp.prices[1] / dt           # per device-second and CPU-second
     best, best_lam, best_mu, master, it = -np.inf, lam, mu, np.inf, 0
     for it in range(1, iterations + 1):
         total = 0.0
@@ -356,6 +375,6 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
         duals = -res.ineqlin.marginals
         lam = smoothing * best_lam + (1 - smoothing) * duals[:nk]
         mu = smoothing * best_mu + (1 - smoothing) * duals[nk:]
-    return LagrangianBound(avg_jct_s=(max(best, lp.avg_jct_s * J + arrivals) - arrivals) / J,
-                           lp_avg_jct_s=lp.avg_jct_s, master_avg_jct_s=(master - arrivals) / J, iterations=it,
-                           interval_s=dt, solve_s=time.perf_counter() - t0)
+    return LagrangianBound(avg_jct_s=(max(best, floor * J + arrivals) - arrivals) / J,
+                           lp_avg_jct_s=lp_avg, master_avg_jct_s=(master - arrivals) / J, iterations=it,
+                           interval_s=dt, solve_s=time.perf_counter() - t0, starts=starts, prices=(best_lam, best_mu))
