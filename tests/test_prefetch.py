@@ -75,17 +75,3 @@ def test_host_work_runs_on_its_own_cores_and_the_step_keeps_the_rest():
         pin_process(before)
     assert seen[0] == (host_cores, host_cores)
     assert os.sched_getaffinity(0) == before
-
-
-def test_gil_switch_interval_lowered_while_the_thread_runs_then_restored():
-    import sys
-
-    before = sys.getswitchinterval()
-    pre = Prefetcher(Counting(), lambda b: b, depth=1, gil_switch_s=1e-4)
-    next(pre)
-    assert abs(sys.getswitchinterval() - min(before, 1e-4)) < 1e-9
-    pre.close()
-    assert sys.getswitchinterval() == before
-    inline = Prefetcher(Counting(), lambda b: b, depth=0, gil_switch_s=1e-4)  # no thread: nothing to hand over
-    next(inline)
-    assert sys.getswitchinterval() == before

@@ -8,17 +8,11 @@ the prefetched one, and resume stays exact.
 With `reserve` (the multiplexer's), the batches of a data-plane window are read together and their
 encoder capacities reserved from metadata before the first of them is placed: the window's steps share
 one compiled program instead of compiling again whenever a later step outgrows the buffers.
-
-Host work is mostly Python and holds the GIL; the step's thread needs it only briefly (dispatch, the
-return from its waits), but CPython lets a waiting thread in only after `sys.getswitchinterval()` (5 ms
-by default), a few times a step. While its thread runs, the prefetcher lowers that interval to
-`gil_switch_s` (`bench omni`'s host pair: 0.97-1.01 at 0.5 ms vs 1.04-1.19 at 5 ms, alternating).
 """
 from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -41,8 +35,7 @@ class Prefetcher:
     def __init__(self, loader: Any, put_batch: Callable[[dict], Any], depth: int = 2,
                  placement_metrics: Callable[[], dict] | None = None,
                  reserve: Callable[[list[dict]], Any] | None = None, window: int = 1, start: int = 0,
-                 placement_state: Callable[[], dict] | None = None, cpus: set[int] | None = None,
-                 gil_switch_s: float | None = 5e-4):
+                 placement_state: Callable[[], dict] | None = None, cpus: set[int] | None = None):
         """`window`: steps planned together (the loader's window; groups align to step // window, also
         after resuming at `start` consumed steps); `reserve` sees each group's host batches first.
         `cpus`: the cores the prefetch thread (and every thread it starts, e.g. the loader's pools) may
@@ -52,8 +45,6 @@ class Prefetcher:
         self.placement_state = placement_state or (lambda: {})
         self.reserve, self.window, self._step = reserve, max(int(window), 1), int(start)
         self.cpus = set(cpus) if cpus else None
-        self.gil_switch_s = gil_switch_s
-        self._switch: tuple[float, float] | None = None  # (interval before, the one set)
         self._ahead: deque[tuple[dict, dict]] = deque()  # (host batch, loader state after it) read, not yet placed
         self.wait_s = 0.0                      # time the consumer waited for the last item
         self._queue: queue.Queue = queue.Queue(maxsize=max(self.depth, 1))
@@ -106,10 +97,6 @@ class Prefetcher:
             item: Any = self._prepare()
         else:
             if self._thread is None:
-                if self.gil_switch_s and self._switch is None:
-                    before = sys.getswitchinterval()
-                    self._switch = (before, min(before, self.gil_switch_s))
-                    sys.setswitchinterval(self._switch[1])
                 self._thread = threading.Thread(target=self._work, name="omnijax-prefetch", daemon=True)
                 self._thread.start()
             item = self._queue.get()
@@ -124,10 +111,6 @@ class Prefetcher:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
-        if self._switch is not None:
-            if abs(sys.getswitchinterval() - self._switch[1]) < 1e-6:  # nobody changed it since (kept in µs)
-                sys.setswitchinterval(self._switch[0])
-            self._switch = None
 
 
 def split_cores(host_cores: int) -> tuple[set[int], set[int]] | None:
