@@ -29,10 +29,13 @@ first step's fill excluded). On a GPU host the step computes on the devices whil
 here the fake devices are CPU threads, so the pair runs as on a GPU host: the step's threads on all but
 `host_cores` cores, the prefetch thread and the loader threads it starts on those (`Prefetcher(cpus=...)`),
 then once more with every core shared (`*_shared_cores`: what host work costs when it takes the step's
-CPU time).
+CPU time). Two probes bound what the split can show here: the prepared steps with a thread on the host
+cores that runs pure Python (`probe_python_thread_over_prepared`: the GIL alone) or streams memory
+(`probe_memory_thread_over_prepared`: the caches and memory the fake devices share with the host).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Iterator
 
@@ -363,6 +366,41 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
                 pin_process(restore)
         return t
 
+    def probe(split: tuple[set[int], set[int]]) -> dict:
+        """What a thread on the host cores costs the prepared steps when it does no host work at all:
+        pure Python (holds the GIL, touches little memory) vs streaming a 32 MB array (releases the
+        GIL, loads the memory system the fake devices use), alternating with no thread."""
+        import threading
+
+        import numpy as np
+
+        def busy(kind: str, stop: threading.Event) -> None:
+            os.sched_setaffinity(0, split[1])
+            a = np.ones(4 << 20)
+            while not stop.is_set():
+                if kind == "python":
+                    sum(range(10_000))
+                else:
+                    a *= 1.0
+        ready = [put(b, i) for i, b in enumerate(host)]
+        jax.block_until_ready(ready)
+        t = {"none": 0.0, "python": 0.0, "memory": 0.0}
+        restore = pin_process(split[0])
+        try:
+            for kind in ["none", "python", "memory", "memory", "python", "none"]:
+                stop = threading.Event()
+                thread = threading.Thread(target=busy, args=(kind, stop), daemon=True)
+                if kind != "none":
+                    thread.start()
+                t[kind] += run_steps(ready)
+                stop.set()
+                if kind != "none":
+                    thread.join()
+        finally:
+            pin_process(restore)
+        return {"probe_python_thread_over_prepared": round(t["python"] / t["none"], 3),
+                "probe_memory_thread_over_prepared": round(t["memory"] / t["none"], 3)}
+
     wait_s: list[float] = []
     split = split_cores(opts["host_cores"])
     t = pair(split)
@@ -376,6 +414,8 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
             {"variant": "omnijax_host_prefetch", "step_s": round(t["prefetch"] / n, 3), "cores": where,
              "host_wait_s_per_step": round(sum(wait_s) / n, 4), "prefetch_over_prepared": round(ratio, 3),
              "host_work": "on: loader + plan + transfer in the trainer's prefetch thread (depth 2)", **common}]
+    if split:
+        rows[1].update(probe(split))
     if split:  # the same pair with every core shared: what host work costs where it competes for the cores
         wait_s.clear()
         t = pair(None)
