@@ -98,25 +98,3 @@ def test_window_capacities_hold_every_microbatch_plan():
         assert mx.capacities == caps
         assert plan.arrays["route_send"].shape[:2] == (8, mx.engine.schedule.microbatches)
         assert 0.0 <= plan.stats["padded_fraction"] < 1.0
-
-
-def test_reserve_sizes_a_window_jointly_and_keeps_capacities_that_already_fit():
-    """The trainer's `reserve`: a window that needs more room gets the joint fit (`fit_window`, what
-    `bench omni` measures) and planning its batches afterwards grows nothing; capacities that already
-    hold the window (e.g. restored on resume) are left as they are."""
-    from omnijax.data.world import World
-    from recipes.tiny_omni import Packer
-    from test_multiplex_step import WORLD
-
-    cfg, mx = _multiplexer("pp2xdp2xtp2")
-    packer = Packer(cfg, 8, 64, {"vision": 512, "audio": 256})
-    batches = [packer.pack(World(WORLD).sample(i) for i in range(k, k + 40))[0] for k in (0, 40, 80, 120)]
-    fit = mx.fit_window(batches)
-    caps = mx.reserve(batches)
-    assert all(caps[k] == v for k, v in fit.items() if k != "route") and caps["route"] >= fit["route"]
-    for b in batches:
-        mx.host_plan(b)
-        assert mx.capacities == caps
-    roomy = {k: v + 16 for k, v in caps.items()}
-    mx.capacities = dict(roomy)
-    assert mx.reserve(batches) == roomy

@@ -287,24 +287,9 @@ class Multiplexer:
     def reserve(self, host_batches) -> dict:
         """Grow the capacities to fit these batches now (the data plane's window ahead), so that the
         steps that follow reuse one compiled program; returns the capacities. Plans from metadata
-        only: nothing is decoded, so the batches' payloads are still read once, by `put_batch`.
-
-        Capacities that already hold every batch stay as they are (a resumed run keeps the ones it
-        restored); otherwise they grow to the window's joint fit (`fit_window`, the sizing `bench omni`
-        measures), never below what they were."""
-        batches = [self.balanced(b) for b in host_batches]
-        before = dict(self.capacities) if self.capacities else None
-
-        def plan_all() -> bool:  # True if the batches fitted the capacities as they were
-            start = dict(self.capacities or {})
-            for batch in batches:
-                self.plan(batch, fill=False)
-            return before is not None and self.capacities == start
-
-        if not plan_all():
-            fit = self.fit_window(list(host_batches))
-            self.capacities = {k: max(v, (before or {}).get(k, 0)) for k, v in {**(before or {}), **fit}.items()}
-            plan_all()  # grows further only where a plan's placement misses the joint fit (a heuristic)
+        only: nothing is decoded, so the batches' payloads are still read once, by `put_batch`."""
+        for batch in host_batches:
+            self.plan(self.balanced(batch), fill=False)
         return dict(self.capacities or {})
 
     def put_batch(self, host_batch: dict) -> dict:
