@@ -93,6 +93,7 @@ def test_lagrangian_bound_charges_true_completion_on_a_hand_computed_case():
     assert 1905.0 - 60.0 <= got.lp_avg_jct_s <= 1905.0 + 1e-6
     assert 2030.0 - 60.0 / 4 - 15.0 <= got.avg_jct_s <= fifo + 1e-6
     assert got.avg_jct_s <= got.master_avg_jct_s + 1e-6
+    assert np.mean(got.master_completion) == pytest.approx(got.master_avg_jct_s)   # both arrive at 0
 
 
 def test_lagrangian_bound_is_between_the_lp_and_every_scheduler_on_a_trace(trace_runs):

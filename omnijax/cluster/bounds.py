@@ -289,6 +289,8 @@ class LagrangianBound:
     solve_s: float
     starts: np.ndarray | None = None   # interval starts
     prices: tuple[np.ndarray, np.ndarray] | None = None   # the best prices found, per device- and CPU-second
+    master_completion: np.ndarray | None = None   # each job's expected completion in the last master LP
+                                                  # (where the relaxation's schedule finishes it: a diagnostic)
 
 
 def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, interval_s: float = 300.0,
@@ -350,7 +352,7 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
     col_job, col_c = list(range(J)), [p.tail for p in pricers]
     rows: list[np.ndarray] = [np.zeros(0, int)] * J       # device-seconds per interval of each column (sparse)
     vals: list[np.ndarray] = [np.zeros(0)] * J
-    best, best_lam, best_mu, master, it = -np.inf, lam, mu, np.inf, 0
+    best, best_lam, best_mu, master, it, completion = -np.inf, lam, mu, np.inf, 0, None
     for it in range(1, iterations + 1):
         total = 0.0
         for j, p in enumerate(pricers):
@@ -370,6 +372,7 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
         if res.status != 0:
             raise RuntimeError(f"lagrangian_bound: HiGHS failed on the master: {res.message}")
         master = float(res.fun)
+        completion = np.bincount(col_job, weights=res.x * np.array(col_c), minlength=J)
         if master - best <= tolerance * (master - arrivals):
             break
         duals = -res.ineqlin.marginals
@@ -377,4 +380,5 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
         mu = smoothing * best_mu + (1 - smoothing) * duals[nk:]
     return LagrangianBound(avg_jct_s=(max(best, floor * J + arrivals) - arrivals) / J,
                            lp_avg_jct_s=lp_avg, master_avg_jct_s=(master - arrivals) / J, iterations=it,
-                           interval_s=dt, solve_s=time.perf_counter() - t0, starts=starts, prices=(best_lam, best_mu))
+                           interval_s=dt, solve_s=time.perf_counter() - t0, starts=starts, prices=(best_lam, best_mu),
+                           master_completion=completion)
