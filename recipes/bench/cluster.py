@@ -8,6 +8,15 @@ DESCRIPTION = ("cluster scheduling: avg JCT, makespan, utilisation of FIFO/DRF/T
                "with an oracle-length fitted variant and two lower bounds (no queueing; an LP relaxation)")
 
 
+def _progress(items, desc: str):
+    """A bar on stderr per workload set while its bounds solve (minutes per file at the defaults)."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="file", file=sys.stderr, leave=False, mininterval=1.0)
+
+
 def run(overrides: list[str]) -> Iterator[dict]:
     """Overrides: schedulers=[...], workloads=[sets, CSV files or folders of them], files=N (workload-1..N of
     each bundled set, the first N CSV files of a folder; 0: all), limit=N jobs,
@@ -74,7 +83,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
         yield row
         best = {}
         if cfg.lp_interval_s > 0:
-            lps = [lp_bound(*truth[i], cfg.sim, interval_s=cfg.lp_interval_s) for i in specs]
+            lps = [lp_bound(*truth[i], cfg.sim, interval_s=cfg.lp_interval_s)
+                   for i in _progress(specs, f"bound_lp {wset}")]
             row = {"variant": "bound_lp", "workload": wset, "files": nfiles,
                    "avg_jct_s": round(float(np.mean([b.avg_jct_s for b in lps])), 1),
                    "interval_s": cfg.lp_interval_s, "solve_s": round(sum(b.solve_s for b in lps), 1),
@@ -84,7 +94,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
         if cfg.lagrange_interval_s > 0:
             lgs = [lagrangian_bound(*truth[i], cfg.sim, interval_s=cfg.lagrange_interval_s,
                                     iterations=cfg.lagrange_iterations,
-                                    lp=lps[i] if cfg.lp_interval_s == cfg.lagrange_interval_s else None) for i in specs]
+                                    lp=lps[i] if cfg.lp_interval_s == cfg.lagrange_interval_s else None)
+                   for i in _progress(specs, f"bound_lagrange {wset}")]
             row = {"variant": "bound_lagrange", "workload": wset, "files": nfiles,
                    "avg_jct_s": round(float(np.mean([b.avg_jct_s for b in lgs])), 1),
                    "lp_same_interval_s": round(float(np.mean([b.lp_avg_jct_s for b in lgs])), 1),
