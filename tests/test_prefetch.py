@@ -75,3 +75,12 @@ def test_host_work_runs_on_its_own_cores_and_the_step_keeps_the_rest():
         pin_process(before)
     assert seen[0] == (host_cores, host_cores)
     assert os.sched_getaffinity(0) == before
+
+
+def test_cores_the_process_cannot_use_are_a_config_error():
+    import os
+
+    from omnijax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="this machine's cores are"):
+        Prefetcher(Counting(), lambda b: b, depth=1, cpus={os.cpu_count() + 3})

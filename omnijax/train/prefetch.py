@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from omnijax.errors import ConfigError
+
 
 @dataclass
 class Prepared:
@@ -45,6 +47,9 @@ class Prefetcher:
         self.placement_state = placement_state or (lambda: {})
         self.reserve, self.window, self._step = reserve, max(int(window), 1), int(start)
         self.cpus = set(cpus) if cpus else None
+        if self.cpus and not (hasattr(os, "sched_setaffinity") and self.cpus <= set(range(os.cpu_count() or 1))):
+            cores = f"0..{(os.cpu_count() or 1) - 1}" if hasattr(os, "sched_setaffinity") else "none (no pinning here)"
+            raise ConfigError(f"prefetch cpus {sorted(self.cpus)}: this machine's cores are {cores}")
         self._ahead: deque[tuple[dict, dict]] = deque()  # (host batch, loader state after it) read, not yet placed
         self.wait_s = 0.0                      # time the consumer waited for the last item
         self._queue: queue.Queue = queue.Queue(maxsize=max(self.depth, 1))
@@ -72,10 +77,12 @@ class Prefetcher:
         return Prepared(host_batch, batch, state, dict(self.placement_metrics()), dict(self.placement_state()))
 
     def _work(self) -> None:
-        if self.cpus:
-            os.sched_setaffinity(0, self.cpus)  # this thread; threads it starts inherit it
+        pinned = False
         while not self._stop.is_set():
             try:
+                if self.cpus and not pinned:  # this thread; threads it starts inherit it
+                    os.sched_setaffinity(0, self.cpus)
+                    pinned = True
                 item: Any = self._prepare()
             except BaseException as exc:  # handed to the consumer, raised there
                 item = exc
