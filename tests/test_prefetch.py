@@ -47,7 +47,7 @@ def test_host_work_runs_on_its_own_cores_and_the_step_keeps_the_rest():
     import os
     import threading
 
-    from omnijax.train.prefetch import pin_process, split_cores
+    from omnijax.train.prefetch import pinned, split_cores
 
     assert split_cores(0) is None and split_cores(len(os.sched_getaffinity(0))) is None  # the step keeps a core
     split = split_cores(1)
@@ -65,14 +65,12 @@ def test_host_work_runs_on_its_own_cores_and_the_step_keeps_the_rest():
         seen.append((os.sched_getaffinity(0), child[0]))
         return b
 
-    before = pin_process(step_cores)
-    try:
+    before = os.sched_getaffinity(0)
+    with pinned(step_cores):
         pre = Prefetcher(Counting(), place, depth=1, cpus=host_cores)
         next(pre)
         pre.close()
         assert os.sched_getaffinity(0) == step_cores  # the consumer (the step's thread) stays where it was put
-    finally:
-        pin_process(before)
     assert seen[0] == (host_cores, host_cores)
     assert os.sched_getaffinity(0) == before
 

@@ -16,8 +16,9 @@ import queue
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from omnijax.errors import ConfigError
 
@@ -132,13 +133,21 @@ def split_cores(host_cores: int) -> tuple[set[int], set[int]] | None:
     return set(cores[:-host_cores]), set(cores[-host_cores:])
 
 
-def pin_process(cpus: set[int]) -> set[int]:
-    """Move every thread this process has now onto `cpus` (threads started later inherit their
-    starter's cores); returns the cores the calling thread had, to pin back with."""
+@contextmanager
+def pinned(cpus: set[int]) -> Iterator[None]:
+    """Every thread this process has now on `cpus` for the block (threads started inside inherit their
+    starter's cores), then every thread back on the cores the calling thread had."""
     before = set(os.sched_getaffinity(0))
+    _pin_all(cpus)
+    try:
+        yield
+    finally:
+        _pin_all(before)
+
+
+def _pin_all(cpus: set[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
             continue
-    return before

@@ -35,6 +35,7 @@ cores that runs pure Python (`probe_python_thread_over_prepared`: the GIL alone)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Iterator
@@ -318,7 +319,7 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
     import jax
 
     from omnijax.data.loader import TrainerBatches
-    from omnijax.train.prefetch import Prefetcher, pin_process, split_cores
+    from omnijax.train.prefetch import Prefetcher, pinned, split_cores
 
     mx, step, steps = r["mx"], r["step"], len(host)
     if steps < 2:
@@ -352,18 +353,17 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
             pf.close()
             wait_s.append(sum(waits[1:]))
 
+    def prepared() -> list:
+        ready = [put(b, i) for i, b in enumerate(host)]
+        jax.block_until_ready(ready)
+        return ready
+
     def pair(split: tuple[set[int], set[int]] | None) -> dict:
         t = {"prepared": 0.0, "prefetch": 0.0}
-        restore = pin_process(split[0]) if split else None
-        try:
+        with pinned(split[0]) if split else contextlib.nullcontext():
             for _ in range(max(1, opts["host_repeats"])):
-                ready = [put(b, i) for i, b in enumerate(host)]
-                jax.block_until_ready(ready)
-                t["prepared"] += run_steps(ready)
+                t["prepared"] += run_steps(prepared())
                 t["prefetch"] += run_steps(prefetched(split[1] if split else None))
-        finally:
-            if restore:
-                pin_process(restore)
         return t
 
     def probe(split: tuple[set[int], set[int]]) -> dict:
@@ -376,28 +376,24 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
 
         def busy(kind: str, stop: threading.Event) -> None:
             os.sched_setaffinity(0, split[1])
-            a = np.ones(4 << 20)
+            a = np.ones(4 << 20) if kind == "memory" else None
             while not stop.is_set():
-                if kind == "python":
+                if a is None:
                     sum(range(10_000))
                 else:
                     a *= 1.0
-        ready = [put(b, i) for i, b in enumerate(host)]
-        jax.block_until_ready(ready)
+        ready = prepared()
         t = {"none": 0.0, "python": 0.0, "memory": 0.0}
-        restore = pin_process(split[0])
-        try:
+        with pinned(split[0]):
             for kind in ["none", "python", "memory", "memory", "python", "none"]:
                 stop = threading.Event()
-                thread = threading.Thread(target=busy, args=(kind, stop), daemon=True)
-                if kind != "none":
+                thread = threading.Thread(target=busy, args=(kind, stop), daemon=True) if kind != "none" else None
+                if thread:
                     thread.start()
                 t[kind] += run_steps(ready)
                 stop.set()
-                if kind != "none":
+                if thread:
                     thread.join()
-        finally:
-            pin_process(restore)
         return {"probe_python_thread_over_prepared": round(t["python"] / t["none"], 3),
                 "probe_memory_thread_over_prepared": round(t["memory"] / t["none"], 3)}
 
@@ -414,9 +410,8 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
             {"variant": "omnijax_host_prefetch", "step_s": round(t["prefetch"] / n, 3), "cores": where,
              "host_wait_s_per_step": round(sum(wait_s) / n, 4), "prefetch_over_prepared": round(ratio, 3),
              "host_work": "on: loader + plan + transfer in the trainer's prefetch thread (depth 2)", **common}]
-    if split:
+    if split:  # the probes, then the same pair with every core shared (host work competing for the cores)
         rows[1].update(probe(split))
-    if split:  # the same pair with every core shared: what host work costs where it competes for the cores
         wait_s.clear()
         t = pair(None)
         rows[1]["prefetch_over_prepared_shared_cores"] = round(t["prefetch"] / t["prepared"], 3)
