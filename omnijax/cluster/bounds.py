@@ -259,8 +259,9 @@ class _JobPricer:
             k1 = min(nk, k0 + chunk)
             Ob, Ok = k1 * ns, k1 * (ns + 1)                     # only offers of intervals < k1 can help
             # stable: K's vertex offer sorts before an equally priced segment above it
-            order = np.argsort(np.concatenate([b_unit[:Ob], k_unit[:Ok]]), kind="stable")
-            units = np.concatenate([b_unit[:Ob], k_unit[:Ok]])[order]
+            offered = np.concatenate([b_unit[:Ob], k_unit[:Ok]])
+            order = np.argsort(offered, kind="stable")
+            units = offered[order]
             caps = np.concatenate([b_cap[:Ob], k_cap[:Ok]])[order]
             pos = np.concatenate([b_pos[:Ob], k_pos[:Ok]])[order]
             final = order >= Ob
