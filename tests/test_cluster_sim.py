@@ -225,3 +225,31 @@ def test_prior_comes_from_finished_jobs_of_the_same_application():
     assert by_app.remaining_steps(other) == pytest.approx(mixed.remaining_steps(other))
     by_app.reset()
     assert by_app.remaining_steps(new) == pytest.approx(FittedModel().remaining_steps(new))
+
+
+class _GrowingEstimate(FittedModel):
+    """Estimated length a hundred times the progress: what the early-fit cap gives a running job."""
+
+    def remaining_steps(self, j):
+        return 99.0 * j.progress
+
+
+def test_a_running_jobs_rank_grows_at_most_rank_freeze_times_its_key_when_placed():
+    cluster = Cluster(num_nodes=1, gpus_per_node=1, cpus_per_node=8)
+
+    def pair(progress_a, progress_b, placed_at=0.0):
+        a = _measured("a", 1e6, {(1, 1): 1.0}, 1, allocation=1, placement=(1,))
+        a.progress, a.timeline = progress_a, [(placed_at, 1, 1)]
+        b = _measured("b", 1e6, {(1, 1): 1.0}, 1)
+        b.progress = progress_b
+        return [a, b]
+
+    for freeze, winner in [(0.0, "b"), (2.0, "a")]:
+        sched = _GrowingEstimate(resize_penalty_s=0.0, rank_freeze=freeze)
+        assert sched.allocate(60.0, pair(10.0, 12.0), cluster)["a"] == 1     # shorter: keeps running (key 990)
+        # it ran on: 2970 now, above the waiting job's 2475, but under 2 x 990
+        assert sched.allocate(120.0, pair(30.0, 25.0), cluster)[winner] == 1
+    # the limit is relative to the latest placement: re-placed at 120 s, its key there is the new reference
+    assert sched.allocate(180.0, pair(30.0, 25.0, placed_at=120.0), cluster)["b"] == 1
+    sched.reset()
+    assert sched._placed_key == {}

@@ -176,6 +176,13 @@ class FittedModel(Scheduler):
     trusted up to `cap_factor` × the progress so far (None: 100 for "shadow_price", whose order needs the
     fitted lengths early, and 10, the older value, for the other objectives).
 
+    A running job's rank key is at most `rank_freeze` × its key when it was last (re)placed (0: off). While an
+    early fit is capped (`cap_factor` × progress), a job's estimated length grows a hundred times faster than
+    it runs, so a running job soon looks longer than a similar one that waits; without the limit the two
+    take turns, each turn a restart (two imagenet jobs on workloads/workload-6 swapped 32 devices every slot
+    for half an hour). 2 was chosen on workloads-{0.5,1.5,2.0} (24 files; every value from 1.3 to 5 was within
+    ±0.4% of no limit there).
+
     Hyper-parameters of "shadow_price" (`beta`, `cap_factor`, `hysteresis`) were chosen on
     workloads/workload-2..8 and workloads-realistic/workload-2..8; the bench reports workload-1 (held out).
     Those of "completion_rate" (`resize_penalty_s`, `min_efficiency`, `explore_factor`, `prior`) were chosen on
@@ -190,7 +197,8 @@ class FittedModel(Scheduler):
                  node_sizes: bool = True, measured: bool = True, explore_factor: float = 2.0,
                  min_efficiency: float = 0.35, prior: str = "service", prior_service_s: float = 3600.0,
                  beta: float = 2.0, cap_factor: float | None = None, hysteresis: float = 0.0,
-                 shadow_iters: int = 4, repair_placement: int = 3, prior_by_app: bool = True):
+                 shadow_iters: int = 4, repair_placement: int = 3, prior_by_app: bool = True,
+                 rank_freeze: float = 2.0):
         if objective not in ("shadow_price", "completion_rate", "remaining_time"):
             raise ValueError(f"objective={objective!r}: must be 'shadow_price', 'completion_rate' or 'remaining_time'")
         if prior not in ("service", "steps"):
@@ -212,6 +220,8 @@ class FittedModel(Scheduler):
         self.shadow_iters = shadow_iters
         self.repair_placement = repair_placement
         self.prior_by_app = prior_by_app
+        self.rank_freeze = rank_freeze
+        self._placed_key: dict[str, tuple[float, float]] = {}
         self._last_plan = -math.inf
         self._finished_steps: list[float] = []
         self._finished_service: list[float] = []
@@ -229,6 +239,7 @@ class FittedModel(Scheduler):
         self._finished_service = []
         self._finished_by_app = {}
         self._last_plan = -math.inf
+        self._placed_key = {}
 
     def _prior_total(self, j: Job) -> float:
         same = self._finished_by_app.get(j.application) if self.prior_by_app else None
@@ -381,6 +392,8 @@ class FittedModel(Scheduler):
         table = self._table(jobs, cluster)
         work = {j.name: float(np.min(table[j.name][0] * table[j.name][1]))
                 - self.hysteresis * self.penalty(j) * j.allocation for j in jobs}
+        if self.rank_freeze:
+            self._freeze(jobs, work)
         betas = self._adjust(now, all_jobs, jobs, table, work)
         order = sorted(jobs, key=lambda j: (work[j.name], j.arrival, j.name))
         n = len(order)
@@ -418,6 +431,17 @@ class FittedModel(Scheduler):
         if self.repair_placement:
             self._repair(all_jobs, order, behind, alloc, cluster, betas)
         return alloc
+
+    def _freeze(self, jobs, work: dict[str, float]) -> None:
+        """A running job's key is at most `rank_freeze` × its key when it was (re)placed."""
+        for j in jobs:
+            if not (j.allocation and j.timeline):
+                continue
+            since = j.timeline[-1][0]
+            got = self._placed_key.get(j.name)
+            if got is None or got[0] != since:
+                self._placed_key[j.name] = got = (since, work[j.name])
+            work[j.name] = min(work[j.name], self.rank_freeze * got[1])
 
     def _adjust(self, now: float, all_jobs, jobs, table: dict, work: dict[str, float]) -> dict[str, float]:
         """Hook of the shadow-price plan: may rescale the ranking keys `work` in place; returns each job's
