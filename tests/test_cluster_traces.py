@@ -141,3 +141,18 @@ def test_converted_trace_runs_in_cluster_sim_and_the_bench(tmp_path, monkeypatch
     assert by["bound_lp"]["avg_jct_s"] <= min(by["fifo"]["avg_jct_s"], by["drf"]["avg_jct_s"])
     with pytest.raises(ConfigError, match="input"):
         convert_philly.main([f"output={out}"])
+
+
+def test_hindsight_bench_reports_the_best_cell_and_policy_relative_to_fitted():
+    from recipes.bench import cluster_hindsight
+    rows = list(cluster_hindsight.run(["workloads=[workloads/workload-1]", "limit=12", "betas=[1.0,2.0]",
+                                       "resize_penalties_s=[300.0]", "hysteresis=[0.0]", "es_iterations=1",
+                                       "es_pairs=1", "sim.num_nodes=2"]))
+    by = {r["variant"]: r for r in rows}
+    assert set(by) == {"fitted", "grid", "grid_oracle", "es_on_file"} and by["fitted"]["jobs"] == 12
+    # the grid holds fitted's defaults (beta 2, penalty 300, no hysteresis): its best cell is no worse
+    assert by["grid"]["jct_ratio"] <= 1.0 and by["grid"]["cells"] == 2
+    assert by["grid"]["avg_jct_s"] == pytest.approx(by["grid"]["jct_ratio"] * by["fitted"]["avg_jct_s"], rel=1e-3)
+    assert by["es_on_file"]["policies"] == 2 and by["es_on_file"]["jct_ratio"] > 0
+    with pytest.raises(ConfigError):
+        list(cluster_hindsight.run(["betas=[]"]))

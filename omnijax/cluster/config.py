@@ -82,6 +82,25 @@ class BenchConfig:
 
 
 @dataclass
+class HindsightConfig:
+    """`python -m recipes bench cluster_hindsight`: how far below `fitted` a schedule of the same family gets on
+    a file when it may be tuned on that very file (a diagnostic of headroom, never a scheduler)."""
+    workloads: list[str] = field(default_factory=lambda: ["workloads/workload-1"])   # files or bundled names
+    limit: int = 0
+    betas: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 4.0])
+    resize_penalties_s: list[float] = field(default_factory=lambda: [0.0, 300.0, 1000.0])
+    hysteresis: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    oracle: bool = True            # the grid also with the true job lengths (FittedOracle)
+    es_iterations: int = 10        # ES on the file itself (0: skip); every perturbation is a policy that ran there
+    es_pairs: int = 4
+    es_sigma: float = 0.3
+    es_lr: float = 0.3
+    hidden_es: int = 16
+    seed: int = 0
+    sim: SimConfig = field(default_factory=SimConfig)
+
+
+@dataclass
 class ExecConfig:
     """`python -m recipes cluster_exec`: real jobs under a scheduler on a local Ray instance."""
     run_name: str = "cluster_exec"
