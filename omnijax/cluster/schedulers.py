@@ -233,6 +233,7 @@ class FittedModel(Scheduler):
         self._finished_steps.append(job.progress)
         self._finished_service.append(job.attained_service)
         self._finished_by_app.setdefault(job.application, []).append(job.progress)
+        self._placed_key.pop(job.name, None)
 
     def reset(self):
         self._finished_steps = []
