@@ -125,5 +125,7 @@ def test_cluster_recipes_reject_bad_config():
         next(bench_cluster.run(["schedulers=[fifo]", "lp_interval_s=-60"]))
     with pytest.raises(ConfigError, match="lagrange_interval_s"):
         next(bench_cluster.run(["schedulers=[fifo]", "lagrange_interval_s=-60"]))
+    with pytest.raises(ConfigError, match="milp_time_s"):
+        next(bench_cluster.run(["schedulers=[fifo]", "milp_time_s=-1"]))
     with pytest.raises(ConfigError, match="runner"):
         cluster_exec.main(["runner=slurm"])

@@ -71,12 +71,13 @@ class BenchConfig:
     schedulers: list[str] = field(default_factory=lambda: list(SCHEDULERS[:-1]))   # learned_ac on request
     workloads: list[str] = field(default_factory=lambda: ["workloads", "workloads-realistic"])   # sets, CSVs, folders
     files: int = 1                 # workload-1..N of a set, the first N CSVs of a folder (0: all)
-    limit: int = 0
+    limit: int = 0                 # the first N jobs (of `applications`, where given) of each file (0: all)
     applications: list[str] = field(default_factory=list)   # only jobs of these (analysis); [] = all
     lp_interval_s: float = 120.0   # time step of the LP lower bound (0: skip it); shorter is tighter and slower
     lagrange_interval_s: float = 300.0   # time step of the Lagrangian lower bound (0: skip it)
     lagrange_iterations: int = 200       # column-generation rounds of the Lagrangian bound at most (valid after
                                          # any; it stops earlier once within 0.2% of its master LP)
+    milp_time_s: float = 0.0       # HiGHS's time per file for the slot-exact bound (0: skip it; small workloads only)
     sim: SimConfig = field(default_factory=SimConfig)
     learned: LearnedConfig = field(default_factory=LearnedConfig)
 
