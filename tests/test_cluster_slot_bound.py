@@ -55,8 +55,8 @@ def test_useful_sizes_drop_counts_no_faster_than_a_smaller_one():
     assert useful_sizes(np.array([0.0, 1.0, 1.5, 1.5, 1.4, 2.0])) == [1, 2, 5]
 
 
-@settings(max_examples=12, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.0, 400.0), st.floats(300.0, 1500.0), st.floats(0.3, 1.0)),
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 400.0), st.floats(200.0, 900.0), st.floats(0.3, 1.0)),
                 min_size=2, max_size=3))
 def test_slot_bound_is_below_every_scheduler_and_above_the_lagrangian(specs):
     """Random jobs (arrival, seconds on one device, parallel fraction) on two devices: the bound is below
@@ -71,7 +71,7 @@ def test_slot_bound_is_below_every_scheduler_and_above_the_lagrangian(specs):
 
     def jobs():
         return [Job(f"j{i}", a, "x", 2, 1, 1.0, max_replicas=2) for i, (a, _, _) in enumerate(specs)]
-    got = slot_bound(jobs(), step, cfg, time_limit_s=20.0)
+    got = slot_bound(jobs(), step, cfg, time_limit_s=10.0)
     runs = {s.name: simulate(jobs(), step, s, cfg).avg_jct_s for s in (FIFO(), DRF(), Tiresias(), FittedModel())}
     assert all(got.avg_jct_s <= r + 1e-6 for r in runs.values()), (got, runs)
     if got.optimal:

@@ -1,6 +1,6 @@
 """Lower bounds on the average JCT any scheduler can reach in the simulator.
 
-Three bounds, all computed from the hidden truth (job lengths and measured step times), so they are
+The bounds, all computed from the hidden truth (job lengths and measured step times), so they are
 references for the bench, never inputs to a scheduler:
 
 - `alone_bound`: every job alone on its fastest size from its arrival. Loose when the cluster is
@@ -12,6 +12,9 @@ references for the bench, never inputs to a scheduler:
 - `lagrangian_bound`: prices the same capacity instead of enforcing it and charges each job its true
   completion time rather than its mean progress time (its docstring; `_JobPricer`). Tighter where jobs
   run slower than their fastest, which is where the LP is loose.
+- `slot_bound.slot_bound` (its own module): a mixed-integer program over the simulator's slots that keeps
+  what both relax (whole devices per slot, a restart per change, devices held to the end of the slot a
+  job finishes in); for small workloads, where it measures how loose the two relaxations are.
 
 Why the LP is a valid bound. Let F_j(t) be job j's completed fraction. Its mean progress time
 M_j = ∫ t dF_j satisfies C_j ≥ M_j + p_j/2, where p_j is its fastest running time alone: F_j rises at
