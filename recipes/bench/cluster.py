@@ -90,55 +90,48 @@ def run(overrides: list[str]) -> Iterator[dict]:
         if "drf" in rows:
             row["vs"], row["jct_ratio"] = "drf", round(bound / rows["drf"]["avg_jct_s"], 4)
         yield row
-        best = {}
+        best: dict[int, float] = {}      # per file the highest bound so far
+
+        def bound(variant: str, values: list[float], keep: bool = True, **fields) -> dict:
+            """A bound's row (its mean over the files and each file's figure, then `fields`), compared with the
+            schedulers; `keep`: it also raises `best`."""
+            if keep:
+                best.update({i: max(best.get(i, 0.0), v) for i, v in zip(specs, values)})
+            row = {"variant": variant, "workload": wset, "files": len(values),
+                   "avg_jct_s": round(float(np.mean(values)), 1), "per_file": [round(v, 1) for v in values], **fields}
+            return _vs(row, rows, per_file)
+
         if cfg.lp_interval_s > 0:
             lps = [lp_bound(*truth[i], cfg.sim, interval_s=cfg.lp_interval_s)
                    for i in _progress(specs, f"bound_lp {wset}")]
-            row = {"variant": "bound_lp", "workload": wset, "files": nfiles,
-                   "avg_jct_s": round(float(np.mean([b.avg_jct_s for b in lps])), 1),
-                   "per_file": [round(b.avg_jct_s, 1) for b in lps],
-                   "interval_s": cfg.lp_interval_s, "solve_s": round(sum(b.solve_s for b in lps), 1),
-                   "note": "time-indexed LP relaxation (capacity, release, speed-up envelope): no scheduler can be lower"}
-            best = {i: b.avg_jct_s for i, b in zip(specs, lps)}
-            yield _vs(row, rows, per_file)
+            yield bound("bound_lp", [b.avg_jct_s for b in lps], interval_s=cfg.lp_interval_s,
+                        solve_s=round(sum(b.solve_s for b in lps), 1),
+                        note="time-indexed LP relaxation (capacity, release, speed-up envelope): no scheduler can be lower")
         if cfg.lagrange_interval_s > 0:
             lgs = [lagrangian_bound(*truth[i], cfg.sim, interval_s=cfg.lagrange_interval_s,
                                     iterations=cfg.lagrange_iterations,
                                     lp=lps[i] if cfg.lp_interval_s == cfg.lagrange_interval_s else None)
                    for i in _progress(specs, f"bound_lagrange {wset}")]
-            row = {"variant": "bound_lagrange", "workload": wset, "files": nfiles,
-                   "avg_jct_s": round(float(np.mean([b.avg_jct_s for b in lgs])), 1),
-                   "per_file": [round(b.avg_jct_s, 1) for b in lgs],
-                   "lp_same_interval_s": round(float(np.mean([b.lp_avg_jct_s for b in lgs])), 1),
-                   "master_s": round(float(np.mean([b.master_avg_jct_s for b in lgs])), 1),
-                   "iterations": int(max(b.iterations for b in lgs)), "interval_s": cfg.lagrange_interval_s,
-                   "solve_s": round(sum(b.solve_s for b in lgs), 1),
-                   "note": "Lagrangian relaxation of capacity with each job's true completion time (column generation "
-                           "from the LP's prices): no scheduler can be lower; master_s: the restricted master LP (its gap to "
-                           "avg_jct_s: how far the column generation is from converged)"}
-            best = {i: max(best.get(i, 0.0), b.avg_jct_s) for i, b in zip(specs, lgs)}
-            yield _vs(row, rows, per_file)
+            yield bound("bound_lagrange", [b.avg_jct_s for b in lgs],
+                        lp_same_interval_s=round(float(np.mean([b.lp_avg_jct_s for b in lgs])), 1),
+                        master_s=round(float(np.mean([b.master_avg_jct_s for b in lgs])), 1),
+                        iterations=int(max(b.iterations for b in lgs)), interval_s=cfg.lagrange_interval_s,
+                        solve_s=round(sum(b.solve_s for b in lgs), 1),
+                        note="Lagrangian relaxation of capacity with each job's true completion time (column "
+                             "generation from the LP's prices): no scheduler can be lower; master_s: the restricted "
+                             "master LP (its gap to avg_jct_s: how far the column generation is from converged)")
         if cfg.milp_time_s > 0:
             sbs = [slot_bound(*jobs_from_specs(specs[i], cfg.sim), cfg.sim, time_limit_s=cfg.milp_time_s,
                               floor=best.get(i)) for i in _progress(specs, f"bound_slot {wset}")]
-            row = {"variant": "bound_slot", "workload": wset, "files": nfiles,
-                   "avg_jct_s": round(float(np.mean([b.avg_jct_s for b in sbs])), 1),
-                   "per_file": [round(b.avg_jct_s, 1) for b in sbs],
-                   "optimal_files": sum(b.optimal for b in sbs),
-                   "incumbent_per_file": [round(b.incumbent_avg_jct_s, 1) for b in sbs],
-                   "slots": int(max(b.slots for b in sbs)), "integers": int(max(b.integers for b in sbs)),
-                   "solve_s": round(sum(b.solve_s for b in sbs), 1),
-                   "note": "slot-exact mixed-integer program (whole devices per slot, a restart per change, devices "
-                           "held to the end of the finishing slot), HiGHS's dual bound: no scheduler can be lower; "
-                           "exact where optimal_files counts the file; small workloads only (milp_time_s per file)"}
-            best = {i: max(best.get(i, 0.0), b.avg_jct_s) for i, b in zip(specs, sbs)}
-            yield _vs(row, rows, per_file)
+            yield bound("bound_slot", [b.avg_jct_s for b in sbs], optimal_files=sum(b.optimal for b in sbs),
+                        incumbent_per_file=[round(b.incumbent_avg_jct_s, 1) for b in sbs],
+                        slots=int(max(b.slots for b in sbs)), integers=int(max(b.integers for b in sbs)),
+                        solve_s=round(sum(b.solve_s for b in sbs), 1),
+                        note="slot-exact mixed-integer program (whole devices per slot, a restart per change, "
+                             "devices held to the end of the finishing slot), HiGHS's dual bound: no scheduler can be "
+                             "lower; exact where optimal_files counts the file; small workloads only (milp_time_s per file)")
         if best:
-            row = {"variant": "bound_best", "workload": wset, "files": nfiles,
-                   "avg_jct_s": round(float(np.mean(list(best.values()))), 1),
-                   "per_file": [round(best[i], 1) for i in specs],
-                   "note": "per file the higher of the bounds above"}
-            yield _vs(row, rows, per_file)
+            yield bound("bound_best", [best[i] for i in specs], keep=False, note="per file the highest of the bounds above")
 
 
 def _vs(row: dict, rows: dict, per_file: dict | None = None) -> dict:
