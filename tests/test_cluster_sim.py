@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from omnijax.cluster.jobs import Cluster, Job, check_allocation, place, place_one
 from omnijax.cluster.perf_model import SpeedModel
 from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, FittedOracle, Tiresias, shadow_cost
-from omnijax.cluster.simulator import SimConfig, run_workload, simulate
+from omnijax.cluster.simulator import SimConfig, first_slot, run_workload, simulate
 from omnijax.cluster.traces import load_workload
 
 
@@ -84,6 +84,15 @@ def test_simulator_matches_hand_computed_case():
     assert result.makespan_s == pytest.approx(210.0)
     assert result.utilization == pytest.approx(600 / 840)
     assert [tuple(x) for x in result.jobs[1]["timeline"]] == [(120.0, 2, 1), (210.0, 0, 0)]
+
+
+def test_a_job_is_first_scheduled_at_the_slot_boundary_at_or_after_its_arrival():
+    """Also for an arrival so close to 0 that arrival / slot underflows (the simulator used to wait forever
+    for slot 0, already past)."""
+    assert [first_slot(a, 60.0) for a in (0.0, 5e-324, 1e-300, 59.9, 60.0, 60.000000001)] == [0, 1, 1, 1, 1, 2]
+    cfg = SimConfig(num_nodes=1, gpus_per_node=1, cpus_per_node=64, slot_s=60.0, restart_s=30.0, profile_sizes=())
+    result = simulate([_job(0, arrival=5e-324, requested=1, steps=10.0)], lambda job, n, nodes: 1.0, FIFO(), cfg)
+    assert result.jobs[0]["start"] == 60.0 and result.jobs[0]["finish"] == pytest.approx(100.0)
 
 
 def test_preemption_charges_restart_and_counts_it():

@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from omnijax.cluster.jobs import Cluster, Job
-from omnijax.cluster.simulator import SimConfig, StepTimeFn
+from omnijax.cluster.simulator import SimConfig, StepTimeFn, first_slot
 
 
 def fastest_step_time(job: Job, n: int, step_time: StepTimeFn, cluster: Cluster) -> float:
@@ -114,7 +114,7 @@ def lp_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, interva
         raise ValueError("lp_bound needs at least one job")
     cluster = cfg.cluster
     # earliest first progress in the simulator: the next slot boundary, then one restart
-    release = np.array([math.ceil(j.arrival / cfg.slot_s) * cfg.slot_s + cfg.restart_s for j in jobs])
+    release = np.array([first_slot(j.arrival, cfg.slot_s) * cfg.slot_s + cfg.restart_s for j in jobs])
     rates = [speedup_rates(j, step_time, cluster) for j in jobs]
     fastest = np.array([1.0 / r.max() for r in rates])
     one_dev = np.array([1.0 / r[1] for r in rates])
@@ -346,7 +346,7 @@ def lagrangian_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig,
         lam, mu = lp.prices[0] / interval_s, lp.prices[1] / interval_s   # per device-second and CPU-second
     cluster, dt = cfg.cluster, interval_s
     nk, J = len(starts), len(jobs)
-    release = [math.ceil(j.arrival / cfg.slot_s) * cfg.slot_s + cfg.restart_s for j in jobs]
+    release = [first_slot(j.arrival, cfg.slot_s) * cfg.slot_s + cfg.restart_s for j in jobs]
     pricers = [_JobPricer(speedup_rates(j, step_time, cluster), j.cpus_per_replica, r, starts, dt)
                for j, r in zip(jobs, release)]
     cpu = np.array([j.cpus_per_replica for j in jobs], float)

@@ -76,6 +76,14 @@ class SimResult:
         return out
 
 
+def first_slot(arrival: float, slot_s: float) -> int:
+    """Index of the first slot boundary at or after `arrival` (where the job is first scheduled). Plain
+    ceil(arrival / slot) can land before the arrival: a tiny positive arrival's quotient underflows to 0,
+    and the simulator then waited forever for a slot that had already passed."""
+    k = math.ceil(arrival / slot_s)
+    return k + 1 if k * slot_s < arrival else k
+
+
 def hidden_loss(total_steps: float, eps: float, rng: np.random.Generator) -> LossCoeffs:
     """A loss curve 1/(a·k + b) + c that converges (in the `eps` sense) exactly at `total_steps`."""
     b = float(rng.uniform(0.5, 2.0))
@@ -112,7 +120,7 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
     active: list[Job] = []
     done: list[Job] = []
     slot = cfg.slot_s
-    t = math.ceil(pending[0].arrival / slot) * slot
+    t = first_slot(pending[0].arrival, slot) * slot
     busy_total = 0.0
     util: list[tuple[float, float]] = []
 
@@ -131,7 +139,7 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
                     observe_speed(j, n, nodes_for(n, cluster))
             active.append(j)
         if not active:
-            t = math.ceil(pending[0].arrival / slot) * slot
+            t = first_slot(pending[0].arrival, slot) * slot
             continue
         alloc = scheduler.allocate(t, active, cluster)
         alloc = {j.name: int(alloc.get(j.name, 0)) for j in active}

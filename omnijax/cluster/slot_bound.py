@@ -32,7 +32,7 @@ import numpy as np
 
 from omnijax.cluster.bounds import speedup_rates
 from omnijax.cluster.jobs import Job
-from omnijax.cluster.simulator import SimConfig, StepTimeFn
+from omnijax.cluster.simulator import SimConfig, StepTimeFn, first_slot
 
 
 @dataclass
@@ -80,7 +80,7 @@ def slot_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, horiz
         raise ValueError("slot_bound charges restart_s to every restart: leave sim.resize_restart_s unset")
     cluster = cfg.cluster
     t0 = time.perf_counter()
-    first = np.array([math.ceil(j.arrival / L) for j in jobs])          # first slot each job may run in
+    first = np.array([first_slot(j.arrival, L) for j in jobs])          # first slot each job may run in
     rates = [speedup_rates(j, step_time, cluster) for j in jobs]
     rho = np.array([r.max() for r in rates])
     if horizon_s is None:
