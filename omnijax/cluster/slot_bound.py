@@ -14,10 +14,13 @@ change may still have been moved, which only costs more. Running w ≤ L seconds
 there is at most (w − restart)·ρ_n, ρ_n its fraction per second on n devices on the fastest node count
 the cluster allows. It holds devices only while active (u[j,t] = 1 from its first slot until the slot it
 completes in, monotone). It completes at L·f + τ, f the final slot: τ, the time into that slot, is at
-least the seconds it ran there, and at least the work left at the slot's start over its fastest rate. A job still active at the horizon T completes no earlier
-than L·T plus its work left over its fastest rate (u[j,T], a virtual slot with no capacity row), so the
-horizon only loosens the bound, never invalidates it. Sizes that are no faster than a smaller size are
-dropped: replacing them by the smaller one keeps every job's progress and frees devices. Every schedule's
+least the seconds it ran there, and at least the work left at the slot's start over its fastest rate.
+A job still active at the horizon T completes no earlier than L·T plus its work left over its fastest
+rate (u[j,T], a virtual slot with no capacity row), so the horizon only loosens the bound, never
+invalidates it. Sizes that are no faster than a smaller size are dropped: replacing them by the smaller
+one keeps every job's progress and frees devices. Two more rows hold for every schedule and only cut
+the relaxation HiGHS branches on: a job with work left after slot t is active in t + 1, and none
+completes before its first slot's start + restart + its time alone at its fastest. Every schedule's
 values satisfy every row, so the program's optimum is at most its average JCT; HiGHS's dual bound, valid
 at any time limit, is at most the optimum, and that is what `avg_jct_s` reports.
 """
