@@ -93,13 +93,11 @@ def slot_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, horiz
     if np.any(first >= T):
         raise ValueError(f"horizon_s={horizon_s}: ends before a job's first slot")
 
-    names: list[tuple] = []
-    lo, hi, integ, cost = [], [], [], []
+    lo, hi, integ, cost = [], [], [], []       # per column
 
-    def var(key, lb, ub, integer, c=0.0) -> int:
-        names.append(key)
+    def var(lb, ub, integer, c=0.0) -> int:
         lo.append(lb), hi.append(ub), integ.append(1 if integer else 0), cost.append(c)
-        return len(names) - 1
+        return len(lo) - 1
 
     rows, cols, vals, rlo, rhi = [], [], [], [], []
     nrow = 0
@@ -117,17 +115,17 @@ def slot_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, horiz
     for j, job in enumerate(jobs):
         sizes = useful_sizes(rates[j])
         a = int(first[j])
-        u = [var(("u", j, t), 1.0 if t == a else 0.0, 1.0, True, L) for t in range(a, T + 1)]
-        tau = var(("tau", j), 0.0, np.inf, False, 1.0)
+        u = [var(1.0 if t == a else 0.0, 1.0, True, L) for t in range(a, T + 1)]
+        tau = var(0.0, np.inf, False, 1.0)
         const += L * (a - 1) - job.arrival          # C_j = L·(a + Σu − 1) + τ
         g_all, q_all = [], []
         prev = {n: None for n in sizes}
         for i, t in enumerate(range(a, T)):
-            z = {n: var(("z", j, t, n), 0.0, 1.0, True) for n in sizes}
-            c = {n: var(("c", j, t, n), 0.0, 1.0, False) for n in sizes}
-            w = {n: var(("w", j, t, n), 0.0, L, False) for n in sizes}        # seconds held in the slot
-            g = var(("g", j, t), 0.0, np.inf, False)
-            q = var(("q", j, t), 0.0, np.inf, False)
+            z = {n: var(0.0, 1.0, True) for n in sizes}
+            c = {n: var(0.0, 1.0, False) for n in sizes}
+            w = {n: var(0.0, L, False) for n in sizes}        # seconds held in the slot
+            g = var(0.0, np.inf, False)
+            q = var(0.0, np.inf, False)
             g_all.append(g), q_all.append(q)
             row([(z[n], 1.0) for n in sizes] + [(u[i], -1.0)], -np.inf, 0.0)        # devices only while active
             for n in sizes:                                                         # restart on a change
@@ -156,7 +154,7 @@ def slot_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, horiz
     if floor is not None:        # Σ_j C_j ≥ J·(floor + mean arrival): a bound known to hold (see the docstring)
         row([(x, L) for us, tau in objective for x in us] + [(tau, 1.0) for _, tau in objective],
             len(jobs) * floor - const, np.inf)
-    A = sp.csr_matrix((vals, (rows, cols)), shape=(nrow, len(names)))
+    A = sp.csr_matrix((vals, (rows, cols)), shape=(nrow, len(lo)))
     J = len(jobs)
     res = milp(np.array(cost) / J, integrality=np.array(integ), bounds=Bounds(np.array(lo), np.array(hi)),
                constraints=LinearConstraint(A, np.array(rlo), np.array(rhi)),
@@ -167,5 +165,5 @@ def slot_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, horiz
     incumbent = float(res.fun) + const / J if res.x is not None else math.inf
     return SlotBound(avg_jct_s=bound, incumbent_avg_jct_s=incumbent, optimal=res.status == 0,
                      gap=float(res.mip_gap) if res.x is not None else math.inf, slots=T - base,
-                     variables=len(names), integers=int(sum(integ)), solve_s=time.perf_counter() - t0,
+                     variables=len(lo), integers=int(sum(integ)), solve_s=time.perf_counter() - t0,
                      nodes=int(getattr(res, "mip_node_count", 0) or 0))

@@ -121,7 +121,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
                              "generation from the LP's prices): no scheduler can be lower; master_s: the restricted "
                              "master LP (its gap to avg_jct_s: how far the column generation is from converged)")
         if cfg.milp_time_s > 0:
-            sbs = [slot_bound(*jobs_from_specs(specs[i], cfg.sim), cfg.sim, time_limit_s=cfg.milp_time_s,
+            sbs = [slot_bound(*truth[i], cfg.sim, time_limit_s=cfg.milp_time_s,
                               floor=best.get(i)) for i in _progress(specs, f"bound_slot {wset}")]
             yield bound("bound_slot", [b.avg_jct_s for b in sbs], optimal_files=sum(b.optimal for b in sbs),
                         incumbent_per_file=[round(b.incumbent_avg_jct_s, 1) for b in sbs],
