@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, PartitionSpec as P
 
 from omnijax.errors import ConfigError
-from omnijax.parallel import comm, step_model
+from omnijax.parallel import comm
+from omnijax.perfmodel import step_model
 
 LINK = comm.LinkModel(n=8, bandwidth_Bps=1e9, latency_s=1e-4)
 
