@@ -3,7 +3,7 @@
 Searches bucket size, partition size, in-flight bound and XLA:GPU flags for one model's
 data-parallel step (sync or stale1). Each trial compiles the step with explicit, scheduled
 collectives. Score: the measured step time when a GPU is present, otherwise the step-time model
-(`omnijax.parallel.step_model`) replaying the compiled program's schedule on the target
+(`omnijax.perfmodel.step_model`) replaying the compiled program's schedule on the target
 (device, network, hosts × GPUs). Writes `runs/<run_name>/comm_tuned.yaml`, which a recipe can
 include (`comm:` settings for `omnijax.parallel.comm.CommConfig`, `xla_flags:` for
 `omnijax.parallel.xla_flags.apply_env`).
@@ -142,7 +142,8 @@ def build_program(spec: ModelSpec, layers: int, variant: str, comm_cfg: Any | No
 def predict_variant(spec: ModelSpec, variant: str, comm_cfg: Any | None, target: dict, *,
                     backward_s: float = 0.0, check_flops: bool = False) -> dict:
     """Step-time prediction for one variant, extrapolated over layers when `spec.probe_layers` is set."""
-    from omnijax.parallel import comm, step_model
+    from omnijax.parallel import comm
+    from omnijax.perfmodel import step_model
     from omnijax.parallel.comm import CPU_INSPECT_OPTIONS
 
     net = step_model.network(target["net_gbps"], target["hosts"], target["gpus_per_host"])

@@ -11,16 +11,18 @@ from omnijax.cluster.schedulers import FittedModel
 from omnijax.errors import UserError
 
 
-class _Share(FittedModel):
-    """Equal shares of the (power-of-two) free devices: a job alone gets all, two get half each."""
+class _ByProgress(FittedModel):
+    """Job a holds 3 devices until it has trained 100 steps, then 2; b holds 1 throughout. The resize is decided by
+    progress, not by how fast this machine runs the jobs."""
     def allocate(self, now, jobs, cluster):
-        return {j.name: max(1, cluster.gpus // len(jobs)) for j in jobs}
+        return {j.name: (2 if j.progress >= 100 else 3) if j.name == "a" else 1 for j in jobs}
 
 
 def test_executor_resizes_real_jobs_and_feeds_models(tmp_path):
-    ex = Executor(_Share(), ToyRunner(work=4000, checkpoint_every=5), devices=4, run_root=tmp_path, backend="local",
-                  slot_s=0.3, log=lambda s: None)
-    result = ex.run([ExecJob("a", steps=1500, arrival_s=0.0), ExecJob("b", steps=300, arrival_s=0.5)])
+    # each step takes >= 3 ms: a's 1400 steps after the resize point last >= 4 s, many 0.3 s slots, on any machine
+    ex = Executor(_ByProgress(), ToyRunner(work=4000, checkpoint_every=5, min_step_s=0.003), devices=4,
+                  run_root=tmp_path, backend="local", slot_s=0.3, log=lambda s: None)
+    result = ex.run([ExecJob("a", steps=1500, arrival_s=0.0), ExecJob("b", steps=300, arrival_s=0.0)])
     by = {j["name"]: j for j in result.jobs}
     assert by["a"]["steps"] == 1500 and by["b"]["steps"] == 300
     kinds = [(e["event"], e["job"]) for e in result.events]

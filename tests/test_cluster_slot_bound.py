@@ -1,6 +1,8 @@
 """The slot-exact bound: exact on hand-computed cases where the relaxations are not, below every schedule
 the simulator runs, and at or above the Lagrangian bound wherever HiGHS proves its optimum."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,6 +13,9 @@ from omnijax.cluster.jobs import Job
 from omnijax.cluster.schedulers import DRF, FIFO, FittedModel, Tiresias
 from omnijax.cluster.simulator import SimConfig, simulate
 from omnijax.cluster.slot_bound import slot_bound, useful_sizes
+
+
+NODES = 20000   # HiGHS's work cap instead of a time limit: the same answer on any machine, under any load
 
 
 def _cfg(gpus: int) -> SimConfig:
@@ -29,7 +34,7 @@ def test_slot_bound_is_exact_where_the_relaxations_are_not():
     def jobs():
         return [Job(x, 0.0, "x", 1, 1, 1000.0, max_replicas=1) for x in "ab"]
     fifo = simulate(jobs(), step, FIFO(), cfg).avg_jct_s
-    got = slot_bound(jobs(), step, cfg, time_limit_s=30.0)
+    got = slot_bound(jobs(), step, cfg, time_limit_s=math.inf, node_limit=NODES)
     lag = lagrangian_bound(jobs(), step, cfg, interval_s=60.0)
     assert fifo == pytest.approx(1570.0)
     assert got.optimal and got.avg_jct_s == pytest.approx(1570.0, abs=1e-3)
@@ -46,7 +51,7 @@ def test_slot_bound_charges_the_slot_a_job_finishes_in():
 
     def jobs():
         return [Job("a", 0.0, "x", 2, 1, 1.0, max_replicas=2), Job("b", 0.0, "x", 1, 1, 1.0, max_replicas=1)]
-    got = slot_bound(jobs(), step, cfg, time_limit_s=30.0)
+    got = slot_bound(jobs(), step, cfg, time_limit_s=math.inf, node_limit=NODES)
     assert got.optimal and got.avg_jct_s == pytest.approx(2030.0, abs=1e-3)
     assert simulate(jobs(), step, FIFO(), cfg).avg_jct_s == pytest.approx(2030.0)
 
@@ -55,7 +60,7 @@ def test_useful_sizes_drop_counts_no_faster_than_a_smaller_one():
     assert useful_sizes(np.array([0.0, 1.0, 1.5, 1.5, 1.4, 2.0])) == [1, 2, 5]
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=8, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.floats(0.0, 400.0), st.floats(200.0, 900.0), st.floats(0.3, 1.0)),
                 min_size=2, max_size=3))
 def test_slot_bound_is_below_every_scheduler_and_above_the_lagrangian(specs):
@@ -71,13 +76,14 @@ def test_slot_bound_is_below_every_scheduler_and_above_the_lagrangian(specs):
 
     def jobs():
         return [Job(f"j{i}", a, "x", 2, 1, 1.0, max_replicas=2) for i, (a, _, _) in enumerate(specs)]
-    got = slot_bound(jobs(), step, cfg, time_limit_s=10.0)
+    got = slot_bound(jobs(), step, cfg, time_limit_s=math.inf, node_limit=NODES)
     runs = {s.name: simulate(jobs(), step, s, cfg).avg_jct_s for s in (FIFO(), DRF(), Tiresias(), FittedModel())}
     assert all(got.avg_jct_s <= r + 1e-6 for r in runs.values()), (got, runs)
-    if got.optimal:
-        lag = lagrangian_bound(jobs(), step, cfg, interval_s=60.0, iterations=50)
-        assert got.avg_jct_s >= lag.avg_jct_s - 1e-3 * lag.avg_jct_s, (got, lag)
-        assert got.incumbent_avg_jct_s == pytest.approx(got.avg_jct_s, rel=1e-3)
+    # instances this small are proved within the node cap (a count of work, not of seconds)
+    assert got.optimal, got
+    lag = lagrangian_bound(jobs(), step, cfg, interval_s=60.0, iterations=50)
+    assert got.avg_jct_s >= lag.avg_jct_s - 1e-3 * lag.avg_jct_s, (got, lag)
+    assert got.incumbent_avg_jct_s == pytest.approx(got.avg_jct_s, rel=1e-3)
 
 
 def test_slot_bound_rejects_what_it_cannot_bound():

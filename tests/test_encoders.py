@@ -144,6 +144,8 @@ def test_audio_clips_are_isolated(audio):
     x2[n0:] += 1.0
     out2 = np.asarray(fwd(model, x2, s, p))
     np.testing.assert_allclose(out[: n0 // 4], out2[: n0 // 4], atol=1e-6)
+    n1 = int((s == 2).sum())
+    assert np.abs(out[n0 // 4:(n0 + n1) // 4] - out2[n0 // 4:(n0 + n1) // 4]).max() > 1e-3  # the changed clip did change
     assert out.shape == (len(x) // 4, ACFG.embed_dim)
 
 
@@ -153,6 +155,9 @@ def test_rope_handles_any_grid(vit):
         x, p = features.segment_inputs("image", np.random.default_rng(2).random(shape).astype(np.float32), VCFG)
         out = np.asarray(fwd(model, x, np.ones(len(x), np.int32), p))
         assert out.shape == (len(x) // 4, 4 * VCFG.embed_dim) and np.all(np.isfinite(out))
+        # the positions reach the output: the same patches at transposed grid positions give other features
+        swapped = np.asarray(fwd(model, x, np.ones(len(x), np.int32), p[:, [0, 2, 1]]))
+        assert np.abs(swapped - out).max() > 1e-4
 
 
 def test_costs_grow_with_size(vit, audio):

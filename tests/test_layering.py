@@ -5,12 +5,14 @@ import pathlib
 ROOT = pathlib.Path(__file__).parent.parent / "omnijax"
 # package -> packages it must never import
 FORBIDDEN = {
-    "data": {"models", "parallel", "train"},
-    "models": {"data", "parallel", "train"},
-    "layers": {"data", "models", "parallel", "train"},
-    "mm_config": {"data", "models", "layers", "parallel", "train"},
-    "config": {"data", "models", "layers", "parallel", "train", "mm_config"},
-    "parallel": {"train"},
+    "data": {"models", "parallel", "train", "perfmodel"},
+    "models": {"data", "parallel", "train", "perfmodel"},
+    "layers": {"data", "models", "parallel", "train", "perfmodel"},
+    "mm_config": {"data", "models", "layers", "parallel", "train", "perfmodel"},
+    "config": {"data", "models", "layers", "parallel", "train", "mm_config", "perfmodel"},
+    "parallel": {"train", "perfmodel"},
+    "train": {"perfmodel"},
+    "interop": {"perfmodel"},
 }
 
 

@@ -14,6 +14,7 @@ from omnijax.parallel.engine import LLMParallel, unstack_params
 from omnijax.parallel.multiplex import EncoderPart, Multiplexer
 from omnijax.train.step import loss_and_grads
 from recipes.tiny_omni import Packer
+from numerics import assert_grads_close
 
 ENCODERS = {"vision": {"kind": "vit", "patch": 4, "temporal_patch": 2, "merge": 2, "max_side": 32, "embed_dim": 32,
                        "num_layers": 1, "num_heads": 2, "mlp_dim": 64},
@@ -61,12 +62,7 @@ def _check(setup, layout, encoder_layout, mode="balanced", interleave=False, **e
     got = nnx.to_pure_dict(grads)
     if engine.schedule is not None:
         got["llm"] = unstack_params(grads["llm"], engine.schedule)
-    ref_flat = dict(jax.tree_util.tree_flatten_with_path(ref_grads)[0])
-    got_flat = dict(jax.tree_util.tree_flatten_with_path(got)[0])
-    assert ref_flat.keys() == got_flat.keys()
-    for path, ref in ref_flat.items():
-        np.testing.assert_allclose(np.asarray(got_flat[path]), np.asarray(ref), atol=1e-4, rtol=0,
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_grads_close(got, ref_grads)
     return mx.last_plan
 
 

@@ -1,7 +1,7 @@
 """Every LLM layout against the single-device reference, and proof that it really is parallel.
 
 One compiled program per layout computes (loss, aux, grads, new params, new optimizer state); the same
-program is checked for numbers (fp32: loss rel err <= 1e-5, every gradient <= 1e-4), for per-device
+program is checked for numbers (fp32: loss rel err <= 1e-5, every gradient within 2e-5 of its largest entry), for per-device
 parameter/optimizer bytes, and for the collectives in its HLO.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from omnijax.parallel.engine import LLMParallel, count_collectives, unstack_para
 from omnijax.parallel.rules import load_rules, per_device_bytes
 from omnijax.models.losses import lm_loss
 from omnijax.train.step import loss_and_grads
+from numerics import assert_grads_close
 
 pytestmark = pytest.mark.xdist_group("parallel_llm")
 
@@ -156,8 +157,7 @@ def test_layout_matches_reference_and_is_parallel(layout):
         np.testing.assert_allclose(run["aux"][k], ref_aux[k], rtol=1e-5, atol=1e-6)
     grads = jax.device_get(run["grads"])
     grads = unstack_params(grads, par.schedule) if par.schedule else nnx.to_pure_dict(grads)
-    errs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), grads, ref_grads)
-    assert max(jax.tree.leaves(errs)) <= 1e-4, errs
+    assert_grads_close(grads, ref_grads)
     # --- really parallel: bytes per device as the layout promises ...
     table = load_rules("llm_5d").params
     sizes = par.layout.sizes
@@ -297,9 +297,7 @@ def test_fsdp_cp_grads_reduce_scatter_into_their_shards():
         .lower(params, batch).compile()
     loss, grads, _ = compiled(params, batch)
     assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
-    errs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                        nnx.to_pure_dict(jax.device_get(grads)), ref_grads)
-    assert max(jax.tree.leaves(errs)) <= 1e-4, errs
+    assert_grads_close(nnx.to_pure_dict(jax.device_get(grads)), ref_grads)
     assert all_reduce_then_slice(compiled.as_text()) == 0
     assert "reduce-scatter" in count_collectives(compiled.as_text())
     assert all_reduce_then_slice(get_run("fsdp4xcp2")["hlo"]) > 0  # GSPMD's program: the check can fail

@@ -26,11 +26,13 @@ def test_items_carry_the_consumed_position(depth):
     pre = Prefetcher(loader, lambda b: b["i"] * 10, depth=depth)
     items = [next(pre) for _ in range(3)]
     if depth:
-        deadline = time.time() + 5
-        while loader.i < 3 + depth and time.time() < deadline:  # the thread runs ahead ...
+        # the thread runs ahead until its queue is full (a state, not a time: the deadline only guards a hang);
+        # from then on it holds at most one more item in hand, blocked on the full queue
+        deadline = time.monotonic() + 120
+        while not pre._queue.full() and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.05)
-        assert 3 + depth <= loader.i <= 3 + depth + 1  # depth queued, one more in hand at most
+        assert pre._queue.full()
+        assert 3 + depth <= loader.i <= 3 + depth + 1
     assert [it.loader_state for it in items] == [{"i": 1}, {"i": 2}, {"i": 3}]   # ... the items do not
     assert [it.batch for it in items] == [10, 20, 30]
     pre.close()

@@ -100,16 +100,18 @@ def test_migration_and_scale_out_in_lose_nothing(cluster, baseline):
 
 
 def test_balancer_moves_blocks_off_a_straggler(cluster, baseline):
-    # 2 MB/s link: ~8 ms per step per server; server 0 is 4x slower per byte.
+    # 2 MB/s link: ~8 ms per step per server; server 0 is 4x slower per byte. The controller prices servers by
+    # the link model (cost_source=link), so its decisions cannot ride on this machine's load; the measured
+    # path is bench ps's.
     t = make(cluster, link_mb_per_s=2, slow_server=0, slowdown=4.0, balance=True, rebalance_every=2,
-             num_blocks=12)
+             num_blocks=12, cost_source="link")
     start = sum(b for b, s in zip(t.block_bytes, t.placement) if s == 0)
     t.run(STEPS)
     on_slow = [sum(b for b, s in zip(t.block_bytes, p) if s == 0) for _, p in sorted(t.schedule.items())]
     assert any(e["kind"].startswith("rebalance") for e in t.events)
-    # the first move takes bytes off the slow server; a later one may move some back when this shared
-    # machine's noise makes the measured per-server costs look closer than the 4x they are
-    assert on_slow[0] == start and on_slow[1] <= 0.75 * start, on_slow
+    # with a 4x per-byte cost the makespan-optimal split leaves server 0 a fifth of the bytes (4x = B - x on two
+    # servers), 0.4x of the half it started with; whole blocks round it. No later move puts bytes back.
+    assert on_slow[0] == start and on_slow[1] <= 0.5 * start and on_slow[-1] <= 0.5 * start, on_slow
     report = ray.get(cluster.servers[0].stats.remote())  # per-step processing and transfer time
     assert report["steps"] >= 1 and report["transfer_s_per_step"] > 0 and report["processing_s_per_step"] > 0
     assert t.checksum() == checksum(baseline["flat"])  # different block sizes, same math: same bits

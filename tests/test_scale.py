@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from omnijax.errors import ConfigError
-from omnijax.parallel import context, placement_meta, routing, scale
+from omnijax.parallel import context, placement_meta, routing
+from omnijax.perfmodel import scale
 
 
 def _layout(name: str) -> scale.Layout:

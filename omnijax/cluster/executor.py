@@ -62,11 +62,12 @@ class TinyLMRunner:
 class ToyRunner:
     work: int = 20000
     checkpoint_every: int = 10
+    min_step_s: float = 0.0   # a floor on each step's time: a job's length in seconds no longer rides on the machine
 
     def command(self, name, steps, devices):
         return [sys.executable, "-m", "omnijax.cluster.toy_job", f"trainer.steps={steps}", f"trainer.run_name={name}",
                 f"parallel.cpu_devices={devices}", f"trainer.checkpoint_every={self.checkpoint_every}",
-                f"toy.work={self.work}"]
+                f"toy.work={self.work}", f"toy.min_step_s={self.min_step_s}"]
 
 
 @dataclass

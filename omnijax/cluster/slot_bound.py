@@ -62,13 +62,15 @@ def useful_sizes(rates: np.ndarray) -> list[int]:
 
 
 def slot_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, horizon_s: float | None = None,
-               time_limit_s: float = 60.0, rel_gap: float = 1e-4, floor: float | None = None) -> SlotBound:
+               time_limit_s: float = 60.0, rel_gap: float = 1e-4, floor: float | None = None,
+               node_limit: int | None = None) -> SlotBound:
     """Average-JCT lower bound from the slot-exact mixed-integer program (module docstring).
 
     `horizon_s`: seconds after the first arrival's slot that the program schedules in slot by slot (default:
     every job one after another at its fastest size, after the last arrival; jobs still running then are
     charged their work left at their fastest rate). `time_limit_s`: HiGHS's limit; the bound is valid
-    whenever it stops, tighter the longer it runs. `floor`: an average JCT already known to bound every schedule
+    whenever it stops, tighter the longer it runs. `node_limit`: a cap on branch-and-bound nodes instead, which
+    (with `time_limit_s=math.inf`) makes the result the same on any machine under any load. `floor`: an average JCT already known to bound every schedule
     (the Lagrangian bound, say), added as a row on the objective: it prunes the search, and cuts off no
     schedule's values (a schedule's τ may be raised to meet its own JCT, which is at least the floor)."""
     import scipy.sparse as sp
@@ -158,7 +160,8 @@ def slot_bound(jobs: Sequence[Job], step_time: StepTimeFn, cfg: SimConfig, horiz
     J = len(jobs)
     res = milp(np.array(cost) / J, integrality=np.array(integ), bounds=Bounds(np.array(lo), np.array(hi)),
                constraints=LinearConstraint(A, np.array(rlo), np.array(rhi)),
-               options={"time_limit": time_limit_s, "mip_rel_gap": rel_gap, "disp": False})
+               options={"time_limit": time_limit_s, "mip_rel_gap": rel_gap, "disp": False,
+                        **({"node_limit": int(node_limit)} if node_limit is not None else {})})
     if res.status not in (0, 1) or getattr(res, "mip_dual_bound", None) is None:
         raise RuntimeError(f"slot_bound: HiGHS failed: {res.message}")
     bound = float(res.mip_dual_bound) + const / J

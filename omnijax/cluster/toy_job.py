@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
     devices = max(1, int(opts.get("parallel.cpu_devices", 1)))
     every = int(opts.get("trainer.checkpoint_every", 10))
     work = int(opts.get("toy.work", 20000))          # rows per step: sets the step time
+    min_step_s = float(opts.get("toy.min_step_s", 0.0))  # a floor on the step time, whatever the machine's speed
     run = Path(os.environ.get("OMNIJAX_RUNS", "runs")) / name
     ckpt = run / "checkpoints"
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -61,6 +62,8 @@ def main(argv: list[str]) -> int:
                 losses.append(float(np.mean(err ** 2)))
             w = w - 0.05 * np.mean(grads, 0)
             step += 1
+            if min_step_s > 0:
+                time.sleep(max(0.0, min_step_s - (time.perf_counter() - t0)))
             dt = time.perf_counter() - t0
             out.write(json.dumps({"step": step, "loss": float(np.mean(losses)), "tokens_per_s": work / dt,
                                   "step_time_s": dt, "devices": devices}) + "\n")

@@ -139,12 +139,6 @@ def put_local(sharding: NamedSharding, local: Any, global_rows: int | None = Non
     return put_host_rows(sharding, local, rows, (g, *local.shape[1:]))
 
 
-def put_global(sharding: NamedSharding, array: Any) -> jax.Array:
-    """Global array from the whole array, present on every host (each device takes its block)."""
-    array = np.asarray(array)
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
-
 def take_rows(batch: dict, rows: np.ndarray) -> dict:
     """The given global rows of a whole host batch (every ``[B, ...]`` array)."""
     return {k: np.asarray(v)[rows] for k, v in batch.items()}

@@ -27,6 +27,10 @@ class PSConfig:
     slowdown: float = 1.0         # ... by this per-byte factor (kind "delay")
     straggler_kind: Literal["delay", "neighbour"] = "delay"
     balance: bool = False         # load distribution: move blocks from slow to fast servers
+    # what the distributor prices a server's byte by: "measured" = its reported transfer + processing seconds
+    # (the real controller); "link" = the link model's transfer seconds only (bytes / link_mb_per_s x slowdown),
+    # which no machine load can change: reproducible experiments and tests of the controller's decisions
+    cost_source: Literal["measured", "link"] = "measured"
     rebalance_every: int = 4      # steps between straggler checks
     explore_every: int = 0        # steps between scale-out/in trials (0 = no exploration)
     trial_steps: int = 6          # steps measured per trial
@@ -59,6 +63,8 @@ def validate(cfg: PSConfig) -> PSConfig:
     if cfg.slow_server >= 0 and cfg.straggler_kind == "delay" and cfg.slowdown > 1 and cfg.link_mb_per_s <= 0:
         raise ConfigError("ps.slowdown with straggler_kind=delay multiplies the per-byte link time: "
                           "set ps.link_mb_per_s > 0 too")
+    if cfg.cost_source == "link" and cfg.link_mb_per_s <= 0:
+        raise ConfigError("ps.cost_source=link prices servers by the link model: set ps.link_mb_per_s > 0 too")
     if cfg.staleness_mode != "none" and cfg.mode != "async":
         raise ConfigError(f"ps.staleness_mode={cfg.staleness_mode} compensates stale gradients: it needs ps.mode=async")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:

@@ -100,6 +100,7 @@ class Distributor:
     min_servers: int = 1
     max_servers: int = 0
     smoothing: float = 0.5
+    processing_in_cost: bool = True     # False: price servers by their (modelled) transfer seconds alone
     cost: dict[int, float] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     _busy: dict[int, list[float]] = field(default_factory=dict)
@@ -114,7 +115,7 @@ class Distributor:
         self._durations[step] = step_seconds
         for st in server_stats:
             acc = self._busy.setdefault(st["sid"], [0.0, 0.0])
-            acc[0] += st["transfer_s"] + st["processing_s"]
+            acc[0] += st["transfer_s"] + (st["processing_s"] if self.processing_in_cost else 0.0)
             acc[1] += st["bytes_in"] + st["bytes_out"]
 
     def _update_costs(self) -> None:

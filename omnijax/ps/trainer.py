@@ -161,7 +161,7 @@ class PSTrainer:
             self.distributor = Distributor(
                 self.block_bytes, tuple(self.pool), rebalance=cfg.balance, rebalance_every=cfg.rebalance_every,
                 explore_every=cfg.explore_every, trial_steps=cfg.trial_steps, min_gain=cfg.min_gain,
-                min_servers=cfg.min_servers, max_servers=pool)
+                min_servers=cfg.min_servers, max_servers=pool, processing_in_cost=cfg.cost_source == "measured")
 
     # ------------------------------------------------------------------------------- helpers
     def _knobs(self, sid: int) -> ServerKnobs:

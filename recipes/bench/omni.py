@@ -122,7 +122,8 @@ def critical_path(mx, host_batch: dict, plan, hw) -> dict[str, float]:
     import numpy as np
 
     from omnijax.data.cost import CostModel
-    from omnijax.parallel import routing, scale
+    from omnijax.parallel import routing
+    from omnijax.perfmodel import scale
 
     sec = 1e6 / (hw.peak_flops * hw.efficiency)  # MFLOP -> s
     cm = CostModel.from_flops(mx.mm_cfg)
@@ -172,7 +173,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from omnijax.train.state import init_state
     from omnijax.train.step import make_train_step
 
-    from omnijax.parallel.scale import HARDWARE
+    from omnijax.perfmodel.scale import HARDWARE
 
     if opts["hardware"] not in HARDWARE:
         from omnijax.errors import ConfigError

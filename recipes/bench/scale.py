@@ -3,7 +3,7 @@ against four baselines, and a calibration of the model against `bench omni` on t
 
 Rows (one per layout x devices x mix; each layout is its recipe's, `recipe_layout`): weak scaling at
 the recipes' per-device work (2 rows of 4,096 tokens per device), three workload mixes whose phases
-change over the steps (`omnijax.parallel.scale` states the distributions; docs/scale.md cites their
+change over the steps (`omnijax.perfmodel.scale` states the distributions; docs/scale.md cites their
 sources), the plan one host makes for one step from metadata (`plan_s_per_host`, measured here), the
 plan's balance and padding, and the modeled step time (H100 table) of omnijax and of coupled /
 replicated / disaggregated / global-LPT on the same batches. Then `calibration_cpu8`: the same model
@@ -58,7 +58,8 @@ def recipe_layout(name: str, gpus: int = 64, check: bool = True):
     the encoders' the Layout default."""
     from omnijax.config import build
     from omnijax.models.llm import is_moe_layer
-    from omnijax.parallel import routing, scale
+    from omnijax.parallel import routing
+    from omnijax.perfmodel import scale
     from omnijax.parallel.mesh import parse_layout
     from omnijax.train.dryrun import dry_run
     from omnijax.train.metrics import llm_param_counts
@@ -132,7 +133,7 @@ def calibration(opts: dict) -> dict:
     fit on each round alone gives the spread of the prediction."""
     from omnijax.config import from_dict
     from omnijax.mm_config import MMConfig
-    from omnijax.parallel import scale
+    from omnijax.perfmodel import scale
     from omnijax.parallel.engine import LLMParallel
     from omnijax.parallel.multiplex import Multiplexer
     from recipes.bench import omni
@@ -249,7 +250,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
 
         setup_devices(["parallel.cpu_devices=8"])
     from omnijax.errors import ConfigError
-    from omnijax.parallel import scale
+    from omnijax.perfmodel import scale
 
     if opts["hardware"] not in scale.HARDWARE:
         raise ConfigError(f"bench scale: hardware={opts['hardware']!r}; known: {', '.join(scale.HARDWARE)}")
