@@ -3,6 +3,6 @@ DESCRIPTION = "8B LLM + vision/audio encoders on 64 GPUs (pp2xfsdp8xtp4, encoder
 
 
 def main(argv: list[str]) -> int:
-    from recipes.common import launch_gpu_recipe
+    from recipes._gpu import launch_gpu_recipe
 
     return launch_gpu_recipe("omni_8b", argv, devices=64)

@@ -3,6 +3,6 @@ DESCRIPTION = "MoE LLM (16 experts, top-2) + vision/audio encoders on 64 GPUs (f
 
 
 def main(argv: list[str]) -> int:
-    from recipes.common import launch_gpu_recipe
+    from recipes._gpu import launch_gpu_recipe
 
     return launch_gpu_recipe("omni_moe", argv, devices=64)
