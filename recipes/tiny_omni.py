@@ -256,19 +256,21 @@ def source_specs(key: str, paths: list[str], split: str) -> list:
 def plane_config(cfg: OmniConfig, sources: list, mix, seed: int):
     """The data plane's config for this recipe: one dp rank per device, fixed shapes (one program).
 
-    Each window draws 4 samples per row (more than fit: the packer picks, the rest wait for the next window)."""
+    A step's samples are chosen against the whole batch (`data.batch_size` rows, `capacity.*` encoder
+    rows), not a device's share: the same samples on every layout. Each window draws 4 samples per row
+    (more than fit: the packer picks, the rest wait for the next window)."""
     import jax
 
     from omnijax.data.loader import LoaderConfig
 
     ranks = jax.device_count()
-    if cfg.data.batch_size % ranks or any(c % ranks for c in cfg.capacity.values()):
-        raise ConfigError(f"data.batch_size={cfg.data.batch_size} and capacity {cfg.capacity} must split over "
-                          f"{ranks} data-parallel ranks (one per device)")
+    if cfg.data.batch_size % ranks:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} must split over {ranks} data-parallel ranks "
+                          f"(one per device): use a multiple of {ranks}")
     return LoaderConfig(sources=sources, mix=mix, samples_per_step=4 * cfg.data.batch_size,
                         dp=ranks, microbatches=1,
                         window=4, row_len=cfg.data.seq_len, max_rows=cfg.data.batch_size // ranks, fixed_shapes=True,
-                        max_encoder_rows={k: v // ranks for k, v in cfg.capacity.items()}, seed=seed)
+                        encoder_rows=dict(cfg.capacity), seed=seed)
 
 
 def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix, seed: int, steps: int = 0,
