@@ -44,8 +44,9 @@ class OmniConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
-    # encoder name -> input-row capacity of one global batch (multiples of its reduction)
-    capacity: dict[str, Any] = field(default_factory=lambda: {"vision": 2048, "audio": 1024})
+    # encoder name -> input rows of one global batch (multiples of its reduction); an encoder left out is
+    # sized at start from the sources' metadata (`loader.step_capacities`)
+    capacity: dict[str, Any] = field(default_factory=dict)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -67,11 +68,15 @@ def check(cfg: OmniConfig) -> OmniConfig:
         raise ConfigError(f"tokenizer.path={cfg.tokenizer.path}: the built-in world is byte-level; a tokenizer is "
                           "for data.sources converted with it")
     encs = encoder_configs(cfg.model)
+    unknown = sorted(set(cfg.capacity) - set(encs))
+    if unknown:
+        raise ConfigError(f"capacity.{unknown[0]}: no such encoder; this model's encoders: {sorted(encs)}")
     for name, enc in encs.items():
         r = enc.merge * enc.merge if hasattr(enc, "merge") else enc.reduction
         cap = cfg.capacity.get(name)
-        if not isinstance(cap, int) or cap <= 0 or cap % r:
-            raise ConfigError(f"capacity.{name}={cap!r}: must be a positive multiple of {r} (the encoder's reduction)")
+        if cap is not None and (not isinstance(cap, int) or cap <= 0 or cap % r):
+            raise ConfigError(f"capacity.{name}={cap!r}: must be a positive multiple of {r} (the encoder's reduction), "
+                              "or left out to size it from the data")
     if cfg.model.llm.max_seq_len < cfg.data.seq_len:
         raise ConfigError(f"model.llm.max_seq_len={cfg.model.llm.max_seq_len} must be >= data.seq_len={cfg.data.seq_len}")
     cfg.world.check()
@@ -286,6 +291,8 @@ def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix
 
     specs = source_specs(key, paths, split)
     sources = open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media)
+    if key == "data.sources" or set(cfg.capacity) != set(encoder_configs(cfg.model)):
+        size_capacities(cfg, sources, key)
     plane = plane_config(cfg, specs, mix, seed)
     if steps:
         windows = -(-steps // plane.window)
@@ -297,6 +304,23 @@ def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix
     text_ranks = sorted({int(r) // rows for r in placement.host_rows(cfg.data.batch_size)})
     return Loader(plane, mm_cfg=cfg.model, world_cfg=cfg.world, sources=sources, tokenizer=tok, lazy_media=True,
                   text_ranks=text_ranks)
+
+
+def size_capacities(cfg: OmniConfig, sources: list, key: str) -> None:
+    """`cfg.capacity` completed from the sources' metadata (the training sources' also check explicit
+    values: one that cannot hold the largest sample is a ConfigError naming the value that fits)."""
+    import jax
+
+    from omnijax.data.loader import data_bounds, step_capacities
+
+    bounds = data_bounds(sources, cfg.model)
+    given = dict(cfg.capacity)
+    cfg.capacity = step_capacities(bounds, cfg.data.batch_size, cfg.data.seq_len, cfg.model, explicit=given)
+    derived = {k: v for k, v in cfg.capacity.items() if k not in given}
+    if derived and jax.process_index() == 0:
+        largest = {k: v[0] for k, v in bounds.largest.items()}
+        print(f"capacity sized from {key} ({bounds.scanned} records' metadata{'' if bounds.complete else ', a prefix'}; "
+              f"largest sample {largest}): {derived}", file=sys.stderr)
 
 
 def make_loader(cfg: OmniConfig, tok=None, placement=None):

@@ -43,7 +43,7 @@ from omnijax.data.cost import CostModel, sample_cost
 from omnijax.data.mixing import Mixer, schedule_from_config
 from omnijax.data.sample import BadSample, validate_meta
 from omnijax.data.sources import Source, SourceSpec, open_sources
-from omnijax.data.tokens import default_mm_config
+from omnijax.data.tokens import default_mm_config, segment_tokens
 from omnijax.errors import ConfigError, UserError
 
 log = logging.getLogger("omnijax.data")
@@ -497,6 +497,81 @@ class TrainerBatches:
     def metrics(self) -> dict[str, Any]:
         m = self.loader.metrics()
         return {k: v for k, v in m.items() if not isinstance(v, dict)}
+
+
+@dataclass(frozen=True)
+class DataBounds:
+    """What the sources' metadata say about sample sizes (read without decoding a payload)."""
+    scanned: int                                     # records whose metadata was read
+    complete: bool                                   # every record of every source was read
+    largest: dict[str, tuple[int, str, int]]         # encoder -> (input rows, source, record) of its largest sample
+    mean_rows: dict[str, float]                      # encoder -> input rows per sample (all samples)
+    mean_tokens: float                               # LLM tokens per sample
+
+
+def data_bounds(sources: list[Source], mm_cfg: Any, prefix: int = 2048) -> DataBounds:
+    """Sample sizes from metadata: every record of a source whose metadata is in memory (ArrayRecord
+    shards' sidecars), the first `prefix` records of the others (the built-in world, JSONL, Parquet:
+    a sample larger than any seen still trains, its window planning at a larger bucket)."""
+    names = packing.encoder_specs(mm_cfg)
+    from omnijax.data.tokens import modality_encoders
+    enc_of = modality_encoders(mm_cfg)
+    cache: dict[tuple, tuple[int, int]] = {}
+    largest: dict[str, tuple[int, str, int]] = {}
+    total = Counter()
+    tokens, scanned, complete = 0, 0, True
+    for src in sources:
+        n = len(src) if src.metadata_in_memory else min(len(src), prefix)
+        complete = complete and n == len(src)
+        for i in range(n):
+            try:
+                meta = src.meta(i)
+            except (BadSample, UserError):
+                continue  # counted when drawn (bad metadata is skipped at planning)
+            rows: dict[str, int] = {}
+            for seg in meta.segments:
+                key = (seg.modality, tuple(seg.shape))
+                if key not in cache:
+                    cache[key] = segment_tokens(seg, mm_cfg)
+                r, t = cache[key]
+                tokens += t
+                if seg.modality != "text" and seg.modality in enc_of:
+                    rows[enc_of[seg.modality]] = rows.get(enc_of[seg.modality], 0) + r
+            for e, r in rows.items():
+                total[e] += r
+                if r > largest.get(e, (0, "", -1))[0]:
+                    largest[e] = (r, src.name, i)
+            scanned += 1
+    return DataBounds(scanned, complete, {e: largest[e] for e in names if e in largest},
+                      {e: total[e] / max(scanned, 1) for e in names}, tokens / max(scanned, 1))
+
+
+def step_capacities(bounds: DataBounds, rows: int, row_len: int, mm_cfg: Any,
+                    explicit: dict[str, int] | None = None, key: str = "capacity") -> dict[str, int]:
+    """Encoder input rows per step: `explicit` where given (checked: it must hold the largest sample),
+    else sized from the data: a step's expected need (rows x row_len LLM tokens of samples at the mean
+    sizes) or the largest sample if that is more, in multiples of the encoder's reduction. The packer
+    fills a step up to it; what does not fit waits for the next step (never dropped), so padding is
+    bounded by one sample's rows plus the step-to-step variation of the mix.
+
+    An explicit value below the largest sample is a ConfigError naming `key` and the value that fits."""
+    out = {}
+    for name, spec in packing.encoder_specs(mm_cfg).items():
+        big, src, rec = bounds.largest.get(name, (0, "", -1))
+        fit = -(-big // spec.group) * spec.group
+        given = (explicit or {}).get(name)
+        if given is not None:
+            if given < fit:
+                raise ConfigError(f"{key}.{name}={given} is below the {fit} {name} input rows of sample {src}[{rec}]: "
+                                  f"set {key}.{name}={fit} or more, or leave it unset to size it from the data")
+            out[name] = int(given)
+            continue
+        need = rows * row_len / max(bounds.mean_tokens, 1e-9) * bounds.mean_rows.get(name, 0.0)
+        out[name] = max(fit, -(-math.ceil(need) // spec.group) * spec.group, spec.group)
+    unknown = set(explicit or {}) - set(out)
+    if unknown:
+        raise ConfigError(f"{key}: unknown encoder(s) {sorted(unknown)}; this model's encoders: {sorted(out)}")
+    return out
 
 
 def host_ranks(dp_index_of_local_devices) -> list[int]:
