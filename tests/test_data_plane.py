@@ -318,3 +318,30 @@ def test_a_steps_samples_do_not_depend_on_the_layout():
     full = loaders[8].host_batch(5)["microbatches"][0]
     parts = [h.host_batch(5)["microbatches"][0] for h in hosts]
     assert np.array_equal(np.concatenate([p["tokens"] for p in parts]), full["tokens"])
+
+
+def test_capacities_sized_from_metadata_and_explicit_ones_checked(tmp_path):
+    """Every record of a shard is read from its sidecar (no decoding); unset capacities hold the largest
+    sample and a batch at the mean sizes; an explicit value below the largest sample is one clear line
+    naming the key and the value that fits."""
+    from omnijax.data.loader import data_bounds, step_capacities
+    from omnijax.data.sources import open_sources
+    from omnijax.data.tokens import default_mm_config
+
+    mm = default_mm_config()
+    vid = lambda t, side: Sample((Segment("video", np.zeros((t, side, side, 3), np.float32)), text("v", loss=True)))  # noqa: E731
+    samples = [Sample((text("x" * 30), text("ok", loss=True)))] * 5 + [vid(2, 32), vid(2, 64)]  # 128, 512 vision rows
+    srcs = open_sources([SourceSpec("s", path=_shard(tmp_path, "s", samples))])
+    srcs[0].get = None  # reading a payload would fail: sizing reads metadata only
+    b = data_bounds(srcs, mm)
+    assert b.complete and b.scanned == 7 and b.largest["vision"] == (512, "s", 6)
+    assert b.mean_rows["vision"] == pytest.approx(640 / 7) and "audio" not in b.largest
+    caps = step_capacities(b, 4, 256, mm)
+    need = 4 * 256 / b.mean_tokens * 640 / 7  # a batch of 4 rows of 256 tokens at the mean sizes
+    assert caps["vision"] == max(512, -(-int(np.ceil(need)) // 4) * 4) and caps["audio"] > 0
+    assert step_capacities(b, 4, 256, mm, explicit={"vision": 1024})["vision"] == 1024
+    with pytest.raises(ConfigError, match=r"capacity.vision=256 is below the 512 vision input rows of sample s\[6\]: "
+                                          r"set capacity.vision=512 or more"):
+        step_capacities(b, 4, 256, mm, explicit={"vision": 256})
+    with pytest.raises(ConfigError, match="unknown encoder"):
+        step_capacities(b, 4, 256, mm, explicit={"lidar": 64})
