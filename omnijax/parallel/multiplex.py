@@ -136,6 +136,8 @@ class Multiplexer:
     segments per device (`python -m recipes bench omni` measures both).
     """
 
+    growth: float = routing.BUCKET_GROWTH  # capacity bucket step (a planning-only instance keeps it)
+
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
                  encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
                  balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None,
