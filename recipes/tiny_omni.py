@@ -323,6 +323,17 @@ def size_capacities(cfg: OmniConfig, sources: list, key: str) -> None:
               f"largest sample {largest}): {derived}", file=sys.stderr)
 
 
+def training_capacity(cfg: OmniConfig, tok=None) -> dict[str, int]:
+    """`capacity.*` as training uses it: explicit values, the rest sized from `data.sources`' metadata
+    (for code that packs or traces a step without opening the loader: tests, `dryrun`)."""
+    from omnijax.data.sources import open_sources
+
+    if set(cfg.capacity) != set(encoder_configs(cfg.model)):
+        specs = source_specs("data.sources", cfg.data.sources or [WORLD], "train")
+        size_capacities(cfg, open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media), "data.sources")
+    return dict(cfg.capacity)
+
+
 def make_loader(cfg: OmniConfig, tok=None, placement=None):
     """The training loader: the data plane over `data.sources` (the built-in world by default); its small
     state (window start, draw counts, deferred samples) goes into the checkpoint."""
