@@ -22,7 +22,9 @@ def main(argv: list[str]) -> int:
         else:
             overrides.append(item)
     from omnijax.train.dryrun import dry_run
-    from recipes.tiny_omni import load
+    from recipes.tiny_omni import load, training_capacity
 
-    print(json.dumps(dry_run(load(overrides, name), devices), indent=2))
+    cfg = load(overrides, name)
+    training_capacity(cfg)  # capacity.* left out: sized from data.sources' metadata, as training does
+    print(json.dumps(dry_run(cfg, devices), indent=2))
     return 0

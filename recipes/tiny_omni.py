@@ -44,8 +44,9 @@ class OmniConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
-    # encoder name -> input-row capacity of one global batch (multiples of its reduction)
-    capacity: dict[str, Any] = field(default_factory=lambda: {"vision": 2048, "audio": 1024})
+    # encoder name -> input rows of one global batch (multiples of its reduction); an encoder left out is
+    # sized at start from the sources' metadata (`loader.step_capacities`)
+    capacity: dict[str, Any] = field(default_factory=dict)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -67,11 +68,15 @@ def check(cfg: OmniConfig) -> OmniConfig:
         raise ConfigError(f"tokenizer.path={cfg.tokenizer.path}: the built-in world is byte-level; a tokenizer is "
                           "for data.sources converted with it")
     encs = encoder_configs(cfg.model)
+    unknown = sorted(set(cfg.capacity) - set(encs))
+    if unknown:
+        raise ConfigError(f"capacity.{unknown[0]}: no such encoder; this model's encoders: {sorted(encs)}")
     for name, enc in encs.items():
         r = enc.merge * enc.merge if hasattr(enc, "merge") else enc.reduction
         cap = cfg.capacity.get(name)
-        if not isinstance(cap, int) or cap <= 0 or cap % r:
-            raise ConfigError(f"capacity.{name}={cap!r}: must be a positive multiple of {r} (the encoder's reduction)")
+        if cap is not None and (not isinstance(cap, int) or cap <= 0 or cap % r):
+            raise ConfigError(f"capacity.{name}={cap!r}: must be a positive multiple of {r} (the encoder's reduction), "
+                              "or left out to size it from the data")
     if cfg.model.llm.max_seq_len < cfg.data.seq_len:
         raise ConfigError(f"model.llm.max_seq_len={cfg.model.llm.max_seq_len} must be >= data.seq_len={cfg.data.seq_len}")
     cfg.world.check()
@@ -256,19 +261,21 @@ def source_specs(key: str, paths: list[str], split: str) -> list:
 def plane_config(cfg: OmniConfig, sources: list, mix, seed: int):
     """The data plane's config for this recipe: one dp rank per device, fixed shapes (one program).
 
-    Each window draws 4 samples per row (more than fit: the packer picks, the rest wait for the next window)."""
+    A step's samples are chosen against the whole batch (`data.batch_size` rows, `capacity.*` encoder
+    rows), not a device's share: the same samples on every layout. Each window draws 4 samples per row
+    (more than fit: the packer picks, the rest wait for the next window)."""
     import jax
 
     from omnijax.data.loader import LoaderConfig
 
     ranks = jax.device_count()
-    if cfg.data.batch_size % ranks or any(c % ranks for c in cfg.capacity.values()):
-        raise ConfigError(f"data.batch_size={cfg.data.batch_size} and capacity {cfg.capacity} must split over "
-                          f"{ranks} data-parallel ranks (one per device)")
+    if cfg.data.batch_size % ranks:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} must split over {ranks} data-parallel ranks "
+                          f"(one per device): use a multiple of {ranks}")
     return LoaderConfig(sources=sources, mix=mix, samples_per_step=4 * cfg.data.batch_size,
                         dp=ranks, microbatches=1,
                         window=4, row_len=cfg.data.seq_len, max_rows=cfg.data.batch_size // ranks, fixed_shapes=True,
-                        max_encoder_rows={k: v // ranks for k, v in cfg.capacity.items()}, seed=seed)
+                        encoder_rows=dict(cfg.capacity), seed=seed)
 
 
 def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix, seed: int, steps: int = 0,
@@ -284,6 +291,8 @@ def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix
 
     specs = source_specs(key, paths, split)
     sources = open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media)
+    if key == "data.sources" or set(cfg.capacity) != set(encoder_configs(cfg.model)):
+        size_capacities(cfg, sources, key)
     plane = plane_config(cfg, specs, mix, seed)
     if steps:
         windows = -(-steps // plane.window)
@@ -295,6 +304,34 @@ def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix
     text_ranks = sorted({int(r) // rows for r in placement.host_rows(cfg.data.batch_size)})
     return Loader(plane, mm_cfg=cfg.model, world_cfg=cfg.world, sources=sources, tokenizer=tok, lazy_media=True,
                   text_ranks=text_ranks)
+
+
+def size_capacities(cfg: OmniConfig, sources: list, key: str) -> None:
+    """`cfg.capacity` completed from the sources' metadata (the training sources' also check explicit
+    values: one that cannot hold the largest sample is a ConfigError naming the value that fits)."""
+    import jax
+
+    from omnijax.data.loader import data_bounds, step_capacities
+
+    bounds = data_bounds(sources, cfg.model)
+    given = dict(cfg.capacity)
+    cfg.capacity = step_capacities(bounds, cfg.data.batch_size, cfg.data.seq_len, cfg.model, explicit=given)
+    derived = {k: v for k, v in cfg.capacity.items() if k not in given}
+    if derived and jax.process_index() == 0:
+        largest = {k: v[0] for k, v in bounds.largest.items()}
+        print(f"capacity sized from {key} ({bounds.scanned} records' metadata{'' if bounds.complete else ', a prefix'}; "
+              f"largest sample {largest}): {derived}", file=sys.stderr)
+
+
+def training_capacity(cfg: OmniConfig, tok=None) -> dict[str, int]:
+    """`capacity.*` as training uses it: explicit values, the rest sized from `data.sources`' metadata
+    (for code that packs or traces a step without opening the loader: tests, `dryrun`)."""
+    from omnijax.data.sources import open_sources
+
+    if set(cfg.capacity) != set(encoder_configs(cfg.model)):
+        specs = source_specs("data.sources", cfg.data.sources or [WORLD], "train")
+        size_capacities(cfg, open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media), "data.sources")
+    return dict(cfg.capacity)
 
 
 def make_loader(cfg: OmniConfig, tok=None, placement=None):

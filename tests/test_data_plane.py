@@ -155,8 +155,9 @@ def _shard(tmp_path, name, samples):
 def test_bad_records_skipped_counted_logged_and_overlong(tmp_path, caplog):
     good = [Sample((text("x" * 20), text("ok", loss=True))) for _ in range(6)]
     long_text = Sample((text("y" * 300, loss=True),))  # 300 tokens > row_len 128: split
-    big_video = Sample((Segment("video", np.zeros((40, 64, 64, 3), np.float32)), text("a", loss=True)))  # over capacity
-    path = _shard(tmp_path, "mixed", good + [long_text, big_video])
+    big_video = Sample((Segment("video", np.zeros((40, 64, 64, 3), np.float32)), text("a", loss=True)))  # > a row
+    wide = Sample((Segment("video", np.zeros((2, 32, 32, 3), np.float32)), text("b", loss=True)))  # 128 vision rows
+    path = _shard(tmp_path, "mixed", good + [long_text, big_video, wide])
     # corrupt record 0's payload but keep its sidecar: decoding fails at load time
     raw = records.encode(good[0])
     bad_path = _shard(tmp_path, "bad", good[:3])
@@ -167,7 +168,7 @@ def test_bad_records_skipped_counted_logged_and_overlong(tmp_path, caplog):
         w.write(records.encode(s))
     w.close()
     cfg = LoaderConfig(sources=[SourceSpec("mixed", path=path), SourceSpec("bad", path=bad_path)],
-                       samples_per_step=8, dp=2, window=1, row_len=128, max_rows=4, max_encoder_rows={"vision": 1024})
+                       samples_per_step=8, dp=2, window=1, row_len=128, max_rows=4, max_encoder_rows={"vision": 32})
     loader = Loader(cfg)
     caplog.set_level(logging.INFO, logger="omnijax.data")
     for s in range(6):
@@ -175,7 +176,15 @@ def test_bad_records_skipped_counted_logged_and_overlong(tmp_path, caplog):
     m = loader.metrics()
     assert loader.skipped["bad"] > 0 and "skipped bad record bad[0]" in caplog.text
     plans = [loader.window_plan(s) for s in range(6)]
-    assert any("over capacity" in why for p in plans for _, _, why in p.dropped)
+    # media longer than a row: skipped (counted, warned once with the fix); more encoder rows than the
+    # step holds (64 = 2 ranks x 32): never dropped, its window plans at a larger bucket
+    assert {(name, why.split(" (")[0]) for p in plans for name, _, why in p.dropped} == {("mixed", "longer than a row")}
+    assert caplog.text.count("cannot place on any layout") == 1 and "raise data.seq_len to 2561" in caplog.text
+    def holds(p, where):
+        return any(p.entries[k].record == 8 and loader.names[p.entries[k].source] == "mixed" for k in where(p))
+    placed = [p for p in plans if holds(p, lambda p: [k for b in p.plan.bins for k, _ in b])]
+    vision = [dict(zip(loader.enc_names, p.encoder_rows))["vision"] for p in plans]
+    assert placed and vision == [128 if holds(p, lambda p: range(len(p.entries))) else 64 for p in plans]
     assert sum(p.split for p in plans) > 0 and m["distinct_shapes"] >= 1
     assert loader.metrics()["dropped_total"] == sum(len(p.dropped) for p in plans) > 0
     assert loader.metrics()["split_total"] == sum(p.split for p in plans)
@@ -230,7 +239,7 @@ def test_samples_with_no_room_are_deferred_not_dropped():
     """Drawing more than fits: every drawn sample is packed exactly once (later if need be), none lost."""
     loader = Loader(LoaderConfig(**TIGHT))
     windows = [loader.window_plan(w) for w in range(8)]
-    assert all(why.startswith("over capacity") for wp in windows for _, _, why in wp.dropped)  # only unusable ones
+    assert all(why.startswith("longer than a row") for wp in windows for _, _, why in wp.dropped)  # only unusable ones
     assert sum(len(wp.deferred) for wp in windows) > 0           # the pool really overflowed
     placed = [e for wp in windows for e in _placed(wp)]
     fresh = [(e.source, e.record, e.piece) for wp in windows
@@ -270,3 +279,69 @@ def test_mix_weights_follow_the_training_step_with_deferral():
         wp = loader.window_plan(w)
         fresh = {loader.names[e.source] for e in wp.entries[len(wp.start.deferred):]}
         assert fresh == ({"a"} if w * TIGHT["window"] < 4 else {"b"})
+
+
+# ------------------------------------------------------------------ the stream is layout-free
+def _step_samples(loader, steps):
+    """Per step: the sorted (source, record, piece) it trains on, from the plan's bins of every rank."""
+    out = []
+    for step in range(steps):
+        wp, g = loader.window_plan(step // loader.cfg.window), step % loader.cfg.window
+        per = loader.cfg.dp * loader.cfg.microbatches
+        out.append(sorted((e.source, e.record, e.piece) for b in wp.plan.bins[g * per:(g + 1) * per]
+                          for e in (wp.entries[k] for k, _ in b)))
+    return out
+
+
+def test_a_steps_samples_do_not_depend_on_the_layout():
+    """tiny_omni's plane with a doubled batch (16 rows, capacity vision 320 / audio 256 per step): 1, 2 and
+    8 dp ranks train on the same samples at every step, drop none (the bug: on 8 ranks, samples with more
+    than a rank's share of encoder rows were dropped), and the hosts of a 2 x 4 job split the same plan."""
+    from recipes.tiny_omni import load
+
+    cfg = load([])
+    base = dict(sources=[SourceSpec("world")], samples_per_step=64, microbatches=1, window=4, row_len=128,
+                fixed_shapes=True, encoder_rows={"vision": 320, "audio": 256}, seed=0)
+    loaders = {dp: Loader(LoaderConfig(dp=dp, max_rows=16 // dp, **base), mm_cfg=cfg.model, world_cfg=cfg.world)
+               for dp in (1, 2, 8)}
+    streams = {dp: _step_samples(lo, 12) for dp, lo in loaders.items()}
+    assert streams[1] == streams[2] == streams[8]
+    assert all(len(s) > 16 for s in streams[1])                  # real steps: more samples than rows
+    assert all(lo.metrics()["dropped_total"] == 0 for lo in loaders.values())
+    # a rank's share of the encoder rows (320 / 8 = 40) is below the largest samples': placed all the same
+    big = [k for wp in (loaders[8].window_plan(w) for w in range(3)) for b in wp.plan.bins for k, _ in b
+           if wp.items[k].enc[list(loaders[8].enc_names).index("vision")] > 40]
+    assert big
+    # two hosts of four ranks each read disjoint halves of the same step
+    hosts = [Loader(LoaderConfig(dp=8, max_rows=2, **base), mm_cfg=cfg.model, world_cfg=cfg.world, ranks=r)
+             for r in (range(4), range(4, 8))]
+    full = loaders[8].host_batch(5)["microbatches"][0]
+    parts = [h.host_batch(5)["microbatches"][0] for h in hosts]
+    assert np.array_equal(np.concatenate([p["tokens"] for p in parts]), full["tokens"])
+
+
+def test_capacities_sized_from_metadata_and_explicit_ones_checked(tmp_path):
+    """Every record of a shard is read from its sidecar (no decoding); unset capacities hold the largest
+    sample and a batch at the mean sizes; an explicit value below the largest sample is one clear line
+    naming the key and the value that fits."""
+    from omnijax.data.loader import data_bounds, step_capacities
+    from omnijax.data.sources import open_sources
+    from omnijax.data.tokens import default_mm_config
+
+    mm = default_mm_config()
+    vid = lambda t, side: Sample((Segment("video", np.zeros((t, side, side, 3), np.float32)), text("v", loss=True)))  # noqa: E731
+    samples = [Sample((text("x" * 30), text("ok", loss=True)))] * 5 + [vid(2, 32), vid(2, 64)]  # 128, 512 vision rows
+    srcs = open_sources([SourceSpec("s", path=_shard(tmp_path, "s", samples))])
+    srcs[0].get = None  # reading a payload would fail: sizing reads metadata only
+    b = data_bounds(srcs, mm)
+    assert b.complete and b.scanned == 7 and b.largest["vision"] == (512, "s", 6)
+    assert b.mean_rows["vision"] == pytest.approx(640 / 7) and "audio" not in b.largest
+    caps = step_capacities(b, 4, 256, mm)
+    need = 4 * 256 / b.mean_tokens * 640 / 7  # a batch of 4 rows of 256 tokens at the mean sizes
+    assert caps["vision"] == max(512, -(-int(np.ceil(need)) // 4) * 4) and caps["audio"] > 0
+    assert step_capacities(b, 4, 256, mm, explicit={"vision": 1024})["vision"] == 1024
+    with pytest.raises(ConfigError, match=r"capacity.vision=256 is below the 512 vision input rows of sample s\[6\]: "
+                                          r"set capacity.vision=512 or more"):
+        step_capacities(b, 4, 256, mm, explicit={"vision": 256})
+    with pytest.raises(ConfigError, match="unknown encoder"):
+        step_capacities(b, 4, 256, mm, explicit={"lidar": 64})

@@ -17,7 +17,7 @@ from omnijax.models.vision import PoolingHead, relative_coordinate_features
 from omnijax.train.state import init_state
 from omnijax.train.optimizer import make_optimizer
 from omnijax.train.step import make_train_step
-from recipes.tiny_omni import Packer, load, multiplexed
+from recipes.tiny_omni import Packer, load, multiplexed, training_capacity
 
 GROUP = 4  # devices per sequence group in the unit tests (a 2 x 4 mesh, groups along "esp")
 
@@ -114,7 +114,7 @@ def _recipe(layout: str = "", encoder: str = ""):
 @pytest.fixture(scope="module")
 def recipe_batches():
     cfg = _recipe()
-    packer = Packer(cfg.model, cfg.data.batch_size, cfg.data.seq_len, cfg.capacity)
+    packer = Packer(cfg.model, cfg.data.batch_size, cfg.data.seq_len, training_capacity(cfg))
     world = World(cfg.world, "train")
     start, batches = 200, []
     for _ in range(STEPS):

@@ -163,6 +163,15 @@ def test_tiny_omni_two_processes_match_one(tmp_path):
     _launch("tiny_omni", TINY_OMNI, tmp_path, "omni", timeout=1800)
     one, two = _metrics(tmp_path / "omni_one"), _metrics(tmp_path / "omni_two")
     _assert_same(one, two)
+    # the sample stream does not depend on the layout: one device trains on the same samples (the bug:
+    # 8 devices dropped samples with more than a device's share of the encoder rows), nothing is dropped
+    env = {**os.environ, "OMNIJAX_RUNS": str(tmp_path), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    single = subprocess.run([sys.executable, "-m", "recipes", "tiny_omni", *TINY_OMNI, "trainer.run_name=omni_single",
+                             "parallel.cpu_devices=1", "parallel.llm=dp1", "parallel.encoder=edp1",
+                             "parallel.microbatches=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert single.returncode == 0, single.stderr[-3000:]
+    _assert_same(_metrics(tmp_path / "omni_single"), one, keys=("loss",))
+    assert all(r["dropped_total"] == 0 for r in one + two)
     for r in one:  # one process holds every device: it decodes the whole step
         assert r["payload_bytes_decoded"] == r["payload_bytes_step"] > 0
     per_host = [_host_rows(tmp_path / "omni_two", p) for p in range(2)]

@@ -82,8 +82,9 @@ def test_interleave_without_a_pipeline_is_a_config_error():
 
 
 def test_window_capacities_hold_every_microbatch_plan():
-    """`fit_window` over upcoming batches: planning each of them afterwards never grows a capacity
-    (one compiled program for the window), and every microbatch's plan is stacked."""
+    """`size_window` (the trainer's and every bench's window sizing) over upcoming batches: planning each
+    of them afterwards never grows a capacity (one compiled program for the window), every microbatch's
+    plan is stacked, and capacities that already hold the window stay as they are."""
     from omnijax.data.world import World
     from recipes.tiny_omni import Packer
     from test_multiplex_step import WORLD
@@ -91,10 +92,13 @@ def test_window_capacities_hold_every_microbatch_plan():
     cfg, mx = _multiplexer("pp2xdp2xtp2", interleave=True)
     packer = Packer(cfg, 8, 64, {"vision": 512, "audio": 256})
     batches = [packer.pack(World(WORLD).sample(i) for i in range(k, k + 80))[0] for k in (0, 80, 160)]
-    caps = mx.fit_window(batches)
-    mx.capacities = dict(caps)
+    caps = mx.size_window(batches)
+    assert caps == mx.capacities and mx.reserve == mx.size_window
     for b in batches:
         _, plan = mx.host_plan(b)
         assert mx.capacities == caps
         assert plan.arrays["route_send"].shape[:2] == (8, mx.engine.schedule.microbatches)
         assert 0.0 <= plan.stats["padded_fraction"] < 1.0
+    roomy = {k: v + 16 for k, v in caps.items()}
+    mx.capacities = dict(roomy)
+    assert mx.size_window(batches) == roomy

@@ -509,3 +509,49 @@ def _rebuild(content: tuple[tuple[tuple[int, int], ...], ...], by_key: dict[int,
             b.enc = [c - e for c, e in zip(b.enc, it.enc)]
             b.items.append((key, row))
     return state
+
+
+def spread_step(selected: tuple[tuple[tuple[int, int], ...], ...], items: dict[int, Item], ranks: int,
+                microbatches: int, cap: Capacity) -> Plan:
+    """Where a step's samples run, once `plan_window` chose them layout-free: the step's selected
+    bins (one per microbatch, each holding `ranks` x `cap.rows` rows) spread over `ranks` ranks, bins
+    ordered (rank, microbatch) with rows renumbered per bin. Never loses an item: LPT over ranks
+    (`plan_step`) within `cap` (each rank's share of the rows and encoder rows) if that places
+    everything, else within the rows alone (encoder buffers then grow to a larger bucket), else the
+    selected rows whole, costliest first onto the least loaded rank with a free row (always fits).
+    Which samples form the step never depends on `ranks`; only where they run does."""
+    out: list[tuple[tuple[int, int], ...]] = [()] * (ranks * microbatches)
+    loads = [0.0] * (ranks * microbatches)
+    for m, sel in enumerate(selected):
+        its = [items[k] for k, _ in sel]
+        plan = None
+        for c in ((cap, Capacity(cap.rows, cap.row_len)) if ranks > 1 else ()):
+            p = plan_step(its, ranks, 1, c)
+            if not p.unplaced:
+                plan = p
+                break
+        if plan is None:
+            plan = _spread_rows(sel, items, ranks, cap.rows)
+        for r in range(ranks):
+            out[r * microbatches + m] = plan.bins[r]
+            loads[r * microbatches + m] = plan.loads[r]
+    return Plan(tuple(out), tuple(loads), ())
+
+
+def _spread_rows(sel: tuple[tuple[int, int], ...], items: dict[int, Item], ranks: int, rows: int) -> Plan:
+    """The selected rows whole over `ranks` ranks of `rows` rows each (LPT, ties to the lower rank)."""
+    by_row: dict[int, list[int]] = {}
+    for k, r in sel:
+        by_row.setdefault(r, []).append(k)
+    cost = {r: sum(items[k].cost for k in ks) for r, ks in by_row.items()}
+    bins: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
+    used, loads = [0] * ranks, [0.0] * ranks
+    for r in sorted(by_row, key=lambda r: (-cost[r], r)):
+        free = [q for q in range(ranks) if used[q] < rows]
+        if not free:
+            raise ValueError(f"a step's selection has {len(by_row)} rows, more than {ranks} ranks x {rows}")
+        q = min(free, key=lambda q: (loads[q], q))
+        bins[q] += [(k, used[q]) for k in by_row[r]]
+        used[q] += 1
+        loads[q] += cost[r]
+    return Plan(tuple(tuple(b) for b in bins), tuple(loads), ())

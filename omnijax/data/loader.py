@@ -12,10 +12,19 @@ plan had no room for, oldest first) plus fresh draws from the mixer that fill it
 is a pure function of (config, seed, per-source draw counts, deferred samples) — its `WindowStart`,
 which the loader state carries for exact resume — and the mix weights follow the training step.
 
-Bad data: a sample whose metadata is invalid or that is over capacity is dropped at planning
-(identically on every host) and counted; an over-long text-only sample is split into row-sized
-pieces; a record that fails to decode or validate is skipped by the host that reads it, counted,
-and logged with its source and index. A missing shard fails at start (sources.open_sources).
+The sample stream does not depend on the layout: a window's plan first chooses each step's samples
+(and their rows) against the whole step's capacity (`dp * max_rows` rows, `encoder_rows` per encoder),
+with no notion of ranks, so 1 device, 8 devices and 2 hosts x 4 train on the same samples in the same
+order; only then are a step's samples spread over the dp ranks (`balance.spread_step`), which decides
+where they run, never whether. A sample whose encoder rows exceed the step's capacity is not dropped:
+its window plans at a larger bucket (the capacity doubled until it fits, a bounded set of programs).
+
+Bad data: a sample whose metadata is invalid, or a sample with media that has more LLM tokens than a
+row holds (it may not be split; `recipes convert` refuses such samples), is skipped at planning
+(identically on every host and layout), counted in `dropped_total`, and reported once at WARNING with
+the fix; an over-long text-only sample is split into row-sized pieces; a record that fails to decode
+or validate is skipped by the host that reads it, counted, and logged with its source and index. A
+missing shard fails at start (sources.open_sources).
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ from omnijax.data.cost import CostModel, sample_cost
 from omnijax.data.mixing import Mixer, schedule_from_config
 from omnijax.data.sample import BadSample, validate_meta
 from omnijax.data.sources import Source, SourceSpec, open_sources
-from omnijax.data.tokens import default_mm_config
+from omnijax.data.tokens import default_mm_config, segment_tokens
 from omnijax.errors import ConfigError, UserError
 
 log = logging.getLogger("omnijax.data")
@@ -51,6 +60,7 @@ class LoaderConfig:
     row_len: int = 256              # LLM tokens per row (largest bucket; a step uses the smallest that fits)
     max_rows: int = 8               # largest LLM row bucket per bin (rank x microbatch)
     max_encoder_rows: dict[str, int] = field(default_factory=dict)  # per encoder per bin; default rows*len*group
+    encoder_rows: dict[str, int] = field(default_factory=dict)  # per encoder per step (all ranks); default dp x the above
     window: int = 4                 # G: global batches balanced together
     reorder: bool = True            # False: arrival order (baseline)
     fixed_shapes: bool = False      # every step at the largest buckets: one compiled training program
@@ -104,6 +114,8 @@ class WindowPlan:
     deferred: tuple[Entry, ...] = ()        # entries with no room here: first in the next window
     next_prefix: tuple[int, ...] = ()       # draws of each source after this window
     metas: tuple = ()                       # SampleMeta by item key (read once, when planned)
+    selection: balance.Plan | None = None   # layout-free: bins ordered (step in window, microbatch)
+    encoder_rows: tuple[int, ...] = ()      # the step capacity per encoder this window planned with
 
 
 class Loader:
@@ -133,16 +145,28 @@ class Loader:
         self.cost_model = cost_model or CostModel.from_flops(self.mm_cfg)
         self.specs = packing.encoder_specs(self.mm_cfg)
         self.enc_names = tuple(self.specs)
-        self.enc_cap = {n: self.cfg.max_encoder_rows.get(n, cfg.max_rows * cfg.row_len * s.group)
-                        for n, s in self.specs.items()}
-        unknown = set(self.cfg.max_encoder_rows) - set(self.specs)
-        if unknown:
-            raise ConfigError(f"data.max_encoder_rows: unknown encoder(s) {sorted(unknown)}; known: {list(self.specs)}")
+        for key in ("max_encoder_rows", "encoder_rows"):
+            unknown = set(getattr(self.cfg, key)) - set(self.specs)
+            if unknown:
+                raise ConfigError(f"data.{key}: unknown encoder(s) {sorted(unknown)}; known: {list(self.specs)}")
+        per_bin = {n: self.cfg.max_encoder_rows.get(n, cfg.max_rows * cfg.row_len * s.group)
+                   for n, s in self.specs.items()}
+        # the whole step's encoder rows: what a step's samples may hold, whatever the layout
+        self.step_enc = {n: int(self.cfg.encoder_rows.get(n, per_bin[n] * cfg.dp)) for n in self.enc_names}
+        for n, c in self.step_enc.items():
+            if c <= 0:
+                raise ConfigError(f"encoder rows per step for {n}={c}: must be > 0")
+        # one rank's share (rounded up to whole encoder tokens): where the ranks' buffers start
+        self.enc_cap = {n: -(-self.step_enc[n] // (cfg.dp * s.group)) * s.group for n, s in self.specs.items()}
         self.row_buckets = packing.buckets(cfg.max_rows)
         self.len_buckets = packing.buckets(cfg.row_len, min(16, cfg.row_len), smallest=min(64, cfg.row_len))
-        self.enc_buckets = {n: packing.buckets(c, self.specs[n].group, smallest=self.specs[n].group * 16)
-                            for n, c in self.enc_cap.items()}
+        self.enc_buckets = {n: packing.buckets(self.step_enc[n], self.specs[n].group,
+                                               smallest=min(self.enc_cap[n], self.specs[n].group * 16))
+                            for n in self.enc_names}
         self.capacity = balance.Capacity(cfg.max_rows, cfg.row_len, tuple(self.enc_cap[n] for n in self.enc_names))
+        self.step_capacity = balance.Capacity(cfg.dp * cfg.max_rows, cfg.row_len,
+                                              tuple(self.step_enc[n] for n in self.enc_names))
+        self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
         self._planned: dict[int, tuple[int, int]] = {}
@@ -192,10 +216,10 @@ class Loader:
                     metas.append(meta)
                 continue
             item = balance.Item(len(entries), c.total, c.llm_tokens, enc)
-            if not self.capacity.fits_alone(item):
-                dropped.append((source.name, r, f"over capacity ({c.llm_tokens} LLM tokens, encoder rows "
-                                                 f"{dict(c.encoder_rows)}; row_len={cfg.row_len}, "
-                                                 f"encoder capacity {self.enc_cap})"))
+            if c.llm_tokens > cfg.row_len:  # media tokens may not be split over rows: no layout can take it
+                dropped.append((source.name, r, f"longer than a row ({c.llm_tokens} LLM tokens with media > "
+                                                 f"data.seq_len={cfg.row_len}); raise data.seq_len to "
+                                                 f"{c.llm_tokens} or shorten the sample"))
                 continue
             items.append(item)
             entries.append(Entry(s, r, -1, g))
@@ -227,23 +251,33 @@ class Loader:
     def _window_plan(self, window: int, start: WindowStart) -> WindowPlan:
         cfg = self.cfg
         step0 = window * cfg.window
+        M = cfg.microbatches
         entries, metas, items, dropped, split, next_prefix = self._items(step0, start)
+        cap = self._window_capacity(window, items, entries)
+        # 1. which samples form each step: a function of the items and the step capacity only (no ranks)
         if cfg.reorder:
-            plan = balance.plan_window(items, cfg.window, cfg.dp, cfg.microbatches, self.capacity)
+            selection = balance.plan_window(items, cfg.window, 1, M, cap)
         else:  # baseline: each step keeps its own samples in arrival order
             per_step: list[list[balance.Item]] = [[] for _ in range(cfg.window)]
             for it in items:
                 per_step[entries[it.key].drawn].append(it)
             bins, loads, unplaced = [], [], []
             for group in per_step:
-                p = _arrival_with_capacity(group, cfg.dp * cfg.microbatches, self.capacity)
+                p = _arrival_with_capacity(group, M, cap)
                 bins += p.bins
                 loads += p.loads
                 unplaced += p.unplaced
-            plan = balance.Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
-        deferred = tuple(entries[k] for k in sorted(plan.unplaced))  # oldest first into the next window
-        per_step_bins = cfg.dp * cfg.microbatches
+            selection = balance.Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
+        # 2. where they run: each step's samples over the dp ranks (never drops one)
         by_key = {it.key: it for it in items}
+        bins, loads = [], []
+        for g in range(cfg.window):
+            p = balance.spread_step(selection.bins[g * M:(g + 1) * M], by_key, cfg.dp, M, self.capacity)
+            bins += p.bins
+            loads += p.loads
+        plan = balance.Plan(tuple(bins), tuple(loads), selection.unplaced)
+        deferred = tuple(entries[k] for k in sorted(plan.unplaced))  # oldest first into the next window
+        per_step_bins = cfg.dp * M
         layouts = []
         for g in range(cfg.window):
             rows_need, len_need, enc_need = 1, 1, {n: 0 for n in self.enc_names}
@@ -255,15 +289,47 @@ class Loader:
                 len_need = max([len_need, *fill.values()])
                 for n_i, n in enumerate(self.enc_names):
                     enc_need[n] = max(enc_need[n], sum(by_key[k].enc[n_i] for k, _ in b))
-            if cfg.fixed_shapes:
+            if cfg.fixed_shapes:  # rows at the largest bucket; encoder buffers at a rank's share unless more is placed
                 rows_need, len_need = cfg.max_rows, cfg.row_len
-                enc_need = {n: self.enc_cap[n] for n in self.enc_names}
+                enc_need = {n: max(self.enc_cap[n], enc_need[n]) for n in self.enc_names}
             layouts.append(packing.Layout(packing.pick(self.row_buckets, rows_need), packing.pick(self.len_buckets, len_need),
-                                          tuple((n, packing.pick(self.enc_buckets[n], enc_need[n])) for n in self.enc_names)))
+                                          tuple((n, self._enc_bucket(n, enc_need[n])) for n in self.enc_names)))
         for name, rec, why in dropped:
             log.info("dropped %s[%d]: %s", name, rec, why)
+            kind = why.split(" (")[0]
+            if kind not in self._warned:  # once per kind, with the fix; every drop is counted in dropped_total
+                self._warned.add(kind)
+                log.warning("skipping samples the data plane cannot place on any layout (counted in dropped_total); "
+                            "first: %s[%d]: %s", name, rec, why)
         return WindowPlan(step0, tuple(entries), plan, tuple(layouts), tuple(dropped), split, tuple(items),
-                          start, deferred, next_prefix, tuple(metas))
+                          start, deferred, next_prefix, tuple(metas), selection, cap.enc)
+
+    def _window_capacity(self, window: int, items: list[balance.Item], entries: list[Entry]) -> balance.Capacity:
+        """The step capacity of this window: `step_capacity`, each encoder doubled until the window's
+        largest sample fits alone (so no sample is ever dropped for its size; a bounded set of buckets)."""
+        cap = self.step_capacity
+        enc = list(cap.enc)
+        for i, n in enumerate(self.enc_names):
+            need = max((it.enc[i] for it in items), default=0)
+            while enc[i] < need:
+                enc[i] *= 2
+            if enc[i] != cap.enc[i]:
+                big = max(items, key=lambda it: (it.enc[i], -it.key))
+                e = entries[big.key]
+                log.info("window %d: %s rows per step grown %d -> %d for %s[%d] (%d rows alone)", window, n,
+                         cap.enc[i], enc[i], self.names[e.source], e.record, big.enc[i])
+        return balance.Capacity(cap.rows, cap.row_len, tuple(enc))
+
+    def _enc_bucket(self, name: str, need: int) -> int:
+        """The encoder buffer per rank that holds `need` rows: a bucket, or (past the step capacity, in a
+        window grown for a large sample) the step capacity doubled until it holds them."""
+        b = self.enc_buckets[name]
+        if need <= b[-1]:
+            return packing.pick(b, need)
+        c = b[-1]
+        while c < need:
+            c *= 2
+        return c
 
     # ------------------------------------------------------------------------------ loading
     def _load(self, entry: Entry):
@@ -431,6 +497,81 @@ class TrainerBatches:
     def metrics(self) -> dict[str, Any]:
         m = self.loader.metrics()
         return {k: v for k, v in m.items() if not isinstance(v, dict)}
+
+
+@dataclass(frozen=True)
+class DataBounds:
+    """What the sources' metadata say about sample sizes (read without decoding a payload)."""
+    scanned: int                                     # records whose metadata was read
+    complete: bool                                   # every record of every source was read
+    largest: dict[str, tuple[int, str, int]]         # encoder -> (input rows, source, record) of its largest sample
+    mean_rows: dict[str, float]                      # encoder -> input rows per sample (all samples)
+    mean_tokens: float                               # LLM tokens per sample
+
+
+def data_bounds(sources: list[Source], mm_cfg: Any, prefix: int = 2048) -> DataBounds:
+    """Sample sizes from metadata: every record of a source whose metadata is in memory (ArrayRecord
+    shards' sidecars), the first `prefix` records of the others (the built-in world, JSONL, Parquet:
+    a sample larger than any seen still trains, its window planning at a larger bucket)."""
+    names = packing.encoder_specs(mm_cfg)
+    from omnijax.data.tokens import modality_encoders
+    enc_of = modality_encoders(mm_cfg)
+    cache: dict[tuple, tuple[int, int]] = {}
+    largest: dict[str, tuple[int, str, int]] = {}
+    total = Counter()
+    tokens, scanned, complete = 0, 0, True
+    for src in sources:
+        n = len(src) if src.metadata_in_memory else min(len(src), prefix)
+        complete = complete and n == len(src)
+        for i in range(n):
+            try:
+                meta = src.meta(i)
+            except (BadSample, UserError):
+                continue  # counted when drawn (bad metadata is skipped at planning)
+            rows: dict[str, int] = {}
+            for seg in meta.segments:
+                key = (seg.modality, tuple(seg.shape))
+                if key not in cache:
+                    cache[key] = segment_tokens(seg, mm_cfg)
+                r, t = cache[key]
+                tokens += t
+                if seg.modality != "text" and seg.modality in enc_of:
+                    rows[enc_of[seg.modality]] = rows.get(enc_of[seg.modality], 0) + r
+            for e, r in rows.items():
+                total[e] += r
+                if r > largest.get(e, (0, "", -1))[0]:
+                    largest[e] = (r, src.name, i)
+            scanned += 1
+    return DataBounds(scanned, complete, {e: largest[e] for e in names if e in largest},
+                      {e: total[e] / max(scanned, 1) for e in names}, tokens / max(scanned, 1))
+
+
+def step_capacities(bounds: DataBounds, rows: int, row_len: int, mm_cfg: Any,
+                    explicit: dict[str, int] | None = None, key: str = "capacity") -> dict[str, int]:
+    """Encoder input rows per step: `explicit` where given (checked: it must hold the largest sample),
+    else sized from the data: a step's expected need (rows x row_len LLM tokens of samples at the mean
+    sizes) or the largest sample if that is more, in multiples of the encoder's reduction. The packer
+    fills a step up to it; what does not fit waits for the next step (never dropped), so padding is
+    bounded by one sample's rows plus the step-to-step variation of the mix.
+
+    An explicit value below the largest sample is a ConfigError naming `key` and the value that fits."""
+    out = {}
+    for name, spec in packing.encoder_specs(mm_cfg).items():
+        big, src, rec = bounds.largest.get(name, (0, "", -1))
+        fit = -(-big // spec.group) * spec.group
+        given = (explicit or {}).get(name)
+        if given is not None:
+            if given < fit:
+                raise ConfigError(f"{key}.{name}={given} is below the {fit} {name} input rows of sample {src}[{rec}]: "
+                                  f"set {key}.{name}={fit} or more, or leave it unset to size it from the data")
+            out[name] = int(given)
+            continue
+        need = rows * row_len / max(bounds.mean_tokens, 1e-9) * bounds.mean_rows.get(name, 0.0)
+        out[name] = max(fit, -(-math.ceil(need) // spec.group) * spec.group, spec.group)
+    unknown = set(explicit or {}) - set(out)
+    if unknown:
+        raise ConfigError(f"{key}: unknown encoder(s) {sorted(unknown)}; this model's encoders: {sorted(out)}")
+    return out
 
 
 def host_ranks(dp_index_of_local_devices) -> list[int]:

@@ -31,8 +31,12 @@ from omnijax.errors import UserError
 
 
 class Source(ABC):
-    """Random-access source. `meta` must not decode payloads; `get` may raise BadSample."""
+    """Random-access source. `meta` must not decode payloads; `get` may raise BadSample.
+
+    `metadata_in_memory`: every record's metadata is already in memory (ArrayRecord sidecars), so
+    scanning all of it at start is cheap (`loader.data_bounds` reads every record's, others a prefix)."""
     name: str
+    metadata_in_memory: bool = False
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -123,6 +127,7 @@ class HostArrayRecords:
 
 class ArrayRecordSource(Source):
     """Records [offset, offset + length) of the host's shared ArrayRecord data source."""
+    metadata_in_memory = True
 
     def __init__(self, name: str, host: HostArrayRecords, group: int):
         self.name, self.host = name, host

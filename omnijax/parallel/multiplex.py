@@ -136,11 +136,15 @@ class Multiplexer:
     segments per device (`python -m recipes bench omni` measures both).
     """
 
+    growth: float = routing.BUCKET_GROWTH  # capacity bucket step (a planning-only instance keeps it)
+
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
                  encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
                  balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None,
-                 interleave: bool = False):
+                 interleave: bool = False, growth: float = routing.BUCKET_GROWTH):
+        """growth: the capacity bucket step (`routing.BUCKET_GROWTH` in training; benches may vary it)."""
         self.engine, self.mesh, self.mm_cfg = engine, engine.mesh, mm_cfg
+        self.growth = float(growth)
         self.interleave = interleave
         if self.interleave and engine.schedule is None:
             raise ConfigError(f"parallel.interleave_encoders: layout {engine.layout} has no pipeline (pp=1); "
@@ -217,7 +221,7 @@ class Multiplexer:
         def build(caps):
             return [routing.build_plan(part, self.grid, self.reductions, self.dims, self.cost_fn,
                                        order=context.balanced_order, mode=self.mode, long_short=self.long_short,
-                                       capacities=caps, first_stage_only=self.interleave,
+                                       capacities=caps, first_stage_only=self.interleave, growth=self.growth,
                                        fill_devices=self.local_devices if fill else ()) for part in parts]
 
         try:
@@ -260,14 +264,6 @@ class Multiplexer:
             return host_batch
         return routing.balance_rows(host_batch, self.grid.batch_shards, self.llm_coeffs, tuple(self.reductions))
 
-    def fit_window(self, host_batches: list[dict], growth: float = routing.BUCKET_GROWTH) -> dict:
-        """Capacities that every plan of these upcoming batches fits (one compiled program for the
-        window), searched jointly over all their parts (`routing.fit_capacities`)."""
-        parts = [part for b in host_batches for part in self.parts(self.balanced(b))]
-        return routing.fit_capacities(parts, self.grid, self.reductions, self.dims, self.cost_fn,
-                                      order=context.balanced_order, mode=self.mode, long_short=self.long_short,
-                                      first_stage_only=self.interleave, growth=growth)
-
     def host_plan(self, host_batch: dict) -> tuple[dict, routing.Plan]:
         """Host half of `put_batch`: (rows balanced by LLM cost if enabled, the step's plan)."""
         host_batch = self.balanced(host_batch)
@@ -284,13 +280,22 @@ class Multiplexer:
     def set_state(self, state: dict) -> None:
         self.capacities = {str(k): int(v) for k, v in state.get("capacities", {}).items()} or None
 
-    def reserve(self, host_batches) -> dict:
-        """Grow the capacities to fit these batches now (the data plane's window ahead), so that the
-        steps that follow reuse one compiled program; returns the capacities. Plans from metadata
-        only: nothing is decoded, so the batches' payloads are still read once, by `put_batch`."""
+    def size_window(self, host_batches) -> dict:
+        """The one window sizing, for the trainer (`reserve`) and every bench: capacities that hold every
+        plan of these upcoming batches, so the window's steps reuse one compiled program; returns them.
+
+        Each batch gets its own cost-balanced placement (`plan`, placement only: nothing is decoded, so
+        its payloads are still read once, by `put_batch`), and the capacities so far grow to the bucket
+        that holds it where they do not; they never shrink (a resumed run keeps the ones it restored).
+        Not a joint fit of the window: capacities fitted jointly are tight for some batches, whose
+        placement then packs by room instead of cost and can put a step's whole encoder work (and
+        payload) on one host's devices (commit f9d5d03); sized per batch, every plan is the one its
+        own batch balances, so each host decodes about its share of every step's payload."""
         for batch in host_batches:
             self.plan(self.balanced(batch), fill=False)
         return dict(self.capacities or {})
+
+    reserve = size_window  # the trainer's prefetcher reserves a data-plane window ahead with it
 
     def put_batch(self, host_batch: dict) -> dict:
         """LLM arrays in the LLM layout; encoder buffers and routing tables one row per device.

@@ -289,7 +289,7 @@ def plan_step_hosts(meta: StepMeta, layout: Layout, devices: int, costs: Costs, 
                     refine: bool = True, growth: float = routing.BUCKET_GROWTH) -> HostPlan:
     """The plan of one step from metadata: G1, G2 (global) and L1-L3 for `plan_hosts` (see module doc).
 
-    `capacities` pins the encoder buffers (the window's, as the trainer's `fit_window` does; a host
+    `capacities` pins the encoder buffers (the window's, as the trainer's `size_window` does; a host
     whose segments do not fit them searches its own). `seconds`: wall time of each part, summed over
     the planned hosts, and `host_s`: the slowest planned host's G1 + G2 + own L1-L3."""
     hosts, groups, per_group = host_groups(layout, devices)

@@ -201,11 +201,12 @@ def run(overrides: list[str]) -> Iterator[dict]:
         if interleave is None:
             interleave = opts["interleave"] in ("1", "true")
         mx = Multiplexer(engine, cfg, encoder_layout=opts["encoder"], mode=mode, long_short=long_short,
-                         balance_rows=False, interleave=interleave)
+                         balance_rows=False, interleave=interleave, growth=opts["bucket_growth"])
         model = mx.prepare(mllm.MultimodalModel(cfg, rngs=nnx.Rngs(0)))
         g, params, rest = nnx.split(model, nnx.Param, ...)
         t0 = time.perf_counter()
-        caps = [mx.fit_window([host[i] for i in win], opts["bucket_growth"]) for win in windows]
+        # the trainer's window sizing, window after window (capacities carried over, as in training)
+        caps = [mx.size_window([host[i] for i in win]) for win in windows]
         fit_s = time.perf_counter() - t0
         step = jax.jit(make_train_step(g, rest, mx.loss_fn, opt), donate_argnums=0)
         runs[name] = {"mx": mx, "step": step, "state": mx.put_state(init_state(params, opt)), "caps": caps,

@@ -148,8 +148,8 @@ def calibration(opts: dict) -> dict:
     for name in ("omnijax", "coupled"):
         mode, long_short, _ = omni.VARIANTS[name]
         mx = Multiplexer(LLMParallel(o["llm"], cfg.llm), cfg, encoder_layout=o["encoder"], mode=mode,
-                         long_short=long_short, balance_rows=False)
-        mx.capacities = mx.fit_window(host, o["bucket_growth"])
+                         long_short=long_short, balance_rows=False, growth=o["bucket_growth"])
+        mx.size_window(host)  # the trainer's window sizing
         plans[name] = (mx.grid.esp, [mx.host_plan(b) for b in host])
     # CPU constants timed here, interleaved: encoders over the span lengths of bench omni's buffers and
     # beyond (the quadratic term needs long spans), the LLM over its row lengths
