@@ -96,7 +96,8 @@ class Checkpointer:
         self.verify_s = 0.0                   # seconds spent checking the restored step's checksums
         async_options = ocp.AsyncOptions(post_finalization_callback=self._write_checksums) if async_save else None
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True, async_options=async_options)
+                                               create=True, async_options=async_options,
+                                               cleanup_tmp_directories=True)  # saves cut short by a kill
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options)
         except OSError as exc:
@@ -131,7 +132,7 @@ class Checkpointer:
         """orbax's post-finalisation callback (process 0, all processes' files written, before the commit
         rename): checksum the step's temporary folder so the listing is committed with it."""
         step = self._saving
-        tmp = sorted(self.directory.glob(f"{step}{_TMP}*"))
+        tmp = sorted(self.directory.glob(f"{step}{_TMP}*"), key=lambda p: p.stat().st_mtime)
         target = tmp[-1] if tmp else self.directory / str(step)  # filesystems without renames write in place
         self._write_listing(target)
 
