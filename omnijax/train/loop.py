@@ -184,15 +184,18 @@ class Trainer:
         placed = self.checkpointer.placement_state(step)
         if placed and hasattr(self.placement, "set_state"):
             self.placement.set_state(placed)
-        self._truncate_metrics(step)
+        self._mend_metrics()
         print(f"resumed from {self.checkpointer.directory} at step {step}", file=sys.stderr)
         return step
 
-    def _truncate_metrics(self, step: int) -> None:
+    def _mend_metrics(self) -> None:
+        """Keep every row logged before the resume (the steps redone are appended again, so the file shows
+        both: a later row of a step supersedes an earlier one); drop a last row cut short by a kill."""
         path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
-            path.write_text("".join(r + "\n" for r in rows))
+        if jax.process_index() == 0 and path.exists():
+            text = path.read_text()
+            if text and not text.endswith("\n"):
+                path.write_text(text[: text.rfind("\n") + 1])
 
     def _save(self, step: int, force: bool = False) -> None:
         if self.checkpointer:  # the consumed position (batches prefetched beyond it are read again on resume)
