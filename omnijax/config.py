@@ -111,6 +111,7 @@ class MMDataConfig:
     batch_size: int = 16     # global batch, in rows of seq_len tokens
     eval_batches: int = 8    # batches of data.eval_sources per evaluation
     media: MediaConfig = field(default_factory=MediaConfig)
+    bad_shards: Literal["stop", "skip"] = "stop"  # a shard that disagrees with its manifest: stop naming it, or skip it
 
 
 @dataclass
@@ -145,6 +146,9 @@ class TrainerConfig:
     dc_lambda: float = 0.04          # delay compensation strength (stale1+dc)
     dc_adaptive: bool = False        # lambda / sqrt(mean square of the gradient), as in DC-ASGD-a
     stale_warmup_steps: int = 10     # synchronous steps before staleness starts
+    # Faults (docs/reliability.md): -1 resumes from the newest checkpoint that reads back intact
+    resume_step: int = -1
+    peer_timeout_s: float = 60.0     # a process silent this long stops every survivor with one line
 
 
 @dataclass
@@ -184,6 +188,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"model.head_dim={m.head_dim}: must be even (rotary embeddings rotate pairs)")
     if m.moe.every and m.moe.top_k > m.moe.num_experts:
         raise ConfigError(f"model.moe.top_k={m.moe.top_k} must be <= model.moe.num_experts={m.moe.num_experts}")
+    if cfg.trainer.resume_step < -1 or cfg.trainer.resume_step == 0:
+        raise ConfigError(f"trainer.resume_step={cfg.trainer.resume_step}: a saved step (>= 1), or -1 for the newest "
+                          "good checkpoint")
+    if not cfg.trainer.peer_timeout_s > 0:
+        raise ConfigError(f"trainer.peer_timeout_s={cfg.trainer.peer_timeout_s}: must be > 0 seconds")
     if not 0 < cfg.optimizer.lr < 10:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr}: must be in (0, 10)")
     if not 0 <= cfg.optimizer.min_lr_ratio <= 1:

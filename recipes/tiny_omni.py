@@ -290,7 +290,7 @@ def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix
     from omnijax.data.sources import open_sources
 
     specs = source_specs(key, paths, split)
-    sources = open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media)
+    sources = open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media, bad_shards=cfg.data.bad_shards)
     if key == "data.sources" or set(cfg.capacity) != set(encoder_configs(cfg.model)):
         size_capacities(cfg, sources, key)
     plane = plane_config(cfg, specs, mix, seed)
@@ -464,7 +464,7 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
         if jax.process_index() == 0:
             (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
         held = (f"eval_loss {result.eval['eval_loss']:.4f} over {result.eval['eval_tokens']} held-out tokens"
-                if "eval_loss" in result.eval else "no data.eval_sources: no held-out loss")
+                if "eval_loss" in (result.eval or {}) else "no data.eval_sources: no held-out loss")
         print(f"{held}; {data.get('skipped_bad_records', 0)} bad records skipped ({cfg.trainer.steps} steps, "
               f"{t_total:.0f} s) -> {trainer.run_dir}/eval.json", file=sys.stderr)
         return 0

@@ -455,6 +455,7 @@ class Loader:
         """Counters: this host's skipped records; drops/splits of the current window and of all windows planned."""
         wp = self.window_plan((self.step if step is None else step) // self.cfg.window)
         return {"skipped_bad_records": int(sum(self.skipped.values())),
+                "skipped_shards": sum(getattr(s, "skipped_shards", 0) for s in self.sources),
                 "skipped_by_source": dict(self.skipped),
                 "dropped_in_window": len(wp.dropped), "split_in_window": wp.split,
                 "deferred_in_window": len(wp.deferred),

@@ -104,13 +104,42 @@ def shard_paths(pattern: str) -> list[str]:
     return paths
 
 
+HASH_AT_OPEN_BYTES = 1 << 30  # shards' SHA-256 checked at open while a host's shards total at most this
+
+
+def check_shards(groups: list[list[str]], bad_shards: str = "stop", log=None) -> tuple[list[list[str]], list[int]]:
+    """Check every shard against its manifest (sizes always; checksums when the shards are small enough
+    to read at open, HASH_AT_OPEN_BYTES). A damaged shard stops the run with one line naming it, or with
+    bad_shards="skip" is left out with one warning line. Returns the groups kept and skips per group."""
+    import sys
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    total = sum(os.path.getsize(p) for g in groups for p in g)
+    kept, skipped = [], []
+    for g in groups:
+        keep = []
+        for p in g:
+            problem = records.check_shard(p, checksum=total <= HASH_AT_OPEN_BYTES)
+            if problem is None:
+                keep.append(p)
+            elif bad_shards == "skip":
+                log(f"warning: skipping damaged shard {p}: {problem} (data.bad_shards=skip)")
+            else:
+                raise records.BadShard(f"damaged shard {p}: {problem}; rerun `python -m recipes convert` with the "
+                                       f"same arguments (it rewrites only damaged shards), or set data.bad_shards=skip")
+        kept.append(keep)
+        skipped.append(len(g) - len(keep))
+    return kept, skipped
+
+
 class HostArrayRecords:
     """One grain ArrayRecordDataSource and one metadata table for all ArrayRecord sources of a host."""
 
-    def __init__(self, groups: list[list[str]]):
+    def __init__(self, groups: list[list[str]], skipped: list[int] | None = None):
         import grain
         flat = [p for g in groups for p in g]
+        self.paths, self.skipped_shards = flat, skipped or [0] * len(groups)
         tables = [records.MetaTable.load(p + records.META_SUFFIX) for p in flat]
+        self.shard_starts = np.cumsum([0] + [len(t) for t in tables]).astype(np.int64)
         self.table = records.MetaTable.concat(tables)
         self.data = grain.sources.ArrayRecordDataSource(flat) if flat else None
         counts = np.array([len(t) for t in tables], np.int64)
@@ -124,6 +153,17 @@ class HostArrayRecords:
     def __len__(self) -> int:
         return len(self.table)
 
+    def read(self, i: int) -> bytes:
+        """Record `i`'s bytes; a record ArrayRecord cannot read (its chunk hash fails) is a BadRecord naming
+        the shard file, so the loader counts and skips it."""
+        try:
+            return self.data[i]
+        except Exception as exc:  # noqa: BLE001 - riegeli raises plain RuntimeError/ValueError/OSError
+            k = int(np.searchsorted(self.shard_starts, i, side="right") - 1)
+            first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            raise records.BadRecord(f"{self.paths[k]} record {i - int(self.shard_starts[k])} is unreadable "
+                                    f"({first})") from None
+
 
 class ArrayRecordSource(Source):
     """Records [offset, offset + length) of the host's shared ArrayRecord data source."""
@@ -133,6 +173,7 @@ class ArrayRecordSource(Source):
         self.name, self.host = name, host
         self.offset = int(host.offsets[group])
         self.length = int(host.offsets[group + 1] - host.offsets[group])
+        self.skipped_shards = int(host.skipped_shards[group])  # damaged shards left out (data.bad_shards=skip)
 
     def __len__(self) -> int:
         return self.length
@@ -141,17 +182,17 @@ class ArrayRecordSource(Source):
         return _with_origin(self.host.table.meta(self.offset + self._check(index)), self.name, index)
 
     def get(self, index: int) -> Sample:
-        raw = self.host.data[self.offset + self._check(index)]
+        raw = self.host.read(self.offset + self._check(index))
         return records.decode(raw, self.name, index)
 
     def text(self, index: int) -> dict[int, np.ndarray]:
         meta = self.meta(index)
-        raw = self.host.data[self.offset + index]
+        raw = self.host.read(self.offset + index)
         return records.decode_segments(raw, [k for k, s in enumerate(meta.segments) if s.modality == "text"],
                                        self.name, index)
 
     def media(self, index: int, k: int) -> np.ndarray:
-        raw = self.host.data[self.offset + self._check(index)]
+        raw = self.host.read(self.offset + self._check(index))
         return records.decode_segments(raw, [k], self.name, index)[k]
 
 
@@ -418,12 +459,13 @@ def check_dataset_tokenizer(pattern: str, tok: Any = None) -> None:
 
 
 def open_sources(specs: list[SourceSpec], world_cfg: Any = None, tokenizer: Any = None,
-                 media_cfg: Any = None) -> list[Source]:
+                 media_cfg: Any = None, bad_shards: str = "stop") -> list[Source]:
     """Open every source once; all ArrayRecord sources share one host-level data source and index.
 
     `tokenizer` (None: byte-level) tokenizes JSONL text and must be the one ArrayRecord shards were
     converted with (checked against their omnijax_dataset.json; shards without one are byte-level).
-    `media_cfg` (omnijax.config.MediaConfig) is how JSONL media files are decoded.
+    `media_cfg` (omnijax.config.MediaConfig) is how JSONL media files are decoded. Shards are checked
+    against their manifests first (`check_shards`; `bad_shards`: "stop" or "skip").
     """
     kinds = [_kind(s) for s in specs]
     bad = [k for k in kinds if k not in ("world", "arrayrecord", "parquet", "jsonl")]
@@ -438,7 +480,8 @@ def open_sources(specs: list[SourceSpec], world_cfg: Any = None, tokenizer: Any 
     for s, k in zip(specs, kinds):
         if k == "arrayrecord":
             check_dataset_tokenizer(s.path, tokenizer)
-    host = HostArrayRecords(groups) if groups else None
+    groups, skipped = check_shards(groups, bad_shards)
+    host = HostArrayRecords(groups, skipped) if groups else None
     out: list[Source] = []
     g = 0
     for spec, kind, name in zip(specs, kinds, names):

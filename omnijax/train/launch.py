@@ -3,17 +3,33 @@
 Explicit: `python -m recipes NAME --coordinator=HOST:PORT --num-processes=N --process-id=I ...`
 (or the env vars OMNIJAX_COORDINATOR / OMNIJAX_NUM_PROCESSES / OMNIJAX_PROCESS_ID).
 Auto: Slurm (srun), Open MPI (mpirun) and Kubernetes indexed Jobs are detected by jax itself.
+
+Losing a process: `PeerWatch` (started by the trainer) has every process bump a counter in the
+coordination service's key-value store about once a second and watch the others'. A process whose
+counter has not moved for `trainer.peer_timeout_s` (or a coordinator that stops answering for as
+long) makes every survivor print one line (which process, the last checkpoint, how to resume) and
+exit with EXIT_PEER_LOST. jax's own heartbeat is set `_BACKSTOP_S` later, as a backstop; whatever
+native code prints when it fires goes to the run folder's `native_stderr.p<I>.log`, not the terminal.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
 
 from omnijax.errors import UserError
 
 _FLAGS = {"--coordinator": "OMNIJAX_COORDINATOR", "--num-processes": "OMNIJAX_NUM_PROCESSES",
           "--process-id": "OMNIJAX_PROCESS_ID"}
 _initialized = False
+_watch: "PeerWatch | None" = None
+EXIT_PEER_LOST = 75      # EX_TEMPFAIL: a peer process was lost; rerunning the same command resumes
+DEFAULT_PEER_TIMEOUT_S = 60.0
+_BACKSTOP_S = 30         # jax's heartbeat timeout = peer timeout + this (ours speaks first)
 
 
 def pop_launch_flags(argv: list[str]) -> list[str]:
@@ -47,7 +63,7 @@ def _auto_detected() -> str | None:
 
 def maybe_initialize_distributed() -> int:
     """Initialise jax.distributed when this is one process of many; returns the process count."""
-    global _initialized
+    global _initialized, _watch
     import jax
 
     if _initialized:
@@ -62,12 +78,15 @@ def maybe_initialize_distributed() -> int:
         if not 0 <= pid < num:
             raise UserError(f"--process-id={pid} must be in [0, {num})")
         _cpu_collectives()
-        jax.distributed.initialize(coordinator, num_processes=num, process_id=pid)
+        jax.distributed.initialize(coordinator, num_processes=num, process_id=pid,
+                                   heartbeat_timeout_seconds=_heartbeat_s())
     elif _auto_detected():
         _cpu_collectives()
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=_heartbeat_s())
     _initialized = True
-    if jax.process_count() > 1:  # one line per host: shows the job really formed (not N independent runs)
+    if jax.process_count() > 1:
+        _watch = PeerWatch().start()  # beats from now on; the trainer arms it with trainer.peer_timeout_s
+        # one line per host: shows the job really formed (not N independent runs)
         print(f"omnijax: process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} of "
               f"{jax.device_count()} devices", file=sys.stderr, flush=True)
     return jax.process_count()
@@ -83,3 +102,128 @@ def _cpu_collectives() -> None:
 
 def _has_accelerator() -> bool:
     return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/accel0"))
+
+
+def _heartbeat_s() -> int:
+    """jax's own missed-heartbeat limit: the user's `trainer.peer_timeout_s` (read from the command line,
+    which this runs before the config is built) plus a margin, so PeerWatch reports first."""
+    timeout = DEFAULT_PEER_TIMEOUT_S
+    for arg in sys.argv[1:]:
+        key, _, value = arg.partition("=")
+        if key.strip() == "trainer.peer_timeout_s":
+            try:
+                timeout = float(value)
+            except ValueError:
+                pass  # the config's own validation names it
+    return int(timeout) + _BACKSTOP_S
+
+
+def redirect_native_stderr(log: Path) -> None:
+    """Send file descriptor 2 (what C++ writes: check-failure stacks, gRPC/gloo logs) to `log`, and keep
+    Python's sys.stderr (one-line errors, the progress bar) on the terminal."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1, closefd=False)
+
+
+class PeerWatch:
+    """Every process beats a counter in the coordination service; a peer that stops for `timeout_s`
+    makes this process print one line and exit EXIT_PEER_LOST (see the module docstring)."""
+
+    def __init__(self, timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+                 last_checkpoint: Callable[[], str] = lambda: "unknown"):
+        from jax._src import distributed
+        import jax
+
+        self.client = distributed.global_state.client
+        self.me, self.n = jax.process_index(), jax.process_count()
+        self.armed = False
+        self._beat = 0
+        self._stop = threading.Event()
+        self.lost: int | None = None
+        self.arm(timeout_s, last_checkpoint, armed=False)
+
+    def arm(self, timeout_s: float, last_checkpoint: Callable[[], str], armed: bool = True) -> "PeerWatch":
+        """Start judging the peers (the trainer calls this with trainer.peer_timeout_s); beats run from start()."""
+        self.timeout_s, self.last_checkpoint = float(timeout_s), last_checkpoint
+        self.interval = max(0.05, min(1.0, self.timeout_s / 10))
+        now = time.monotonic()
+        self._seen = {j: (getattr(self, "_seen", {}).get(j, (None,))[0], now) for j in range(self.n) if j != self.me}
+        self._last_round = now
+        self.armed = armed and self.client is not None and self.n > 1
+        return self
+
+    def start(self) -> "PeerWatch":
+        if self.client is None or self.n == 1:
+            return self
+        for target in (self._run, self._watch_coordinator):
+            threading.Thread(target=target, daemon=True, name="omnijax-peer-watch").start()
+        return self
+
+    def disarm(self) -> None:
+        """Stop judging the peers (this process finished training) but keep beating for the others."""
+        self.armed = False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._beat += 1
+                self.client.key_value_set(f"omnijax_beat/{self.me}", str(self._beat), allow_overwrite=True)
+                now = time.monotonic()
+                for j, (value, since) in self._seen.items():
+                    try:
+                        got = self.client.key_value_try_get(f"omnijax_beat/{j}")
+                    except Exception:  # noqa: BLE001 - not yet written
+                        got = value
+                    if got != value:
+                        self._seen[j] = (got, now)
+                    elif self.armed and now - since > self.timeout_s:
+                        self._report(j, f"sent no heartbeat for {now - since:.0f} s")
+                self._last_round = now
+            except Exception:  # noqa: BLE001 - the coordinator is gone: _watch_coordinator reports it
+                pass
+            self._stop.wait(self.interval)
+
+    def _watch_coordinator(self) -> None:
+        while not self._stop.is_set():
+            quiet = time.monotonic() - self._last_round
+            if self.armed and quiet > self.timeout_s:
+                self._report(0, f"(the coordinator) did not answer for {quiet:.0f} s")
+            self._stop.wait(self.interval)
+
+    def _report(self, j: int, why: str) -> None:
+        self.lost = j
+        try:
+            where = self.last_checkpoint()
+        except Exception:  # noqa: BLE001
+            where = "unknown"
+        print(f"\nerror: process {j} of {self.n} stopped answering: it {why} (trainer.peer_timeout_s="
+              f"{self.timeout_s:g}); process {self.me} stops. Last checkpoint: {where}. To resume, run the same "
+              f"command on every host again (`python -m recipes launch` and Slurm requeue do it)",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
+
+    def verdict(self, wait_s: float) -> None:
+        """Called when a collective failed: give the watch up to `wait_s` to name a lost peer (it exits)."""
+        deadline = time.monotonic() + wait_s
+        while self.armed and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def peer_error(exc: BaseException) -> bool:
+    """Whether an exception looks like a collective or the coordination service losing a peer."""
+    text = f"{type(exc).__name__}: {exc}"
+    return bool(re.search(r"gloo|Connection|connection|UNAVAILABLE|DEADLINE_EXCEEDED|barrier|heartbeat|"
+                          r"coordination|Socket|socket|peer|closed", text))
+
+
+def peer_watch() -> "PeerWatch | None":
+    """The process's PeerWatch (None in a one-process run)."""
+    return _watch

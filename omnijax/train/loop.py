@@ -18,7 +18,7 @@ from flax import nnx
 from omnijax.config import Config, to_dict
 from omnijax.errors import UserError
 from omnijax.train import metrics as metrics_lib
-from omnijax.train.checkpoint import Checkpointer, abstract_like
+from omnijax.train.checkpoint import Checkpointer, CheckpointSaveError, abstract_like
 from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
 from omnijax.train.placement import DataParallel
 from omnijax.data.payload import global_layout
@@ -129,6 +129,18 @@ class Trainer:
         self._step = jax.jit(step, donate_argnums=0)
         self.checkpointer = (Checkpointer(self.run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
                              if cfg.trainer.checkpoint_every else None)
+        self.peer_watch = None
+        if jax.process_count() > 1:  # losing a peer: one line per survivor, native dumps into the run folder
+            from omnijax.train.launch import peer_watch, redirect_native_stderr
+
+            redirect_native_stderr(self.run_dir / f"native_stderr.p{jax.process_index()}.log")
+            self.peer_watch = peer_watch()
+
+    def _last_checkpoint(self) -> str:
+        """Where a rerun would resume from (for the lost-peer line)."""
+        folder = self.run_dir / "checkpoints"
+        steps = sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit()) if folder.exists() else []
+        return f"step {steps[-1]} in {folder}" if steps else "none (the run starts again from step 0)"
 
     # ------------------------------------------------------------------------------ utilities
     def _initial_state(self, model: nnx.Module | Callable[[], nnx.Module]) -> TrainState:
@@ -157,25 +169,33 @@ class Trainer:
         return int(size()) if callable(size) else -1
 
     def _restore(self) -> int:
+        """Resume from trainer.resume_step, or the newest checkpoint whose checksums hold (damaged newer
+        ones are set aside with one warning line each)."""
+        wanted = self.cfg.trainer.resume_step
         if not self.checkpointer or self.checkpointer.latest_step() is None:
+            if wanted > 0:
+                raise UserError(f"trainer.resume_step={wanted}: {self.run_dir / 'checkpoints'} holds no checkpoint")
             return 0
         target = abstract_like(self.state)  # shapes and this layout's shardings
         self.state = None  # drop the fresh state before the restored one arrives: one copy on the devices
-        self.state, loader_state, step = self.checkpointer.restore(target)
+        self.state, loader_state, step = self.checkpointer.restore_good(target, wanted if wanted > 0 else None)
         if loader_state:
             self.loader.set_state(loader_state)
         placed = self.checkpointer.placement_state(step)
         if placed and hasattr(self.placement, "set_state"):
             self.placement.set_state(placed)
-        self._truncate_metrics(step)
+        self._mend_metrics()
         print(f"resumed from {self.checkpointer.directory} at step {step}", file=sys.stderr)
         return step
 
-    def _truncate_metrics(self, step: int) -> None:
+    def _mend_metrics(self) -> None:
+        """Keep every row logged before the resume (the steps redone are appended again, so the file shows
+        both: a later row of a step supersedes an earlier one); drop a last row cut short by a kill."""
         path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
-            path.write_text("".join(r + "\n" for r in rows))
+        if jax.process_index() == 0 and path.exists():
+            text = path.read_text()
+            if text and not text.endswith("\n"):
+                path.write_text(text[: text.rfind("\n") + 1])
 
     def _save(self, step: int, force: bool = False) -> None:
         if self.checkpointer:  # the consumed position (batches prefetched beyond it are read again on resume)
@@ -206,6 +226,9 @@ class Trainer:
                               getattr(self.placement, "metrics", None), reserve=getattr(self.placement, "reserve", None),
                               window=getattr(self.loader, "window", 1), start=start,
                               placement_state=getattr(self.placement, "get_state", None))
+        if self.peer_watch is not None:
+            self.peer_watch.arm(tcfg.peer_timeout_s, self._last_checkpoint)
+        failed = False
         try:
             with _Preemption() as preempt:
                 for step in range(start + 1, tcfg.steps + 1):
@@ -282,12 +305,26 @@ class Trainer:
                         break
             if pending is not None:
                 self._check_finite(*pending)
+        except Exception as exc:
+            failed = True
+            if self.peer_watch is not None and not isinstance(exc, UserError):
+                from omnijax.train.launch import peer_error
+
+                if peer_error(exc):  # a collective failed: let the watch name the lost peer (it exits)
+                    self.peer_watch.verdict(tcfg.peer_timeout_s + 5)
+            raise
         finally:
             prefetch.close()
             bar.close()
             writer.close()
             if self.checkpointer:
-                self.checkpointer.wait()
+                try:
+                    self.checkpointer.wait()
+                except CheckpointSaveError:
+                    if not failed:  # else the first error (already on its way) names the failed step
+                        raise
+            if self.peer_watch is not None:
+                self.peer_watch.disarm()
         result.state, result.history = self.state, history
         if (self.eval_fn or self.eval_data) and result.status == "finished":
             result.eval = self.evaluate(self.state.params)

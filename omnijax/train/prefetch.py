@@ -85,7 +85,9 @@ class Prefetcher:
                     os.sched_setaffinity(0, self.cpus)
                     pinned = True
                 item: Any = self._prepare()
-            except BaseException as exc:  # handed to the consumer, raised there
+            except BaseException as exc:  # handed to the consumer, raised there, naming what it was reading
+                if isinstance(exc, Exception) and not isinstance(exc, StopIteration):
+                    exc.add_note(f"(raised in the data thread while it read and placed step {self._step + 1})")
                 item = exc
             while not self._stop.is_set():
                 try:

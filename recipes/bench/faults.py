@@ -1,0 +1,387 @@
+"""Faults injected in turn on the tiny recipes: each is survived or stops cleanly with one line.
+
+Each row: the fault, `outcome` (survived | clean stop | FAILED), `detect_s` (fault to the line naming it),
+`recover_s` (fault until the run is back at the step it had reached), `steps_redone`, `max_loss_delta`
+(max |loss - undisturbed run's loss| over the steps logged after the fault; null where the data changed)
+and the line the run printed. Every run is a real `python -m recipes ...` process on real files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+DESCRIPTION = ("faults injected on the tiny recipes (damaged checkpoint, failed save, SIGKILL under launch, SIGTERM "
+               "during an async save, truncated shard, undecodable media): survived or a one-line stop")
+
+
+@dataclass
+class FaultsBench:
+    steps: int = 20
+    every: int = 5               # checkpoint interval
+    cpu_devices: int = 8
+    faults: str = "all"          # comma-separated subset of the row names
+    timeout_s: int = 900         # per run
+
+
+ROWS = ("damaged_checkpoint", "failed_save", "sigkill_under_launch", "sigterm_during_save", "truncated_shard",
+        "undecodable_media", "checksum_cost")
+
+
+class Run:
+    """A `python -m recipes ...` child whose stderr lines are timestamped as they arrive."""
+
+    def __init__(self, args: list[str], env: dict | None = None, preexec=None):
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "recipes", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=preexec)
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait(self, timeout: float) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self._reader.join(5)
+        return rc
+
+    def first(self, needle: str) -> tuple[float, str] | None:
+        return next(((t, l) for t, l in self.lines if needle in l), None)
+
+    def text(self) -> str:
+        return "\n".join(l for _, l in self.lines)
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    return env
+
+
+def _runs() -> Path:
+    return Path(os.environ.get("OMNIJAX_RUNS", "runs"))
+
+
+def losses(name: str) -> dict[int, float]:
+    out = {}
+    path = _runs() / name / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "loss" in r:
+                out[int(r["step"])] = float(r["loss"])
+    return out
+
+
+def _lm_args(b: FaultsBench, name: str, *extra: str) -> list[str]:
+    return ["tiny_lm", f"trainer.steps={b.steps}", f"trainer.run_name={name}", f"trainer.checkpoint_every={b.every}",
+            "trainer.log_every=1", "trainer.progress=false", *extra]
+
+
+def _fresh(name: str) -> None:
+    shutil.rmtree(_runs() / name, ignore_errors=True)
+    shutil.rmtree(_runs() / f"{name}_set_aside", ignore_errors=True)
+
+
+def _wait_step(name: str, step: int, run: Run, timeout: float) -> float | None:
+    """Time at which run `name` logged `step` (None if the process ended or time ran out first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if max(losses(name) or {0: 0}) >= step:
+            return time.monotonic()
+        if run.proc.poll() is not None:
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def _row_count(name: str) -> int:
+    path = _runs() / name / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _steps_after(name: str, n: int) -> list[int]:
+    path = _runs() / name / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines()[n:] if path.exists() else []:
+        try:
+            out.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError):
+            pass
+    return out
+
+
+def _delta(ref: dict, got: dict, steps) -> float | None:
+    common = [s for s in steps if s in ref and s in got]
+    return max(abs(ref[s] - got[s]) for s in common) if common else None
+
+
+def _row(fault: str, outcome: str, detect: float | None, recover: float | None, redone: int | None,
+         delta: float | None, line: str, **extra) -> dict:
+    r = lambda x: None if x is None else round(x, 2)  # noqa: E731
+    return {"variant": fault, "outcome": outcome, "detect_s": r(detect), "recover_s": r(recover),
+            "steps_redone": redone, "max_loss_delta": delta, "line": line[:240], **extra}
+
+
+# ------------------------------------------------------------------------------------ faults
+def damaged_checkpoint(b: FaultsBench, ref: dict) -> dict:
+    name = "bench_faults_ck"
+    _fresh(name)
+    Run(_lm_args(b, name), _env(b.cpu_devices)).wait(b.timeout_s)
+    ck = _runs() / name / "checkpoints" / str(b.steps)
+    files = sorted((p for p in ck.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(files[-1], "r+b") as f:                       # the newest checkpoint's largest file cut in half
+        f.truncate(files[-1].stat().st_size // 2)
+    fault_at = time.monotonic()
+    run = Run(_lm_args(b, name), _env(b.cpu_devices))
+    rc = run.wait(b.timeout_s)
+    warn = run.first(f"checkpoint step {b.steps} is damaged")
+    got = losses(name)
+    back = b.steps - b.every
+    ok = rc == 0 and warn is not None and min(got) == 1 and max(got) == b.steps
+    return _row("damaged_checkpoint", "survived" if ok else "FAILED", warn and warn[0] - fault_at,
+                run.lines[-1][0] - fault_at if ok else None, b.steps - back,
+                _delta(ref, got, range(back + 1, b.steps + 1)), warn[1] if warn else run.text()[-240:])
+
+
+def failed_save(b: FaultsBench, ref: dict) -> dict:
+    """Once the first checkpoint is committed, the process may write no file larger than 64 KiB (a full
+    disk as the process sees it: EFBIG). The run must stop with one line naming the folder, the earlier
+    checkpoint must restore, and a rerun with room again finishes with the undisturbed losses."""
+    name = "bench_faults_save"
+    _fresh(name)
+    run = Run(_lm_args(b, name), _env(b.cpu_devices))
+    first = _runs() / name / "checkpoints" / str(b.every)
+    while run.proc.poll() is None and not (first / "omnijax_checksums.json").exists():
+        time.sleep(0.02)
+    resource.prlimit(run.proc.pid, resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    fault_at = time.monotonic()
+    rc = run.wait(b.timeout_s)
+    stop = run.first("failed:")
+    one_line = rc != 0 and stop is not None and "Traceback" not in run.text() and str(_runs() / name) in stop[1]
+    rerun = Run(_lm_args(b, name), _env(b.cpu_devices))
+    rc2 = rerun.wait(b.timeout_s)
+    resumed = rerun.first("resumed from")
+    got = losses(name)
+    ok = one_line and rc2 == 0 and resumed is not None and max(got) == b.steps
+    return _row("failed_save", "clean stop" if ok else "FAILED", stop and stop[0] - fault_at, None,
+                b.every, _delta(ref, got, range(b.every + 1, b.steps + 1)), stop[1] if stop else run.text()[-240:],
+                exit_code=rc, rerun_resumed_from=resumed[1] if resumed else None)
+
+
+def sigkill_under_launch(b: FaultsBench, ref: dict) -> dict:
+    name = "bench_faults_launch"
+    _fresh(name)
+    devices = max(1, b.cpu_devices // 2)
+    run = Run(["launch", "--processes", "2", "--cpu-devices-per-process", str(devices), "--max-restarts", "2",
+               *_lm_args(b, name)], dict(os.environ))
+    kill_at = b.every * 2 + b.every // 2
+    _wait_step(name, kill_at, run, b.timeout_s)
+    victims = [p for p, args in _descendants(run.proc.pid) if "--process-id 1" in args]
+    reached = max(losses(name) or {0: 0})
+    if not victims:
+        run.proc.kill()
+        return _row("sigkill_under_launch", "FAILED", None, None, None, None, "no process 1 found")
+    os.kill(victims[-1], signal.SIGKILL)
+    fault_at = time.monotonic()
+    seen = _row_count(name)
+    back_t = None
+    while run.proc.poll() is None and back_t is None:  # rows logged after the kill reach the step it had reached
+        if any(s >= reached for s in _steps_after(name, seen)):
+            back_t = time.monotonic()
+        time.sleep(0.1)
+    rc = run.wait(b.timeout_s)
+    restarted = run.first("launch: restart")
+    got = losses(name)
+    last_ck = (reached // b.every) * b.every
+    ok = rc == 0 and restarted is not None and max(got) == b.steps
+    return _row("sigkill_under_launch", "survived" if ok else "FAILED", restarted and restarted[0] - fault_at,
+                back_t and back_t - fault_at, reached - last_ck, _delta(ref, got, range(1, b.steps + 1)),
+                restarted[1] if restarted else run.text()[-240:])
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    rows = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
+    kids: dict[int, list] = {}
+    for r in rows:
+        parts = r.strip().split(None, 2)
+        if len(parts) == 3:
+            kids.setdefault(int(parts[1]), []).append((int(parts[0]), parts[2]))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c[0])
+    return out
+
+
+def sigterm_during_save(b: FaultsBench, ref: dict) -> dict:
+    """SIGTERM the moment an async save's temporary folder appears: the run finishes that save, says so
+    and exits 0; the rerun resumes from it."""
+    name = "bench_faults_term"
+    _fresh(name)
+    run = Run(_lm_args(b, name), _env(b.cpu_devices))
+    folder = _runs() / name / "checkpoints"
+    target = 2 * b.every
+    while run.proc.poll() is None and not list(folder.glob(f"{target}.orbax-checkpoint-tmp*")):
+        time.sleep(0.01)
+    run.proc.send_signal(signal.SIGTERM)
+    fault_at = time.monotonic()
+    rc = run.wait(b.timeout_s)
+    said = run.first("preempted")
+    stopped_at = max(losses(name) or {0: 0})
+    rerun = Run(_lm_args(b, name), _env(b.cpu_devices))
+    rc2 = rerun.wait(b.timeout_s)
+    resumed = rerun.first("resumed from")
+    at = int(resumed[1].rsplit(" ", 1)[-1]) if resumed else 0
+    got = losses(name)
+    ok = rc == 0 and said is not None and rc2 == 0 and resumed is not None and max(got) == b.steps
+    back = _wait_t(rerun, "resumed from")
+    return _row("sigterm_during_save", "survived" if ok else "FAILED", said and said[0] - fault_at,
+                back and back - fault_at, stopped_at - at, _delta(ref, got, range(1, b.steps + 1)),
+                said[1] if said else run.text()[-240:], stopped_at_step=stopped_at, resumed_at_step=at)
+
+
+def _wait_t(run: Run, needle: str) -> float | None:
+    hit = run.first(needle)
+    return hit[0] if hit else None
+
+
+def _world_shards_n(folder: Path, samples: int = 200, shards: int = 4) -> list[Path]:
+    shutil.rmtree(folder, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "recipes", "convert", "input=world", f"output={folder}",
+                    f"samples={samples}", f"shards={shards}"], check=True, capture_output=True)
+    return sorted(folder.glob("*.arrayrecord"))
+
+
+def truncated_shard(b: FaultsBench, ref: dict) -> Iterator[dict]:
+    src = _runs() / "bench_faults_data"
+    victim = _world_shards_n(src)[1]
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size * 2 // 3)
+    common = ["tiny_omni", f"data.sources=[{src}]", "trainer.steps=3", "trainer.checkpoint_every=0",
+              "trainer.progress=false", "trainer.log_every=1"]
+    _fresh("bench_faults_shard")
+    fault_at = time.monotonic()
+    run = Run([*common, "trainer.run_name=bench_faults_shard"])
+    rc = run.wait(b.timeout_s)
+    last = run.lines[-1] if run.lines else (0.0, "")
+    ok = rc != 0 and victim.name in last[1] and "Traceback" not in run.text()
+    yield _row("truncated_shard", "clean stop" if ok else "FAILED", last[0] - fault_at if ok else None, None, None,
+               None, last[1], exit_code=rc)
+    _fresh("bench_faults_shard_skip")
+    fault_at = time.monotonic()
+    run = Run([*common, "trainer.run_name=bench_faults_shard_skip", "data.bad_shards=skip"])
+    rc = run.wait(b.timeout_s)
+    warn = run.first("skipping damaged shard")
+    rows = [json.loads(l) for l in (_runs() / "bench_faults_shard_skip" / "metrics.jsonl").read_text().splitlines()] \
+        if (_runs() / "bench_faults_shard_skip" / "metrics.jsonl").exists() else []
+    skipped = rows[-1].get("skipped_shards") if rows else None
+    ok = rc == 0 and warn is not None and skipped == 1
+    yield _row("truncated_shard_skip", "survived" if ok else "FAILED", warn and warn[0] - fault_at, None, None, None,
+               warn[1] if warn else run.text()[-240:], skipped_shards=skipped)
+
+
+def undecodable_media(b: FaultsBench, ref: dict) -> dict:
+    """Every 8th record of a converted shard gets a media payload that cannot decode (its bytes cut short;
+    the manifest rewritten to match, as if the source media had been bad): the loader must count and
+    skip them, never crash the step."""
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+    from omnijax.data import records
+
+    src = _runs() / "bench_faults_media"
+    (shard,) = _world_shards_n(src, 64, 1)
+    reader = ArrayRecordReader(str(shard))
+    raws = reader.read_all()
+    reader.close()
+    writer = ArrayRecordWriter(str(shard), "group_size:1")
+    for i, raw in enumerate(raws):
+        writer.write(raw[: len(raw) // 2] if i % 8 == 3 else raw)
+    writer.close()
+    manifest_path = Path(str(shard) + records.MANIFEST_SUFFIX)
+    manifest = json.loads(manifest_path.read_text())
+    manifest.update(bytes=shard.stat().st_size, sha256=records.file_sha256(shard))
+    records.write_json_atomic(manifest_path, manifest)
+    name = "bench_faults_media_run"
+    _fresh(name)
+    fault_at = time.monotonic()
+    run = Run(["tiny_omni", f"data.sources=[{src}]", "trainer.steps=4", f"trainer.run_name={name}",
+               "trainer.checkpoint_every=0", "trainer.progress=false", "trainer.log_every=1"])
+    rc = run.wait(b.timeout_s)
+    path = _runs() / name / "metrics.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    skipped = max((r.get("skipped_bad_records", 0) for r in rows), default=None)
+    warn = run.first("skipped bad record")
+    ok = rc == 0 and bool(skipped) and len(rows) == 4
+    return _row("undecodable_media", "survived" if ok else "FAILED", warn and warn[0] - fault_at, None, 0, None,
+                warn[1] if warn else run.text()[-240:], skipped_bad_records=skipped)
+
+
+def checksum_cost(b: FaultsBench, ref: dict) -> Iterator[dict]:
+    """What the checksums cost: seconds to hash a checkpoint at save (process 0's background thread, before
+    the commit) and to verify it at restore, beside orbax's own save and restore, for a few sizes."""
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from omnijax.train.checkpoint import Checkpointer
+
+    for mb in (8, 256):
+        n = mb * (1 << 20) // 4
+        tree = {"w": jnp.asarray(np.random.default_rng(0).standard_normal(n, dtype=np.float32))}
+        with tempfile.TemporaryDirectory(dir=_runs()) as tmp:
+            ck = Checkpointer(Path(tmp) / "checkpoints")
+            t0 = time.perf_counter()
+            ck.save(1, tree)
+            ck.wait()
+            save_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ck.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree), 1)
+            restore_s = time.perf_counter() - t0
+            ck.close()
+            size = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
+        yield {"variant": f"checksum_cost_{mb}MB", "checkpoint_bytes": size, "save_s": round(save_s, 3),
+               "checksum_at_save_s": round(ck.checksum_s[-1], 3), "restore_s": round(restore_s, 3),
+               "verify_at_restore_s": round(ck.verify_s, 3),
+               "hash_GB_per_s": round(size / max(ck.verify_s, 1e-9) / 1e9, 2)}
+
+
+def run(overrides: list[str]) -> Iterator[dict]:
+    from omnijax.config import build
+
+    b = build(FaultsBench, None, overrides, check=None)
+    want = ROWS if b.faults == "all" else tuple(f.strip() for f in b.faults.split(","))
+    ref_name = "bench_faults_ref"
+    ref: dict = {}
+    if set(want) & {"damaged_checkpoint", "failed_save", "sigkill_under_launch", "sigterm_during_save"}:
+        _fresh(ref_name)
+        Run(_lm_args(b, ref_name), _env(b.cpu_devices)).wait(b.timeout_s)
+        ref = losses(ref_name)
+        if max(ref or {0: 0}) != b.steps:
+            raise RuntimeError(f"the undisturbed reference run did not finish: see {_runs() / ref_name}")
+    for fault in want:
+        out = globals()[fault](b, ref)
+        yield from (out if not isinstance(out, dict) else [out])

@@ -1,0 +1,178 @@
+"""Start a job's processes and restart the whole group from the last checkpoint when one dies.
+
+`python -m recipes launch --processes N [--cpu-devices-per-process K] [--max-restarts R] RECIPE KEY=VALUE...`
+
+Locally, each process runs as `python -m recipes RECIPE KEY=VALUE... --coordinator 127.0.0.1:PORT
+--num-processes N --process-id I` (the flags a user would type; a free loopback port, a new one per
+attempt). When a process exits non-zero or is killed, the others are stopped (SIGTERM, then SIGKILL
+after a grace period), the reason is printed, and the group starts again; the trainer resumes from
+its newest intact checkpoint, so the losses continue as if undisturbed. A process that stops with a
+user error (exit 2: bad config, missing data) is not restarted: a rerun would fail the same way.
+
+Under Slurm (SLURM_JOB_ID and SLURM_PROCID set: this task was started by `srun`), the scheduler owns
+the processes: launch runs the recipe in this task (jax finds the others through Slurm), and when it
+fails in a way a restart can fix, task 0 asks Slurm to requeue the job (`scontrol requeue`, which
+needs `#SBATCH --requeue`) while SLURM_RESTART_COUNT < --max-restarts. See docs/reliability.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DESCRIPTION = "start N processes of a recipe; restart the group from the last checkpoint when one dies"
+USER_ERROR = 2           # recipes' exit code for a UserError: not worth a restart
+GRACE_S = 10.0           # SIGTERM -> SIGKILL for the survivors of a failed attempt
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from omnijax.errors import UserError
+
+    p = argparse.ArgumentParser(prog="python -m recipes launch", add_help=False)
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--cpu-devices-per-process", type=int, default=0)
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("recipe", nargs="?")
+    p.add_argument("overrides", nargs=argparse.REMAINDER)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit:
+        raise UserError("usage: python -m recipes launch --processes N [--cpu-devices-per-process K] "
+                        "[--max-restarts R] RECIPE KEY=VALUE...") from None
+    if not args.recipe:
+        raise UserError("launch needs a recipe: python -m recipes launch --processes 2 tiny_lm trainer.steps=100")
+    if args.processes < 1 or args.max_restarts < 0 or args.cpu_devices_per_process < 0:
+        raise UserError(f"--processes={args.processes} must be >= 1, --max-restarts={args.max_restarts} and "
+                        f"--cpu-devices-per-process={args.cpu_devices_per_process} >= 0")
+    return args
+
+
+def _checkpoint_dir(recipe: str, overrides: list[str]) -> Path:
+    name = recipe
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key == "trainer.run_name":
+            name = value
+    return Path(os.environ.get("OMNIJAX_RUNS", "runs")) / name / "checkpoints"
+
+
+def _last_checkpoint(folder: Path) -> str:
+    steps = sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit()) if folder.is_dir() else []
+    return f"step {steps[-1]}" if steps else "step 0 (no checkpoint yet)"
+
+
+def _why(i: int, rc: int) -> str:
+    if rc < 0:
+        try:
+            sig = signal.Signals(-rc).name
+        except ValueError:
+            sig = f"signal {-rc}"
+        return f"process {i} was killed by {sig}"
+    if rc == 75:
+        return f"process {i} stopped: a peer stopped answering (exit 75)"
+    return f"process {i} exited with code {rc}"
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM the processes still running (their preemption handler may save), SIGKILL after GRACE_S."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        while p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def run_local(args: argparse.Namespace) -> int:
+    env = dict(os.environ)
+    if args.cpu_devices_per_process:
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.cpu_devices_per_process}"])
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    folder = _checkpoint_dir(args.recipe, args.overrides)
+    stopping = {"signal": None}
+
+    def forward(signum, frame):  # the launcher's own preemption: pass it on, then stop
+        stopping["signal"] = signum
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    attempt = 0
+    while True:
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, "-m", "recipes", args.recipe, *args.overrides,
+                                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(args.processes),
+                                   "--process-id", str(i)], env=env)
+                 for i in range(args.processes)]
+        failed: tuple[int, int] | None = None
+        while failed is None and any(p.poll() is None for p in procs):
+            if stopping["signal"] is not None:
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(stopping["signal"])
+                for p in procs:
+                    p.wait()
+                return max((p.returncode for p in procs), default=0) or 0
+            for i, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    failed = (i, p.returncode)
+                    break
+            time.sleep(0.2)
+        if failed is None:
+            failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
+            if failed is None:
+                return 0
+        _stop(procs)
+        why = _why(*failed)
+        if failed[1] == USER_ERROR:
+            print(f"launch: {why} (a user error, see its line above); not restarting", file=sys.stderr, flush=True)
+            return USER_ERROR
+        if attempt >= args.max_restarts:
+            print(f"launch: {why}; no restarts left (--max-restarts={args.max_restarts}); the last checkpoint is "
+                  f"{_last_checkpoint(folder)} in {folder}: run the same command to resume", file=sys.stderr,
+                  flush=True)
+            return failed[1] if failed[1] > 0 else 1
+        attempt += 1
+        print(f"launch: restart {attempt} of {args.max_restarts}: {why}; restarting all {args.processes} processes "
+              f"from {_last_checkpoint(folder)} in {folder}", file=sys.stderr, flush=True)
+
+
+def run_slurm(args: argparse.Namespace) -> int:
+    """One Slurm task: run the recipe; on a restartable failure task 0 requeues the job."""
+    cmd = [sys.executable, "-m", "recipes", args.recipe, *args.overrides]
+    rc = subprocess.call(cmd)
+    if rc in (0, USER_ERROR):
+        return rc
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    job = os.environ["SLURM_JOB_ID"]
+    if restarts >= args.max_restarts:
+        print(f"launch: task {os.environ.get('SLURM_PROCID')} exited {rc}; Slurm restarted the job {restarts} times "
+              f"(--max-restarts={args.max_restarts}): not requeueing", file=sys.stderr, flush=True)
+        return rc
+    if os.environ.get("SLURM_PROCID") == "0":
+        print(f"launch: exit {rc}; requeueing Slurm job {job} (restart {restarts + 1} of {args.max_restarts})",
+              file=sys.stderr, flush=True)
+        subprocess.call(["scontrol", "requeue", job])
+    return rc
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        return run_slurm(args)
+    return run_local(args)

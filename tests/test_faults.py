@@ -1,0 +1,191 @@
+"""Faults (docs/reliability.md): damaged checkpoints, failed saves, damaged shards, a lost process, the launcher.
+
+Real orbax checkpoints, real shards, real `python -m recipes` processes; no mocks."""
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from omnijax.errors import UserError
+from omnijax.train.checkpoint import CheckpointSaveError, Checkpointer
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_LM = ["model.embed_dim=64", "model.num_layers=2", "model.head_dim=16", "model.mlp_dim=128", "data.seq_len=32",
+           "data.batch_size=8", "data.eval_batches=1", "trainer.log_every=1", "trainer.progress=false",
+           "optimizer.warmup_steps=2"]
+
+
+def _tree(k: float) -> dict:
+    noise = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)  # incompressible
+    return {"w": jnp.asarray(noise) + k, "b": jnp.arange(16, dtype=jnp.float32) + k}
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_damaged_checkpoints_are_set_aside_and_the_newest_good_one_restored(tmp_path):
+    ck = Checkpointer(tmp_path / "checkpoints", keep=5)
+    for step in (1, 2, 3):
+        ck.save(step, _tree(float(step)), {"step": step})
+    ck.wait()
+    assert all(ck.verify(s) is None for s in (1, 2, 3))
+    big = _files(tmp_path / "checkpoints" / "3")[-1]
+    with open(big, "r+b") as f:  # the newest cut in half
+        f.truncate(big.stat().st_size // 2)
+    mid = _files(tmp_path / "checkpoints" / "2")[-1]
+    size = mid.stat().st_size
+    with open(mid, "r+b") as f:  # step 2: bytes overwritten in the middle, same size
+        f.seek(size // 2)
+        f.write(b"\x00\xff" * 64)
+    assert "bytes" in ck.verify(3) and "checksum mismatch" in ck.verify(2) and mid.stat().st_size == size
+    lines = []
+    state, loader, step = ck.restore_good(_tree(0.0), log=lines.append)
+    assert step == 1 and loader == {"step": 1} and float(state["b"][0]) == 1.0
+    assert len(lines) == 2 and "step 3" in lines[0] and "step 2" in lines[1]
+    aside = tmp_path / "checkpoints_set_aside"
+    assert sorted(p.name for p in aside.iterdir()) == ["2", "3"]  # renamed, not deleted
+    assert ck.all_steps() == [1]
+    with pytest.raises(UserError, match="resume_step=3: no such checkpoint"):
+        ck.restore_good(_tree(0.0), step=3)
+    big = _files(tmp_path / "checkpoints" / "1")[-1]
+    with open(big, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(UserError, match="no readable checkpoint") as err:
+        ck.restore_good(_tree(0.0), log=lines.append)
+    assert "\n" not in str(err.value)
+    ck.close()
+
+
+def test_a_failed_save_names_the_folder_and_keeps_earlier_checkpoints(tmp_path):
+    ck = Checkpointer(tmp_path / "checkpoints")
+    ck.save(1, _tree(1.0))
+    ck.wait()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, hard))  # no file over 16 KiB: a full disk (EFBIG)
+    try:
+        with pytest.raises(CheckpointSaveError) as err:
+            ck.save(2, _tree(2.0))
+            ck.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    msg = str(err.value)
+    assert str(tmp_path / "checkpoints") in msg and "step 2" in msg and "checkpoints 1 are intact" in msg
+    fresh = Checkpointer(tmp_path / "checkpoints")
+    state, _, step = fresh.restore_good(_tree(0.0))
+    assert step == 1 and float(state["b"][3]) == 4.0
+    fresh.close()
+
+
+def test_damaged_shards_are_named_or_skipped_and_counted(tmp_path):
+    from omnijax.data import records
+    from omnijax.data.sources import HostArrayRecords, SourceSpec, open_sources
+    from recipes import convert
+
+    out = tmp_path / "shards"
+    assert convert.main(["input=world", f"output={out}", "samples=40", "shards=4"]) == 0
+    shards = sorted(str(p) for p in out.glob("*.arrayrecord"))
+    assert all(records.check_shard(p) is None for p in shards)
+    with open(shards[1], "r+b") as f:
+        f.truncate(os.path.getsize(shards[1]) * 2 // 3)
+    spec = [SourceSpec(name="mine", path=str(out))]
+    with pytest.raises(records.BadShard) as err:
+        open_sources(spec)
+    assert shards[1] in str(err.value) and "\n" not in str(err.value)
+    (src,) = open_sources(spec, bad_shards="skip")
+    assert len(src) == 30 and src.skipped_shards == 1
+    # same size, different bytes: the checksum names it; unchecked, reading the record names the shard
+    size = os.path.getsize(shards[2])
+    with open(shards[2], "r+b") as f:
+        f.seek(size // 3)
+        f.write(os.urandom(4096))
+    assert "checksum mismatch" in records.check_shard(shards[2])
+    assert records.check_shard(shards[2], checksum=False) is None
+    host = HostArrayRecords([[shards[2]]])
+    bad = []
+    for i in range(len(host)):
+        try:
+            records.decode(host.read(i))
+        except records.BadRecord as exc:
+            bad.append(str(exc))
+    assert bad and all(shards[2] in b for b in bad)
+
+
+def _recipes(args, log: Path, env=None):
+    """`python -m recipes ARGS`, its stderr (what a user's terminal shows) into `log` (files, not pipes: a
+    full pipe would stall the process)."""
+    e = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    if "XLA_FLAGS" not in (env or {}):
+        e.pop("XLA_FLAGS", None)
+    return subprocess.Popen([sys.executable, "-m", "recipes", *args], cwd=REPO, env=e, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "w"))
+
+
+def _losses(run: Path) -> dict[int, float]:
+    if not (run / "metrics.jsonl").exists():
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _wait_for_step(run: Path, step: int, procs, timeout=600) -> None:
+    deadline = time.monotonic() + timeout
+    while max(_losses(run) or {0: 0}) < step:
+        assert time.monotonic() < deadline and all(p.poll() in (None, 0) for p in procs), "the run stopped early"
+        time.sleep(0.05)
+
+
+def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_group(tmp_path):
+    runs = tmp_path / "runs"
+    env = {"OMNIJAX_RUNS": str(runs), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    steps = 40  # the kill comes at step 6: many steps later the run is still going, however loaded the machine
+    common = ["tiny_lm", *TINY_LM, f"trainer.steps={steps}", "trainer.checkpoint_every=4"]
+    # the undisturbed run: one process, 8 devices
+    ref = _recipes([*common, "trainer.run_name=ref", "parallel.cpu_devices=8"], tmp_path / "ref.log",
+                   env={"OMNIJAX_RUNS": str(runs)})
+    assert ref.wait(900) == 0, (tmp_path / "ref.log").read_text()[-2000:]
+    reference = _losses(runs / "ref")
+
+    # two processes started by hand, process 1 killed: process 0 stops within trainer.peer_timeout_s
+    port = subprocess.check_output([sys.executable, "-c", "from recipes.launch import free_port; print(free_port())"],
+                                   cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), text=True).strip()
+    procs = [_recipes([*common, "trainer.run_name=pair", "trainer.peer_timeout_s=5", "--coordinator",
+                       f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], tmp_path / f"p{i}.log",
+                      env=env)
+             for i in range(2)]
+    _wait_for_step(runs / "pair", 6, procs)
+    procs[1].send_signal(signal.SIGKILL)
+    rc = procs[0].wait(300)
+    err = (tmp_path / "p0.log").read_text()
+    last = [l for l in err.splitlines() if l.strip()][-1]
+    assert rc == 75, err[-2000:]
+    assert "process 1 of 2 stopped answering" in last and "Last checkpoint: step " in last and "same command" in last
+    assert "Traceback" not in err and "Check failure" not in err and "terminate called" not in err
+    procs[1].wait()
+
+    # the same under the launcher: the group restarts from the last checkpoint and ends as if undisturbed
+    launcher = _recipes(["launch", "--processes", "2", "--cpu-devices-per-process", "4", "--max-restarts", "1",
+                         *common, "trainer.run_name=launched"], tmp_path / "launch.log", env={"OMNIJAX_RUNS": str(runs)})
+    deadline = time.monotonic() + 600
+    while max(_losses(runs / "launched") or {0: 0}) < 6:
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.05)
+    ps = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
+    victim = [int(r.split()[0]) for r in ps if int(r.split()[1]) == launcher.pid and "--process-id 1" in r]
+    assert len(victim) == 1
+    os.kill(victim[0], signal.SIGKILL)
+    assert launcher.wait(900) == 0
+    err = (tmp_path / "launch.log").read_text()
+    assert "launch: restart 1 of 1: process 1 was killed by SIGKILL" in err
+    got = _losses(runs / "launched")
+    assert sorted(got) == list(range(1, steps + 1))
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(got)], rtol=0, atol=1e-5)
