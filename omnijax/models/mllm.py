@@ -25,6 +25,7 @@ from omnijax.models.audio import AudioEncoder
 from omnijax.models.llm import LLM
 from omnijax.models.projector import Projector
 from omnijax.models.vision import VisionEncoder
+from omnijax.models.whisper import WhisperEncoder
 from omnijax.models.losses import masked_cross_entropy
 
 
@@ -38,7 +39,7 @@ class Component(Protocol):
     def cost(self, segment_shape: tuple[int, ...]) -> float: ...
 
 
-ENCODERS: dict[str, type] = {"vit": VisionEncoder, "audio": AudioEncoder}
+ENCODERS: dict[str, type] = {"vit": VisionEncoder, "audio": AudioEncoder, "whisper": WhisperEncoder}
 
 
 def register_encoder(kind: str, config_cls: type, module_cls: type) -> None:
