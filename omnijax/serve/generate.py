@@ -104,17 +104,20 @@ class Generator:
         self.rules = rules_lib.load_rules(rules)
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.pad_id, self.placeholder = int(pad_id), placeholder
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        shardings = rules_lib.state_shardings(params, self.rules, self.mesh)
-        self.params = jax.device_put(params, shardings)
-        replicated = NamedSharding(self.mesh, P())
-        self.rest = jax.device_put(self.rest, jax.tree.map(lambda _: replicated, self.rest))
-        self._replicated = replicated
+        self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self._shardings = rules_lib.state_shardings(params, self.rules, self.mesh)
+        self._replicated = NamedSharding(self.mesh, P())
+        self.rest = jax.tree.map(lambda x: jax.device_put(x, self._replicated) if _concrete(x) else x, rest)
+        self.params = self.place(params) if all(_concrete(x) for x in jax.tree.leaves(params)) else None
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len", "zero_encoders"))
         self._decode = jax.jit(self._decode_impl, static_argnames=("max_new", "sample"))
         self.specs = packing.encoder_specs(self.mm_cfg) if self.multimodal else {}
 
     # -------------------------------------------------------------------------------- shardings
+    def place(self, params: Any) -> Any:
+        """Parameters (an nnx.State of the model's Params) onto the mesh, sharded by the layout's rules."""
+        return jax.device_put(params, self._shardings)
+
     def _sharding(self, names: tuple, shape: tuple) -> NamedSharding:
         return NamedSharding(self.mesh, self.rules.spec(names, shape, self.mesh, "activations"))
 
@@ -208,11 +211,15 @@ class Generator:
         return {"tokens": tokens, "segment_ids": seg, "positions": pos}
 
     def generate(self, prompts: Sequence[Sample | Sequence[int]], cfg: SamplingConfig = SamplingConfig(), *,
-                 batch_size: int = 8, zero_encoders: bool = False, progress: Any = None) -> list[Generation]:
+                 batch_size: int = 8, zero_encoders: bool = False, progress: Any = None,
+                 params: Any = None) -> list[Generation]:
         """One `Generation` per prompt, in order. A prompt is a `Sample` (text ids and media, as the data
         plane makes them) or a list of token ids (text LLMs). `batch_size` prompts decode together (rounded
         up to a multiple of the layout's batch shards); `progress(n)` is called after each batch."""
         cfg.check()
+        params = self.params if params is None else self.place(params)
+        if params is None:
+            raise ConfigError("Generator: the model was built abstractly; pass params= to generate")
         shards = self.layout.batch_shards
         rows = -(-max(1, batch_size) // shards) * shards
         flats = [self._flatten(p) if isinstance(p, Sample) else
@@ -223,12 +230,12 @@ class Generator:
         out: list[Generation] = []
         for lo in range(0, len(flats), rows):
             part = flats[lo: lo + rows]
-            out += self._generate_batch(part, rows, list(range(lo, lo + len(part))), cfg, zero_encoders)
+            out += self._generate_batch(params, part, rows, list(range(lo, lo + len(part))), cfg, zero_encoders)
             if progress is not None:
                 progress(len(part))
         return out
 
-    def _generate_batch(self, flats: list[packing.Flat], rows: int, ids: list[int], cfg: SamplingConfig,
+    def _generate_batch(self, params, flats: list[packing.Flat], rows: int, ids: list[int], cfg: SamplingConfig,
                         zero_encoders: bool) -> list[Generation]:
         longest = max(f.tokens.size for f in flats)
         row_len = _bucket(longest, 16)
@@ -241,10 +248,10 @@ class Generator:
                 "row_ids": np.array(ids + [0] * (rows - len(flats)), np.int32), "live": live}
         dev = self._put({**batch, **host})
         batch = {k: dev[k] for k in batch}
-        logits0, cache = self._prefill(self.params, batch, dev["last"], cache_len=row_len + cfg.max_new_tokens,
+        logits0, cache = self._prefill(params, batch, dev["last"], cache_len=row_len + cfg.max_new_tokens,
                                        zero_encoders=zero_encoders)
         sample = cfg.temperature > 0
-        tokens, _ = self._decode(self.params, cache, logits0, dev["lengths"], dev["row_ids"], dev["live"],
+        tokens, _ = self._decode(params, cache, logits0, dev["lengths"], dev["row_ids"], dev["live"],
                                  jnp.int32(cfg.seed), jnp.float32(cfg.temperature if sample else 1.0),
                                  jnp.float32(cfg.top_p), max_new=cfg.max_new_tokens, sample=sample)
         tokens = np.asarray(jax.device_get(tokens))
@@ -256,6 +263,10 @@ class Generator:
                                   "length" if end is None else "eos"))
         return out
 
+
+
+def _concrete(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float))
 
 
 def _bucket(n: int, smallest: int) -> int:

@@ -1,0 +1,183 @@
+"""The model a generation runs: from a run folder (latest checkpoint), an export folder or a Hugging Face LLM folder.
+
+- run folder (`runs/NAME`: `config.json` + `checkpoints/STEP`): the model config of the run, the parameters of
+  its latest checkpoint (only the `params` of the saved TrainState are read, never the optimizer state), the
+  tokenizer the run trained with (`tokenizer.path`, else the folder of `init.llm`, else byte-level);
+- export folder (`DIR/omnijax.json`, written by `recipes export`): read through
+  `omnijax.interop.bundle.read_bundle`;
+- a Hugging Face Llama/Qwen2 folder (`config.json` with a `model_type`): the LLM alone, with its tokenizer.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from omnijax.config import LLMConfig, from_dict
+from omnijax.errors import UserError
+
+
+@dataclass
+class Served:
+    """What generation needs: the module with its parameters, the tokenizer, and end-of-answer ids."""
+    model: nnx.Module                 # LLM or MultimodalModel
+    tokenizer: Any                    # omnijax.data.tokenizer.Tokenizer
+    eos_ids: tuple[int, ...]
+    source: str                       # "run" | "export" | "hf"
+    info: dict = field(default_factory=dict)
+
+
+def folder_kind(path: str | Path) -> str:
+    """'run' | 'export' | 'hf', or a UserError saying what the folder lacks."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{path}: no such folder; give a run folder (runs/NAME), an export folder "
+                        "(`python -m recipes export RUN output=DIR`) or a Hugging Face LLM folder")
+    if (p / "omnijax.json").is_file():
+        return "export"
+    if (p / "checkpoints").is_dir() and (p / "config.json").is_file():
+        return "run"
+    if (p / "config.json").is_file():
+        try:
+            if "model_type" in json.loads((p / "config.json").read_text()):
+                return "hf"
+        except ValueError:
+            raise UserError(f"{p / 'config.json'}: not valid JSON") from None
+    raise UserError(f"{path}: neither a run folder (config.json + checkpoints/), an export folder (omnijax.json) "
+                    "nor a Hugging Face LLM folder (config.json with model_type)")
+
+
+def _eos_ids(tok: Any, hf_folder: Path | None = None) -> tuple[int, ...]:
+    """The tokenizer's eos, plus the ids a Hugging Face folder's generation_config.json ends on."""
+    ids = {int(tok.eos)} if getattr(tok, "eos", None) is not None else set()
+    if hf_folder is not None and (hf_folder / "generation_config.json").is_file():
+        try:
+            extra = json.loads((hf_folder / "generation_config.json").read_text()).get("eos_token_id")
+        except ValueError:
+            extra = None
+        ids |= {int(i) for i in (extra if isinstance(extra, list) else [extra]) if isinstance(i, int)}
+    return tuple(sorted(ids))
+
+
+def load(path: str | Path) -> Served:
+    """The model, tokenizer and end ids of a run, export or Hugging Face folder (see the module doc)."""
+    kind = folder_kind(path)
+    if kind == "run":
+        return load_run(path)
+    if kind == "hf":
+        return load_hf(path)
+    return load_export(path)
+
+
+def load_hf(path: str | Path) -> Served:
+    from omnijax.data.tokenizer import load_tokenizer
+    from omnijax.interop import hf
+
+    p = Path(path)
+    if not (p / "tokenizer.json").is_file():
+        raise UserError(f"{p}: no tokenizer.json next to the weights; copy the model's tokenizer files into it")
+    model = hf.load_model(p)
+    tok = load_tokenizer(str(p))
+    return Served(model, tok, _eos_ids(tok, p), "hf", {"folder": str(p)})
+
+
+def load_export(path: str | Path) -> Served:
+    try:
+        from omnijax.interop import bundle
+    except ImportError:
+        raise UserError(f"{path}: reading an export folder needs omnijax/interop/bundle.py (recipes export)") from None
+    got = bundle.read_bundle(path)
+    model, tok = got["model"], got["tokenizer"]
+    llm_dir = Path(path) / "llm"
+    return Served(model, tok, _eos_ids(tok, llm_dir if llm_dir.is_dir() else None), "export",
+                  {"folder": str(path)})
+
+
+def _model_config(model: dict) -> Any:
+    """The run's `model` section: a multimodal config (with `llm`) or an LLM config."""
+    if "llm" in model:
+        from omnijax.mm_config import MMConfig
+
+        return from_dict(MMConfig, model, "model.")
+    return from_dict(LLMConfig, model, "model.")
+
+
+def _tokenizer_path(cfg: dict) -> str:
+    tok = (cfg.get("tokenizer") or {}).get("path") or ""
+    if not tok:
+        tok = (cfg.get("init") or {}).get("llm") or ""
+    return str(tok)
+
+
+def load_run(path: str | Path) -> Served:
+    """A run folder's latest checkpoint: its parameters on this host's first device, config, tokenizer."""
+    import orbax.checkpoint as ocp
+
+    from omnijax.data.tokenizer import check_vocab, load_tokenizer
+    from omnijax.models.llm import LLM
+    from omnijax.models.mllm import MultimodalModel
+
+    run = Path(path)
+    try:
+        cfg = json.loads((run / "config.json").read_text())
+    except ValueError:
+        raise UserError(f"{run / 'config.json'}: not valid JSON") from None
+    if "model" not in cfg:
+        raise UserError(f"{run / 'config.json'}: no model section; is this a training run folder?")
+    model_cfg = _model_config(cfg["model"])
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir()
+                   if p.name.isdigit() and (p / "state").is_dir())
+    if not steps:
+        raise UserError(f"{run}/checkpoints holds no finished checkpoint; train with trainer.checkpoint_every>0 "
+                        "(the last step is always saved)")
+    step = steps[-1]
+    state_dir = (run / "checkpoints" / str(step) / "state").absolute()
+    multimodal = not isinstance(model_cfg, LLMConfig)
+    build = (lambda: MultimodalModel(model_cfg, rngs=nnx.Rngs(0))) if multimodal else \
+        (lambda: LLM(model_cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(build)
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    flat = {tuple(str(k) for k in path): v for path, v in nnx.to_flat_state(params)}
+    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
+    meta = getattr(meta, "item_metadata", meta)
+    meta = getattr(meta, "tree", meta)
+    saved = {tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in p): m
+             for p, m in jax.tree_util.tree_flatten_with_path(meta.get("params", {}) if isinstance(meta, dict) else {})[0]}
+    wanted = {k + ("value",): v for k, v in flat.items()}
+    missing = [k for k in wanted if k not in saved]
+    if missing:
+        hint = (" (the run trained with a pipelined layout: its blocks are stacked per stage; export it with "
+                "`python -m recipes export` or retrain without pp)" if any(k[:2] == ("llm", "stages") for k in saved)
+                else "")
+        raise UserError(f"{state_dir}: the checkpoint's parameters do not fit config.json's model, e.g. "
+                        f"{'.'.join(missing[0][:-1])} is missing{hint}")
+    target: dict = {}
+    for key, v in wanted.items():
+        node = target
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device)
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=device, global_shape=s.shape, dtype=s.dtype),
+                                target)
+    restored = ocp.PyTreeCheckpointer().restore(
+        state_dir, args=ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
+                                               partial_restore=True))["params"]
+    for key, v in flat.items():
+        node = restored
+        for part in key:
+            node = node[part]
+        v.set_value(node["value"])
+    model = nnx.merge(graphdef, params, rest)
+    tok_path = _tokenizer_path(cfg)
+    tok = load_tokenizer(tok_path)
+    check_vocab(tok, (model_cfg.llm if multimodal else model_cfg).vocab_size)
+    hf_dir = Path(tok_path) if tok_path and (Path(tok_path) / "config.json").is_file() else None
+    return Served(model, tok, _eos_ids(tok, hf_dir), "run", {"folder": str(run), "step": step,
+                                                             "tokenizer": tok_path or "byte-level"})
+
+
