@@ -64,7 +64,10 @@ def main(argv: list[str]) -> int:
     from omnijax.serve.prompts import read_prompts
 
     sampling = SamplingConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed).check()
-    folder_kind(folders[0])  # a wrong folder is named before the prompts are read
+    folder_kind(folders[0])  # a wrong folder or prompts file is named before the model is read
+    if not Path(cfg.prompts).is_file():
+        raise ConfigError(f"prompts={cfg.prompts}: file not found; write one JSON record per line "
+                          "({\"segments\": [...]} or a LLaVA conversation without the answer)")
     t0 = time.perf_counter()
     served = load(folders[0])
     prompts = read_prompts(cfg.prompts, served.tokenizer)

@@ -52,12 +52,15 @@ def folder_kind(path: str | Path) -> str:
 
 
 def _eos_ids(tok: Any, hf_folder: Path | None = None) -> tuple[int, ...]:
-    """The tokenizer's eos, plus the ids a Hugging Face folder's generation_config.json ends on."""
+    """The tokenizer's eos, plus the `eos_token_id`s of a Hugging Face folder's generation_config.json and
+    config.json: the ids transformers' generate stops on for that folder."""
     ids = {int(tok.eos)} if getattr(tok, "eos", None) is not None else set()
-    if hf_folder is not None and (hf_folder / "generation_config.json").is_file():
+    for name in ("generation_config.json", "config.json"):
+        if hf_folder is None or not (hf_folder / name).is_file():
+            continue
         try:
-            extra = json.loads((hf_folder / "generation_config.json").read_text()).get("eos_token_id")
-        except ValueError:
+            extra = json.loads((hf_folder / name).read_text()).get("eos_token_id")
+        except (ValueError, AttributeError):
             extra = None
         ids |= {int(i) for i in (extra if isinstance(extra, list) else [extra]) if isinstance(i, int)}
     return tuple(sorted(ids))
