@@ -220,6 +220,12 @@ def test_generate_recipe_end_to_end_and_bad_input(mm_model, tmp_path):
         read_prompts(prompts, tokenizer.BYTE_TOKENIZER), SamplingConfig(max_new_tokens=5))
     assert [r["tokens"] for r in rows] == [g.tokens for g in lib]
     assert [r["prompt_tokens"] for r in rows] == [g.prompt_tokens for g in lib]
+    # an export folder (recipes export's format) of the same model gives the same answers
+    from omnijax.interop import bundle
+    exported = bundle.write_bundle(tmp_path / "export", cfg, nnx.state(model, nnx.Param))
+    out2 = tmp_path / "out2.jsonl"
+    assert recipe.main([str(exported), f"prompts={prompts}", f"output={out2}", "max_new_tokens=5"]) == 0
+    assert [json.loads(line)["tokens"] for line in out2.read_text().splitlines()] == [r["tokens"] for r in rows]
     # the conversation: default template up to "Assistant:", the reference answer left out
     assert tokenizer.decode(rows[1]["prompt_tokens"]).endswith("how many?\nAssistant:")
     assert rows[2]["prompt_tokens"] == tokenizer.encode("the quick brown fox").tolist()

@@ -89,15 +89,20 @@ def load_hf(path: str | Path) -> Served:
 
 
 def load_export(path: str | Path) -> Served:
-    try:
-        from omnijax.interop import bundle
-    except ImportError:
-        raise UserError(f"{path}: reading an export folder needs omnijax/interop/bundle.py (recipes export)") from None
+    """An export folder (omnijax.json + llm/ + encoders/ + projector.safetensors) through `bundle.read_bundle`."""
+    from omnijax.data.tokenizer import check_vocab, load_tokenizer
+    from omnijax.interop import bundle
+    from omnijax.models.mllm import MultimodalModel
+
     got = bundle.read_bundle(path)
-    model, tok = got["model"], got["tokenizer"]
+    graphdef, _, rest = nnx.split(nnx.eval_shape(lambda: MultimodalModel(got.config, rngs=nnx.Rngs(0))),
+                                  nnx.Param, ...)
+    model = nnx.merge(graphdef, got.params, rest)
+    tok = load_tokenizer(got.tokenizer)
+    check_vocab(tok, got.config.llm.vocab_size)
     llm_dir = Path(path) / "llm"
     return Served(model, tok, _eos_ids(tok, llm_dir if llm_dir.is_dir() else None), "export",
-                  {"folder": str(path)})
+                  {"folder": str(path), "tokenizer": got.tokenizer or "byte-level"})
 
 
 def _model_config(model: dict) -> Any:
