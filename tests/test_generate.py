@@ -242,3 +242,28 @@ def test_generate_recipe_end_to_end_and_bad_input(mm_model, tmp_path):
                          capture_output=True, text=True, timeout=300)
     lines = [line for line in cli.stderr.splitlines() if line.startswith("error:")]
     assert cli.returncode == 2 and len(lines) == 1 and "missing.png" in lines[0], cli.stderr[-500:]
+
+
+def test_conversation_prompt_is_training_layout_up_to_the_answer(tmp_path):
+    """A conversation prompt is exactly the tokens training sees before the answer, with the chat template's
+    generation prompt; the trailing reference answer is left out (no jax involved)."""
+    from test_tokenizer import make_hf
+
+    from omnijax.data import formats
+
+    tok = tokenizer.load_tokenizer(str(make_hf(tmp_path / "chatml")))
+    conv = {"conversations": [{"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A cat."}],
+            "image": "a.png"}
+    media = lambda p, m: np.zeros((4, 4, 3), np.float32)  # noqa: E731
+    resolve = Path
+    parts = formats.prompt(conv, tok, media, resolve, "t")
+    train = formats.build(conv, tok, media, resolve, "t")
+    assert [m for m, _, _ in parts] == ["text", "image", "text"]
+    ids = np.concatenate([v for m, v, _ in parts if m == "text"]).tolist()
+    train_ids = np.concatenate([v for m, v, _ in train if m == "text"])
+    train_loss = np.concatenate([np.full(len(v), bool(loss)) for m, v, loss in train if m == "text"])
+    first_answer = int(np.argmax(train_loss))
+    assert ids == train_ids[:first_answer].tolist()  # the same tokens as training, up to the answer
+    rendered = formats.render(tok, [{"role": "user", "content": "<image>\nWhat is this?"}], add_generation_prompt=True)
+    assert tok._tok.decode(ids, skip_special_tokens=False) == rendered.replace("<image>", "")
+    assert rendered.endswith("<|im_start|>assistant\n")
