@@ -27,6 +27,7 @@ class GenerateBench:
     vocab: int = 512
     repeats: int = 3
     seed: int = 0
+    torch_device: str = "cpu"          # where transformers runs (cpu, the comparison; cuda on a GPU machine)
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -64,9 +65,11 @@ def run(overrides: list[str]) -> Iterator[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_pretrained(tmp)
         model = hf.load_model(tmp)
+    ref = ref.to(cfg.torch_device)
     gen = Generator(model)
     rng = np.random.default_rng(cfg.seed)
-    common = {"device": jax.devices()[0].device_kind, "torch_threads": torch.get_num_threads(),
+    common = {"device": jax.devices()[0].device_kind, "torch_device": cfg.torch_device,
+              "torch_threads": torch.get_num_threads(),
               "model": f"llama {cfg.layers}x{cfg.hidden} vocab {cfg.vocab}", "cpu_count": os.cpu_count()}
 
     def ours(prompts, n):
@@ -74,8 +77,10 @@ def run(overrides: list[str]) -> Iterator[dict]:
 
     def theirs(prompts, n):
         with torch.no_grad():
-            out = ref.generate(torch.tensor(np.array(prompts)), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            out = ref.generate(torch.tensor(np.array(prompts), device=cfg.torch_device), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                pad_token_id=0, eos_token_id=None)
+        if cfg.torch_device.startswith("cuda"):
+            torch.cuda.synchronize()
         return out[:, len(prompts[0]):].tolist()
 
     prompts = rng.integers(0, cfg.vocab, (cfg.batch, cfg.prompt_len)).tolist()
