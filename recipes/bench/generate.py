@@ -77,8 +77,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
 
     def theirs(prompts, n):
         with torch.no_grad():
-            out = ref.generate(torch.tensor(np.array(prompts), device=cfg.torch_device), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=0, eos_token_id=None)
+            out = ref.generate(torch.tensor(np.array(prompts), device=cfg.torch_device), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
         if cfg.torch_device.startswith("cuda"):
             torch.cuda.synchronize()
         return out[:, len(prompts[0]):].tolist()
