@@ -237,6 +237,11 @@ def test_generate_recipe_end_to_end_and_bad_input(mm_model, tmp_path):
         recipe.main([str(run), f"prompts={bad}", f"output={out}"])
     with pytest.raises(UserError, match="neither a run folder"):
         recipe.main([str(tmp_path), f"prompts={prompts}", f"output={out}"])
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    (empty / "config.json").write_text((run / "config.json").read_text())
+    with pytest.raises(UserError, match="has no checkpoint"):
+        recipe.main([str(empty), f"prompts={prompts}", f"output={out}"])
     # the command line prints one line and exits non-zero
     cli = subprocess.run([sys.executable, "-m", "recipes", "generate", str(run), f"prompts={bad}", f"output={out}"],
                          capture_output=True, text=True, timeout=300)

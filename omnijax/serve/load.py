@@ -39,14 +39,15 @@ def folder_kind(path: str | Path) -> str:
                         "(`python -m recipes export RUN output=DIR`) or a Hugging Face LLM folder")
     if (p / "omnijax.json").is_file():
         return "export"
-    if (p / "checkpoints").is_dir() and (p / "config.json").is_file():
-        return "run"
     if (p / "config.json").is_file():
         try:
-            if "model_type" in json.loads((p / "config.json").read_text()):
-                return "hf"
+            cfg = json.loads((p / "config.json").read_text())
         except ValueError:
             raise UserError(f"{p / 'config.json'}: not valid JSON") from None
+        if isinstance(cfg, dict) and "model_type" in cfg:
+            return "hf"
+        if isinstance(cfg, dict) and "model" in cfg:
+            return "run"   # a run without a checkpoint is named by warmstart.latest_step
     raise UserError(f"{path}: neither a run folder (config.json + checkpoints/), an export folder (omnijax.json) "
                     "nor a Hugging Face LLM folder (config.json with model_type)")
 
@@ -122,64 +123,25 @@ def _tokenizer_path(cfg: dict) -> str:
 
 
 def load_run(path: str | Path) -> Served:
-    """A run folder's latest checkpoint: its parameters on this host's first device, config, tokenizer."""
-    import orbax.checkpoint as ocp
-
+    """A run folder's latest checkpoint (parameters only, through `train.warmstart.params_from_run`) on this
+    host's first device, with the run's model config and tokenizer."""
     from omnijax.data.tokenizer import check_vocab, load_tokenizer
     from omnijax.models.llm import LLM
     from omnijax.models.mllm import MultimodalModel
+    from omnijax.train import warmstart
 
     run = Path(path)
-    try:
-        cfg = json.loads((run / "config.json").read_text())
-    except ValueError:
-        raise UserError(f"{run / 'config.json'}: not valid JSON") from None
+    cfg = warmstart.run_config(run)
     if "model" not in cfg:
         raise UserError(f"{run / 'config.json'}: no model section; is this a training run folder?")
     model_cfg = _model_config(cfg["model"])
-    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir()
-                   if p.name.isdigit() and (p / "state").is_dir())
-    if not steps:
-        raise UserError(f"{run}/checkpoints holds no finished checkpoint; train with trainer.checkpoint_every>0 "
-                        "(the last step is always saved)")
-    step = steps[-1]
-    state_dir = (run / "checkpoints" / str(step) / "state").absolute()
     multimodal = not isinstance(model_cfg, LLMConfig)
     build = (lambda: MultimodalModel(model_cfg, rngs=nnx.Rngs(0))) if multimodal else \
         (lambda: LLM(model_cfg, rngs=nnx.Rngs(0)))
-    abstract = nnx.eval_shape(build)
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, abstract, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    flat = {tuple(str(k) for k in path): v for path, v in nnx.to_flat_state(params)}
-    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
-    meta = getattr(meta, "item_metadata", meta)
-    meta = getattr(meta, "tree", meta)
-    saved = {tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in p): m
-             for p, m in jax.tree_util.tree_flatten_with_path(meta.get("params", {}) if isinstance(meta, dict) else {})[0]}
-    wanted = {k + ("value",): v for k, v in flat.items()}
-    missing = [k for k in wanted if k not in saved]
-    if missing:
-        hint = (" (the run trained with a pipelined layout: its blocks are stacked per stage; export it with "
-                "`python -m recipes export` or retrain without pp)" if any(k[:2] == ("llm", "stages") for k in saved)
-                else "")
-        raise UserError(f"{state_dir}: the checkpoint's parameters do not fit config.json's model, e.g. "
-                        f"{'.'.join(missing[0][:-1])} is missing{hint}")
-    target: dict = {}
-    for key, v in wanted.items():
-        node = target
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-        node[key[-1]] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device)
-    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=device, global_shape=s.shape, dtype=s.dtype),
-                                target)
-    restored = ocp.PyTreeCheckpointer().restore(
-        state_dir, args=ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
-                                               partial_restore=True))["params"]
-    for key, v in flat.items():
-        node = restored
-        for part in key:
-            node = node[part]
-        v.set_value(node["value"])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+    params, step = warmstart.params_from_run(run, target, key="DIR")
     model = nnx.merge(graphdef, params, rest)
     tok_path = _tokenizer_path(cfg)
     tok = load_tokenizer(tok_path)
@@ -187,5 +149,3 @@ def load_run(path: str | Path) -> Served:
     hf_dir = Path(tok_path) if tok_path and (Path(tok_path) / "config.json").is_file() else None
     return Served(model, tok, _eos_ids(tok, hf_dir), "run", {"folder": str(run), "step": step,
                                                              "tokenizer": tok_path or "byte-level"})
-
-
