@@ -91,7 +91,7 @@ def load_hf(path: str | Path) -> Served:
 
 def load_export(path: str | Path) -> Served:
     """An export folder (omnijax.json + llm/ + encoders/ + projector.safetensors) through `bundle.read_bundle`."""
-    from omnijax.data.tokenizer import check_vocab, load_tokenizer
+    from omnijax.data.tokenizer import check_llm_vocab, load_tokenizer
     from omnijax.interop import bundle
     from omnijax.models.mllm import MultimodalModel
 
@@ -100,7 +100,7 @@ def load_export(path: str | Path) -> Served:
                                   nnx.Param, ...)
     model = nnx.merge(graphdef, got.params, rest)
     tok = load_tokenizer(got.tokenizer)
-    check_vocab(tok, got.config.llm.vocab_size)
+    check_llm_vocab(tok, got.config.llm.vocab_size, f"export folder {path}")
     llm_dir = Path(path) / "llm"
     return Served(model, tok, _eos_ids(tok, llm_dir if llm_dir.is_dir() else None), "export",
                   {"folder": str(path), "tokenizer": got.tokenizer or "byte-level"})
@@ -125,7 +125,7 @@ def _tokenizer_path(cfg: dict) -> str:
 def load_run(path: str | Path) -> Served:
     """A run folder's latest checkpoint (parameters only, through `train.warmstart.params_from_run`) on this
     host's first device, with the run's model config and tokenizer."""
-    from omnijax.data.tokenizer import check_vocab, load_tokenizer
+    from omnijax.data.tokenizer import check_llm_vocab, load_tokenizer
     from omnijax.models.llm import LLM
     from omnijax.models.mllm import MultimodalModel
     from omnijax.train import warmstart
@@ -145,7 +145,7 @@ def load_run(path: str | Path) -> Served:
     model = nnx.merge(graphdef, params, rest)
     tok_path = _tokenizer_path(cfg)
     tok = load_tokenizer(tok_path)
-    check_vocab(tok, (model_cfg.llm if multimodal else model_cfg).vocab_size)
+    check_llm_vocab(tok, (model_cfg.llm if multimodal else model_cfg).vocab_size, f"run {run}")
     hf_dir = Path(tok_path) if tok_path and (Path(tok_path) / "config.json").is_file() else None
     return Served(model, tok, _eos_ids(tok, hf_dir), "run", {"folder": str(run), "step": step,
                                                              "tokenizer": tok_path or "byte-level"})
