@@ -125,6 +125,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    lr_scale: dict[str, float] = field(default_factory=dict)  # part -> factor on the schedule, e.g. {vision: 0.1}
 
 
 @dataclass
@@ -140,6 +141,8 @@ class TrainerConfig:
     keep_checkpoints: int = 3
     max_nonfinite_in_row: int = 5
     progress: bool = True
+    # the parts that train (`llm`, `projector`, encoder names); [] = all. Frozen parts hold no optimizer state.
+    trainable: list[str] = field(default_factory=list)
     prefetch: int = 2        # batches read, planned and transferred ahead in a background thread (0 = inline)
     # Stale data parallelism (omnijax/train/staleness.py): apply the all-reduced gradient one step late.
     staleness: Literal["sync", "stale1", "stale1+dc", "stale1+wp", "stale1+dc+wp"] = "sync"

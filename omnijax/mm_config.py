@@ -40,6 +40,12 @@ class VisionConfig:
     head: bool = False           # attention-pooling head per image (SigLIP's head); not fed to the LLM
     patch_bias: bool = True
     attention: Literal["auto", "reference", "blockwise", "cudnn"] = "auto"  # as model.llm.attention
+    # Preprocessing of a pretrained tower (its preprocessor_config.json; see omnijax/data/features.py):
+    image_size: int = 0          # > 0: every image/frame resized to image_size^2 (SigLIP), grid = image_size // patch
+    resample: Literal["box", "nearest", "bilinear", "bicubic", "lanczos"] = "box"  # filter of that resize
+    image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])  # normalize: (x - mean) / std
+    image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    frame_attention: bool = False  # video frames attend within their own frame (an image tower, LLaVA-Video)
 
 
 @dataclass
@@ -61,6 +67,24 @@ class AudioConfig:
 
 
 @dataclass
+class WhisperConfig(AudioConfig):
+    """Whisper's encoder (omnijax/models/whisper.py) and its log-mel features (WhisperFeatureExtractor):
+    conv stem (kernel 3, the second with stride 2: `reduction` = 2), sinusoidal positions, pre-LN blocks."""
+    kind: str = "whisper"
+    n_mels: int = 80
+    reduction: int = 2
+    embed_dim: int = 64
+    mlp_dim: int = 256
+    norm_eps: float = 1e-5
+    max_source_positions: int = 1500  # encoder tokens of a 30 s window; longer clips are cut there (as HF does)
+    activation: Literal["gelu", "gelu_new", "relu"] = "gelu"
+
+    @property
+    def max_frames(self) -> int:
+        return 2 * self.max_source_positions
+
+
+@dataclass
 class ProjectorConfig:
     hidden_dim: int = 0          # 0 = LLM width
     norm: bool = True            # layernorm on the encoder output first
@@ -76,7 +100,7 @@ class MMConfig:
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
 
 
-ENCODER_CONFIGS: dict[str, type] = {"vit": VisionConfig, "audio": AudioConfig}
+ENCODER_CONFIGS: dict[str, type] = {"vit": VisionConfig, "audio": AudioConfig, "whisper": WhisperConfig}
 
 
 def register_encoder_config(kind: str, cls: type) -> None:
@@ -108,6 +132,10 @@ def validate_encoder(name: str, cfg: Any) -> Any:
                 raise ConfigError(f"{where}.{f}={getattr(cfg, f)}: must be > 0")
         if cfg.max_side < cfg.patch * cfg.merge:
             raise ConfigError(f"{where}.max_side={cfg.max_side} must be >= patch*merge={cfg.patch * cfg.merge}")
+        if cfg.image_size and cfg.image_size < cfg.patch * cfg.merge:
+            raise ConfigError(f"{where}.image_size={cfg.image_size} must be 0 or >= patch*merge={cfg.patch * cfg.merge}")
+        if len(cfg.image_mean) != 3 or len(cfg.image_std) != 3 or min(cfg.image_std) <= 0:
+            raise ConfigError(f"{where}.image_mean/image_std: three values each, std > 0")
     if isinstance(cfg, AudioConfig):
         for f in ("n_mels", "n_fft", "hop", "reduction", "sample_rate"):
             if getattr(cfg, f) <= 0:
@@ -142,8 +170,11 @@ def _target_sides(h: int, w: int, unit: int, max_side: int | None) -> tuple[int,
 
 
 def vision_grid(shape: tuple[int, ...], patch: int, temporal_patch: int = 1, merge: int = 2,
-                max_side: int | None = None) -> tuple[int, int, int]:
-    """(t, h, w) patch grid of an image [H, W, 3] or a video [T, H, W, 3], from its shape only."""
+                max_side: int | None = None, image_size: int = 0) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of an image [H, W, 3] or a video [T, H, W, 3], from its shape only.
+
+    image_size > 0 (a fixed-input tower such as SigLIP): every frame becomes image_size^2 pixels, of
+    which the top-left (image_size // (patch*merge)) units are patched (a valid convolution's cover)."""
     shape = tuple(int(d) for d in shape)
     if len(shape) == 3:
         frames, (h, w) = 1, shape[:2]
@@ -157,6 +188,9 @@ def vision_grid(shape: tuple[int, ...], patch: int, temporal_patch: int = 1, mer
         raise BadSample(f"video with zero frames (shape {shape})")
     if h <= 0 or w <= 0:
         raise BadSample(f"empty image (shape {shape})")
+    if image_size:
+        side = image_size // (patch * merge) * merge
+        return math.ceil(frames / temporal_patch), side, side
     th, tw = _target_sides(h, w, patch * merge, max_side)
     return math.ceil(frames / temporal_patch), th // patch, tw // patch
 
@@ -190,13 +224,15 @@ def encoder_tokens(modality: str, shape: tuple[int, ...], cfg: Any) -> tuple[int
             raise BadSample(f"modality {modality!r} needs a vision encoder config, got {type(enc).__name__}")
         if modality == "image" and len(shape) != 3 or modality == "video" and len(shape) != 4:
             raise BadSample(f"{modality} of shape {tuple(shape)}: wrong rank")
-        t, gh, gw = vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side)
+        t, gh, gw = vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side, enc.image_size)
         n = t * gh * gw
         return n, n // (enc.merge * enc.merge)
     if modality == "audio":
         if not isinstance(enc, AudioConfig):
             raise BadSample(f"modality 'audio' needs an audio encoder config, got {type(enc).__name__}")
         frames = audio_frames(int(shape[0]) if len(shape) else 0, enc.hop)
+        if getattr(enc, "max_frames", 0):
+            frames = min(frames, enc.max_frames)
         n = math.ceil(frames / enc.reduction) * enc.reduction
         return n, n // enc.reduction
     raise BadSample(f"unknown modality {modality!r}")

@@ -104,94 +104,36 @@ def eval_items(world, per_modality: int) -> dict[str, list]:
 
 
 class GreedyDecoder:
-    """Greedy decoding of answers: encoders run once per batch (prefill of the embeddings), then each
-    new token's embedding is written at the next position. Shapes are fixed: one program per phase."""
+    """Greedy answers through the library generator (`omnijax.serve.generate`): encoders and the LLM run once
+    over each batch of prompts (prefill), then one token per step against the KV cache. A prompt that does
+    not fit the eval packer (an encoder capacity, or seq_len with room for the answer) is skipped (None)."""
 
-    def __init__(self, graphdef, rest, packer: Packer, max_new: int):
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
+    def __init__(self, model, packer: Packer, max_new: int):
+        from omnijax.serve.generate import Generator, SamplingConfig
 
         self.packer, self.max_new = packer, max_new
-
-        def prefill(params, batch, zero_encoders):
-            return nnx.merge(graphdef, params, rest).embed(batch, zero_encoders=zero_encoders)
-
-        def step(params, x, seg, pos, cur):
-            model = nnx.merge(graphdef, params, rest)
-            logits, _ = model.llm.forward_embeddings(x, seg, pos)
-            rows = jnp.arange(x.shape[0])
-            nxt = jnp.argmax(logits[rows, cur - 1], axis=-1).astype(jnp.int32)
-            emb = model.llm.embed(nxt[:, None])[:, 0].astype(x.dtype)
-            safe = jnp.minimum(cur, x.shape[1] - 1)
-            return x.at[rows, safe].set(emb), nxt
-
-        self._prefill, self._step = jax.jit(prefill, static_argnums=2), jax.jit(step)
+        self.sampling = SamplingConfig(max_new_tokens=max_new)
+        self.generator = Generator(model, eos_ids=(tokenizer.EOS,), pad_id=tokenizer.PAD)
 
     def answers(self, params, prompts: list[Sample], zero_encoders: bool = False) -> list[str | None]:
         """Decoded answer text per prompt (None: the prompt does not fit and was skipped).
 
         zero_encoders=True replaces every encoder output by zeros (the ablation of eval.json)."""
-
-        B, L = self.packer.B, self.packer.L
-        out: list[str | None] = [None] * len(prompts)
-        batch, rows, fill = self.packer.empty(), [], {name: 0 for name in self.packer.reduction}
-        for k, prompt in enumerate(prompts):  # one prompt per row, room left for the answer
-            if self.packer.sizes(prompt) is None:
+        keep = []
+        for k, prompt in enumerate(prompts):
+            sizes = self.packer.sizes(prompt)
+            if sizes is None:
                 continue
-            one, used = self.packer.pack([prompt])
-            n = int((one["segment_ids"][0] > 0).sum())
-            if not used or n + self.max_new > L:
+            if sizes[0] + self.max_new > self.packer.L:
                 self.packer._skip("eval_prompt_too_long")
                 continue
-            need = {name: int((one[f"{name}_segment_ids"] > 0).sum()) for name in fill}
-            if len(rows) == B or any(fill[e] + need[e] > self.packer.capacity[e] for e in fill):
-                self._decode(params, batch, rows, out, zero_encoders)  # full: decode and start a new batch
-                batch, rows, fill = self.packer.empty(), [], {name: 0 for name in self.packer.reduction}
-            self._place(batch, one, len(rows), n, fill)
-            rows.append((k, n))
-        if rows:
-            self._decode(params, batch, rows, out, zero_encoders)
+            keep.append(k)
+        out: list[str | None] = [None] * len(prompts)
+        results = self.generator.generate([prompts[k] for k in keep], self.sampling, batch_size=self.packer.B,
+                                          zero_encoders=zero_encoders, params=params)
+        for k, r in zip(keep, results):
+            out[k] = tokenizer.decode([i for i in r.tokens if i < 256])
         return out
-
-    def _decode(self, params, batch: dict, rows: list[tuple[int, int]], out: list, zero_encoders: bool) -> None:
-        import jax.numpy as jnp
-
-        cur = np.ones(self.packer.B, np.int32)
-        for r, (_, n) in enumerate(rows):
-            cur[r] = n
-        x = self._prefill(params, batch, zero_encoders)
-        seg, pos = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"])
-        cur_j = jnp.asarray(cur)
-        generated = []
-        for _ in range(self.max_new):
-            x, nxt = self._step(params, x, seg, pos, cur_j)
-            generated.append(np.asarray(nxt))
-            cur_j = cur_j + 1
-        gen = np.stack(generated, axis=1)
-        for r, (k, _) in enumerate(rows):
-            ids = list(gen[r])
-            ids = ids[:ids.index(tokenizer.EOS)] if tokenizer.EOS in ids else ids
-            out[k] = tokenizer.decode([i for i in ids if i < 256])
-
-    def _place(self, batch: dict, one: dict, r: int, n: int, fill: dict[str, int]) -> None:
-        """Copy a single-prompt batch (in row 0) into row r of `batch`, appending to encoder buffers."""
-        L = self.packer.L
-        for k in ("tokens", "segment_ids", "positions"):
-            batch[k][r, :n] = one[k][0, :n]
-        batch["segment_ids"][r, n:n + self.max_new] = 1
-        batch["positions"][r, n:n + self.max_new] = np.arange(n, n + self.max_new)
-        for name, red in self.packer.reduction.items():
-            used = int((one[f"{name}_segment_ids"] > 0).sum())
-            if not used:
-                continue
-            f0 = fill[name]
-            batch[f"{name}_inputs"][f0:f0 + used] = one[f"{name}_inputs"][:used]
-            batch[f"{name}_positions"][f0:f0 + used] = one[f"{name}_positions"][:used]
-            seg = one[f"{name}_segment_ids"][:used]
-            batch[f"{name}_segment_ids"][f0:f0 + used] = seg + (batch[f"{name}_segment_ids"].max() if f0 else 0)
-            batch[f"{name}_dest"][f0 // red:(f0 + used) // red] = one[f"{name}_dest"][:used // red] + r * L
-            fill[name] = f0 + used
 
 
 def accuracy_by_modality(decoder: GreedyDecoder, params, items: dict[str, list],
@@ -441,7 +383,7 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     trainer_ref: dict[str, Any] = {}
 
     def evaluate(params) -> dict:
-        dec = trainer_ref.setdefault("dec", GreedyDecoder(eval_graph, eval_rest, eval_packer, cfg.eval.max_new_tokens))
+        dec = trainer_ref.setdefault("dec", GreedyDecoder(model, eval_packer, cfg.eval.max_new_tokens))
         params = single_device(params)
         acc, per_q = accuracy_by_modality(dec, params, items, examples=trainer_ref.setdefault("examples", {}))
         trainer_ref["per_question"] = per_q

@@ -93,7 +93,7 @@ def _segments(segs: Any, tok: Tokenizer, media_fn, resolve, where: str) -> list[
 
 
 # ---------------------------------------------------------------------------- conversations
-def _messages(obj: dict, where: str) -> list[dict]:
+def _messages(obj: dict, where: str, need_answer: bool = True) -> list[dict]:
     turns = obj.get("conversations", obj.get("messages"))
     if not isinstance(turns, list) or not turns:
         raise BadRecord(f"{where}: 'conversations' must be a non-empty list of turns")
@@ -108,7 +108,7 @@ def _messages(obj: dict, where: str) -> list[dict]:
         if not isinstance(content, str):
             raise BadRecord(f"{where}: turn {k} needs a string 'value' (or 'content')")
         out.append({"role": ROLES[role], "content": content})
-    if not any(m["role"] == "assistant" for m in out):
+    if need_answer and not any(m["role"] == "assistant" for m in out):
         raise BadRecord(f"{where}: no assistant ('gpt') turn, nothing to train on")
     return out
 
@@ -131,6 +131,13 @@ def _media_lists(obj: dict, where: str) -> dict[str, list[str]]:
 def conversation(obj: dict, tok: Tokenizer, media_fn, resolve, where: str) -> list[Part]:
     """A LLaVA-style record -> text/media parts with loss on the assistant's turns only."""
     messages = _messages(obj, where)
+    media = _place_media(obj, messages, where)
+    chunks = template_chunks(messages, tok, where) if tok.chat_template else default_chunks(messages, tok)
+    return _assemble(chunks, media, tok, media_fn, resolve)
+
+
+def _place_media(obj: dict, messages: list[dict], where: str) -> dict[str, list[str]]:
+    """The record's media lists, with a tag put first in the first user turn for media that have none."""
     media = _media_lists(obj, where)
     for m, files in media.items():
         tag = MEDIA_TAGS[m]
@@ -140,8 +147,7 @@ def conversation(obj: dict, tok: Tokenizer, media_fn, resolve, where: str) -> li
             first["content"] = (tag + "\n") * len(files) + first["content"]
         elif n != len(files):
             raise BadRecord(f"{where}: {n} {tag} tag(s) in the text but {len(files)} {m} file(s)")
-    chunks = template_chunks(messages, tok, where) if tok.chat_template else default_chunks(messages, tok)
-    return _assemble(chunks, media, tok, media_fn, resolve)
+    return media
 
 
 def default_chunks(messages: list[dict], tok: Tokenizer) -> list[Chunk]:
@@ -283,3 +289,48 @@ def _assemble(chunks: list[Chunk], media: dict[str, list[str]], tok: Tokenizer, 
         run.append((value[pos:], loss, False))
     flush()
     return parts
+
+
+# ---------------------------------------------------------------------------------- prompts
+def prompt(obj: Any, tok: Tokenizer, media_fn: Callable[[Path, str], Any], resolve: Callable[[str], Path],
+           where: str) -> list[Part]:
+    """A generation prompt from a record of the formats above, laid out as training lays it out up to the
+    answer: `segments` as written, `text` as [bos] + text, a conversation through the chat template with
+    its generation prompt appended (the default template: up to "Assistant:"). A conversation's trailing
+    assistant turn(s), the reference answer, are left out."""
+    try:
+        kind = kind_of(obj)
+    except ValueError as exc:
+        raise BadRecord(f"{where}: {exc}") from None
+    if kind == "segments":
+        return _segments(obj["segments"], tok, media_fn, resolve, where)
+    if kind == "text":
+        if not isinstance(obj["text"], str):
+            raise BadRecord(f"{where}: 'text' must be a string")
+        return [("text", tok.encode(obj["text"], bos=tok.bos is not None), False)]
+    messages = _messages(obj, where, need_answer=False)
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise BadRecord(f"{where}: the conversation has no user turn to answer")
+    media = _place_media(obj, messages, where)
+    if not tok.chat_template:
+        chunks = default_chunks(messages, tok) + [("Assistant:", False, True)]
+        return _assemble(chunks, media, tok, media_fn, resolve)
+    marks = [f"\ue000{k}\ue001" for k in range(len(messages))]
+    check_template(tok)
+    try:
+        full = render(tok, [{"role": m["role"], "content": s} for m, s in zip(messages, marks)],
+                      add_generation_prompt=True)
+    except Exception as exc:  # jinja's TemplateError / raise_exception, or a template bug
+        raise BadRecord(f"{where}: the chat template failed on this conversation ({exc})") from None
+    chunks: list[Chunk] = []
+    cursor = 0
+    for k, msg in enumerate(messages):
+        i = full.find(marks[k], cursor)
+        if i < 0:
+            raise BadRecord(f"{where}: the chat template does not render turn {k} in order")
+        chunks += [(full[cursor:i], False, True), (msg["content"], False, False)]
+        cursor = i + len(marks[k])
+    chunks.append((full[cursor:], False, True))
+    return _assemble([c for c in chunks if c[0] != ""], media, tok, media_fn, resolve)

@@ -87,6 +87,7 @@ class Tokenizer:
     pad: int
     placeholder: dict[str, int]
     vocab_size: int
+    text_vocab_size: int   # ids other than the media placeholders omnijax added (what an LLM's table must hold)
     fingerprint: str
     chat_template: str | None = None
     special_strings: dict[str, str]   # "bos_token"/"eos_token"/"pad_token"/"unk_token" -> text, for templates
@@ -163,6 +164,7 @@ class ByteTokenizer(Tokenizer):
     bos, eos, pad = BOS, EOS, PAD
     placeholder = dict(PLACEHOLDER)
     vocab_size = VOCAB_SIZE
+    text_vocab_size = VOCAB_SIZE
     chat_template = None
     special_strings = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
     fingerprint = hashlib.sha256(json.dumps({"kind": "omnijax-bytes-v1", "specials": SPECIALS,
@@ -223,6 +225,9 @@ class HFTokenizer(Tokenizer):
         config = self._json(folder / "tokenizer_config.json")
         smap = self._json(folder / "special_tokens_map.json")
         self.name = str(folder)
+        own = self._tok.get_vocab(with_added_tokens=True)
+        # ids of the tokenizer itself, before the media tags omnijax adds (those never reach an embedding table)
+        self.text_vocab_size = max(own.values()) + 1 if own else 0
         absent = [AddedToken(t, special=True, normalized=False, single_word=False, lstrip=False, rstrip=False)
                   for t in MEDIA_TAGS.values()]
         self._tok.add_special_tokens(absent)  # reuses the id of a tag the vocabulary already has
@@ -307,3 +312,13 @@ def check_vocab(tok: Tokenizer, model_vocab_size: int) -> None:
         raise ConfigError(f"model.llm.vocab_size={model_vocab_size} is smaller than the vocabulary of tokenizer "
                           f"{tok.name} ({tok.vocab_size} ids incl. added tokens); set model.llm.vocab_size>="
                           f"{tok.vocab_size}")
+
+
+def check_llm_vocab(tok: Tokenizer, model_vocab_size: int, where: str) -> None:
+    """A pretrained LLM keeps its vocabulary: every text id of `tok` must fit it (media placeholders need not,
+    they never reach the embedding table). One clear line otherwise."""
+    from omnijax.errors import ConfigError
+    if tok.text_vocab_size > model_vocab_size:
+        raise ConfigError(f"tokenizer {tok.name} has {tok.text_vocab_size} ids but the LLM ({where}) has "
+                          f"vocab_size={model_vocab_size}: use the LLM's own tokenizer (tokenizer.path = its folder) "
+                          "and convert the data with it")

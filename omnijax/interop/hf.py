@@ -147,29 +147,40 @@ def _bias(shape):
     return (lambda w: w.reshape(shape)), (lambda p: p.reshape(-1))
 
 
-def _weight_map(model: LLM) -> Iterator[tuple[str, nnx.Variable, Callable, Callable]]:
-    """(HF name, omnijax variable, HF->omnijax, omnijax->HF) for every weight."""
-    yield "model.embed_tokens.weight", model.embedding, *_same(model.embedding.shape)
+def weight_layout(model: LLM) -> Iterator[tuple[str, nnx.Variable, str]]:
+    """(HF name, omnijax variable, layout kind) for every weight, in the HF checkpoint's order.
+
+    Kinds: "same" (identical arrays), "linear_in" (omnijax [in, *out] = HF [prod(out), in].T),
+    "linear_out" (omnijax [*in, out] = HF [out, prod(in)].T), "bias" (omnijax [heads, Dh] = HF [heads*Dh])."""
+    yield "model.embed_tokens.weight", model.embedding, "same"
     for i, blk in enumerate(model.blocks):
         if blk.is_moe:
             raise UserError(f"layer {i} is a mixture-of-experts layer; Llama/Qwen2 checkpoints have no MoE layers")
         pre = f"model.layers.{i}."
         a = blk.attn
-        yield pre + "input_layernorm.weight", blk.attn_norm.scale, *_same(blk.attn_norm.scale.shape)
-        yield pre + "post_attention_layernorm.weight", blk.mlp_norm.scale, *_same(blk.mlp_norm.scale.shape)
+        yield pre + "input_layernorm.weight", blk.attn_norm.scale, "same"
+        yield pre + "post_attention_layernorm.weight", blk.mlp_norm.scale, "same"
         for name in ("q", "k", "v"):
-            var = getattr(a, name)
-            yield pre + f"self_attn.{name}_proj.weight", var, *_linear_in(var.shape)
+            yield pre + f"self_attn.{name}_proj.weight", getattr(a, name), "linear_in"
             bias = getattr(a, f"{name}_bias")
             if bias is not None:
-                yield pre + f"self_attn.{name}_proj.bias", bias, *_bias(bias.shape)
-        yield pre + "self_attn.o_proj.weight", a.o, *_linear_out(a.o.shape)
-        yield pre + "mlp.gate_proj.weight", blk.mlp.gate, *_linear_in(blk.mlp.gate.shape)
-        yield pre + "mlp.up_proj.weight", blk.mlp.up, *_linear_in(blk.mlp.up.shape)
-        yield pre + "mlp.down_proj.weight", blk.mlp.down, *_linear_in(blk.mlp.down.shape)
-    yield "model.norm.weight", model.final_norm.scale, *_same(model.final_norm.scale.shape)
+                yield pre + f"self_attn.{name}_proj.bias", bias, "bias"
+        yield pre + "self_attn.o_proj.weight", a.o, "linear_out"
+        yield pre + "mlp.gate_proj.weight", blk.mlp.gate, "linear_in"
+        yield pre + "mlp.up_proj.weight", blk.mlp.up, "linear_in"
+        yield pre + "mlp.down_proj.weight", blk.mlp.down, "linear_in"
+    yield "model.norm.weight", model.final_norm.scale, "same"
     if model.lm_head is not None:
-        yield "lm_head.weight", model.lm_head, *_linear_in(model.lm_head.shape)
+        yield "lm_head.weight", model.lm_head, "linear_in"
+
+
+_KINDS = {"same": _same, "linear_in": _linear_in, "linear_out": _linear_out, "bias": _bias}
+
+
+def _weight_map(model: LLM) -> Iterator[tuple[str, nnx.Variable, Callable, Callable]]:
+    """(HF name, omnijax variable, HF->omnijax, omnijax->HF) for every weight."""
+    for name, var, kind in weight_layout(model):
+        yield name, var, *_KINDS[kind](var.shape)
 
 
 # --------------------------------------------------------------------------------- files

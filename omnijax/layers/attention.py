@@ -286,3 +286,32 @@ class Attention(nnx.Module):
         attn = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                                      q_positions=positions, kv_positions=positions, causal=True, impl=self.impl)
         return self.output(attn)
+
+    # ------------------------------------------------------------------ KV-cache path (generation)
+    # Beside the training forward above, which stays as it is: generation computes k/v once per token and
+    # keeps them in a cache [B, S, KVH, Dh] whose slot s holds position s of the row (one prompt per row,
+    # written from slot 0), so the per-token cost does not grow with the prefix.
+    def prefill(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache_k: jax.Array,
+                cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The prompt's attention (as ``__call__``) and its k/v written into cache slots [0, L)."""
+        q, k, v = self.project_qkv(x, positions)
+        attn = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                                     q_positions=positions, kv_positions=positions, causal=True, impl=self.impl)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, 0, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, 0, 0))
+        return self.output(attn), cache_k, cache_v
+
+    def decode(self, x: jax.Array, positions: jax.Array, cache_k: jax.Array,
+               cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One new token per row: x [B, 1, D] at positions [B]; its k/v go to slot ``positions`` and it
+        attends to slots 0..positions of its row (the causal mask of the full forward, read from the cache)."""
+        b, s = cache_k.shape[:2]
+        q, k, v = self.project_qkv(x, positions[:, None])
+        rows = jnp.arange(b)
+        cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
+        cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
+        slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        attn = reference_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+                                   q_segment_ids=jnp.ones((b, 1), jnp.int32), kv_segment_ids=jnp.ones((b, s), jnp.int32),
+                                   q_positions=positions[:, None].astype(jnp.int32), kv_positions=slots, causal=True)
+        return self.output(attn), cache_k, cache_v

@@ -59,6 +59,26 @@ class Block(nnx.Module):
             y, aux = self.mlp(h), zero_aux()
         return x + y, aux
 
+    # KV-cache path (generation), beside the training forward: the same layer, k/v kept per token
+    def _ffn(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        h = self.mlp_norm(x)
+        return x + (self.mlp(h, segment_ids)[0] if self.is_moe else self.mlp(h))
+
+    def prefill(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+                cache: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """``__call__`` over the prompt, its k/v written into the layer's cache (k, v)."""
+        a, k, v = self.attn.prefill(self.attn_norm(x), segment_ids, positions, *cache)
+        return self._ffn(x + a, segment_ids), (k, v)
+
+    def decode(self, x: jax.Array, positions: jax.Array,
+               cache: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """One token per row (x [B, 1, D] at positions [B]) against the layer's cache."""
+        a, k, v = self.attn.decode(self.attn_norm(x), positions, *cache)
+        return self._ffn(x + a, jnp.ones(x.shape[:2], jnp.int32)), (k, v)
+
+
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v), each [B, S, KVH, Dh]
+
 
 def run_block(fn: Callable[..., Any], block: nnx.Module, *args: Any, remat: Any = "none") -> Any:
     """``fn(block, *args)`` under the remat mode: the layer's activations are recomputed in the backward
@@ -132,10 +152,37 @@ class LLM(nnx.Module):
             aux = {k: aux[k] + block_aux[k] for k in AUX_KEYS}
         return self.logits(self.final_norm(x)), aux
 
+    # ------------------------------------------------------------------ KV-cache path (generation)
+    def prefill(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, last: jax.Array,
+                cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Prompt embeddings x [B, L, D] (one prompt per row from index 0, right-padded with segment id 0)
+        -> (float32 logits [B, V] at index ``last`` [B] of each row, the cache holding slots [0, L))."""
+        new = []
+        for block, layer_cache in zip(self.blocks, cache):
+            x, layer_cache = block.prefill(x, segment_ids, positions, layer_cache)
+            new.append(layer_cache)
+        h = jnp.take_along_axis(x, last.astype(jnp.int32)[:, None, None], axis=1)  # [B, 1, D]
+        return self.logits(self.final_norm(h))[:, 0], tuple(new)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """One token per row (tokens [B] at positions [B]) -> (float32 logits [B, V], updated cache)."""
+        x = self.embed(tokens[:, None])
+        new = []
+        for block, layer_cache in zip(self.blocks, cache):
+            x, layer_cache = block.decode(x, positions, layer_cache)
+            new.append(layer_cache)
+        return self.logits(self.final_norm(x))[:, 0], tuple(new)
+
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
         logits, _ = self.forward_embeddings(self.embed(tokens), segment_ids, positions)
         return logits
+
+
+def init_cache(cfg: LLMConfig, batch: int, length: int, dtype: Any = jnp.float32) -> KVCache:
+    """An empty KV cache of `length` slots per row for every layer."""
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
 
 
 def param_count(model: nnx.Module) -> int:

@@ -11,6 +11,8 @@ def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array)
     Sums (not means) so that microbatches and shards add up to the exact global mean.
     """
     logits = logits.astype(jnp.float32)
+    # a masked position's target may be an id outside the vocabulary (a media placeholder): never gathered
+    targets = jnp.where(mask > 0, targets, 0)
     logz = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     mask = mask.astype(jnp.float32)

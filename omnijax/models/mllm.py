@@ -25,6 +25,7 @@ from omnijax.models.audio import AudioEncoder
 from omnijax.models.llm import LLM
 from omnijax.models.projector import Projector
 from omnijax.models.vision import VisionEncoder
+from omnijax.models.whisper import WhisperEncoder
 from omnijax.models.losses import masked_cross_entropy
 
 
@@ -38,7 +39,7 @@ class Component(Protocol):
     def cost(self, segment_shape: tuple[int, ...]) -> float: ...
 
 
-ENCODERS: dict[str, type] = {"vit": VisionEncoder, "audio": AudioEncoder}
+ENCODERS: dict[str, type] = {"vit": VisionEncoder, "audio": AudioEncoder, "whisper": WhisperEncoder}
 
 
 def register_encoder(kind: str, config_cls: type, module_cls: type) -> None:
@@ -79,8 +80,11 @@ class MultimodalModel(nnx.Module):
         return self.projectors[name](out)
 
     def embed(self, batch: dict, *, zero_encoders: bool = False) -> jax.Array:
-        """LLM input embeddings [B, L, D] with placeholder rows replaced by encoder outputs."""
-        x = self.llm.embed(batch["tokens"])
+        """LLM input embeddings [B, L, D] with placeholder rows replaced by encoder outputs.
+
+        Placeholder ids never reach the embedding table (`text_tokens`): a pretrained LLM keeps its
+        vocabulary, and the tokenizer's added `<image>`/`<audio>` ids may lie beyond it."""
+        x = self.llm.embed(text_tokens(batch, self.llm.config.vocab_size))
         b, l, d = x.shape
         flat = x.reshape(b * l, d)
         for name in self.encoders:
@@ -107,6 +111,19 @@ class MultimodalModel(nnx.Module):
         if modality != "text":
             total += self.encoders[dict(self.modalities)[modality]].cost(tuple(segment_shape))
         return total
+
+
+def text_tokens(batch: dict, vocab_size: int) -> jax.Array:
+    """`batch["tokens"]` with every position an encoder output fills (`<encoder>_dest`) and every id outside
+    the vocabulary set to 0: what is looked up in the embedding table (those rows are overwritten anyway)."""
+    tokens = batch["tokens"]
+    b, l = tokens.shape
+    flat = jnp.where((tokens >= 0) & (tokens < vocab_size), tokens, 0).reshape(b * l)
+    for key, dest in batch.items():
+        if key.endswith("_dest") and f"{key[:-5]}_inputs" in batch:
+            dest = jnp.where(dest < 0, b * l, dest).reshape(-1)
+            flat = flat.at[dest].set(0, mode="drop")
+    return flat.reshape(b, l)
 
 
 def mm_loss(model: MultimodalModel, batch: dict) -> tuple[jax.Array, jax.Array, dict]:

@@ -36,13 +36,17 @@ def loss_and_grads(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, params: A
                    grad_accum: int = 1, compute_dtype: jnp.dtype = jnp.float32,
                    aux_weights: dict[str, float] | None = None,
                    total: jax.Array | None = None,
-                   params_fn: Callable[[Any], Any] | None = None) -> tuple[jax.Array, Any, dict]:
+                   params_fn: Callable[[Any], Any] | None = None,
+                   trainable: list[bool] | None = None) -> tuple[jax.Array, Any, dict]:
     """Global-mean loss, its gradient w.r.t. `params`, and summed aux metrics.
 
     `total` is the loss denominator (default: this batch's target tokens); code that sees only its
     own rows of the global batch (inside shard_map) passes the global count so the parts sum up.
     `params_fn` maps the (compute-dtype) params before the model sees them, inside the differentiated
-    function: e.g. gathering FSDP shards, whose transpose then reduce-scatters the gradients."""
+    function: e.g. gathering FSDP shards, whose transpose then reduce-scatters the gradients.
+    `trainable` (one bool per leaf of `params`, in `jax.tree.leaves` order) differentiates with respect to
+    the trainable leaves only: no backward pass runs into a frozen part that nothing trainable feeds
+    (a frozen encoder), and the frozen leaves' gradients are zeros (never read by a partitioned optimizer)."""
     aux_weights = aux_weights or {}
     if total is None:
         total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
@@ -57,7 +61,10 @@ def loss_and_grads(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, params: A
                 obj = obj + weight * aux[name].astype(jnp.float32) / grad_accum
         return obj, (loss_sum / total, aux)
 
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    if trainable is not None and not all(trainable):
+        grad_fn = _partial_value_and_grad(objective, params, trainable)
+    else:
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
     if grad_accum == 1:
         (_, (loss, aux)), grads = grad_fn(params, batch)
         return loss, grads, aux
@@ -76,3 +83,23 @@ def loss_and_grads(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, params: A
     init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), zeros_aux)
     (loss, grads, aux), _ = jax.lax.scan(body, init, micro)
     return loss, grads, aux
+
+
+def _partial_value_and_grad(objective: Callable, params: Any, trainable: list[bool]) -> Callable:
+    """`value_and_grad(objective, has_aux=True)` with respect to the leaves where `trainable` is True only;
+    the gradient tree has zeros at the frozen leaves."""
+    leaves, treedef = jax.tree.flatten(params)
+    if len(leaves) != len(trainable):
+        raise ValueError(f"trainable mask has {len(trainable)} entries for {len(leaves)} parameter leaves")
+
+    def rebuild(train_leaves: list, other: list) -> Any:
+        it_t, it_f = iter(train_leaves), iter(other)
+        return jax.tree.unflatten(treedef, [next(it_t) if t else next(it_f) for t in trainable])
+
+    def fn(p, mb):
+        ps = jax.tree.leaves(p)
+        train = [x for x, t in zip(ps, trainable) if t]
+        fixed = [x for x, t in zip(ps, trainable) if not t]
+        out, g = jax.value_and_grad(lambda tl: objective(rebuild(tl, fixed), mb), has_aux=True)(train)
+        return out, rebuild(g, [jnp.zeros(x.shape, x.dtype) for x in fixed])
+    return fn

@@ -77,6 +77,7 @@ class VisionEncoder(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
         self.config_json = json.dumps(dataclasses.asdict(cfg), sort_keys=True)  # static attrs must hash
         self.learned_grid = cfg.learned_grid
+        self.frame_attention = cfg.frame_attention
         d = cfg.embed_dim
         self.input_dim = cfg.temporal_patch * cfg.patch * cfg.patch * 3
         self.reduction = cfg.merge * cfg.merge
@@ -111,7 +112,10 @@ class VisionEncoder(nnx.Module):
             x = x + self.pos_embed[...][positions[:, 1] * g + positions[:, 2]].astype(dt)
         if self.abs_pos is not None:  # features in float32, projected in the compute dtype
             x = x + self.abs_pos(relative_coordinate_features(positions, segment_ids, self.abs_freqs).astype(dt))
-        x = run_blocks(self.blocks, x[None], segment_ids[None], positions[None], self.inv_freq)[0]
+        attend = segment_ids
+        if self.frame_attention:  # an image tower over video: each frame attends within itself (LLaVA-Video)
+            attend = jnp.where(segment_ids > 0, segment_ids.astype(jnp.int32) * 65536 + positions[:, 0], 0)
+        x = run_blocks(self.blocks, x[None], attend[None], positions[None], self.inv_freq)[0]
         return self.post_norm(x) if self.post_norm is not None else x
 
     def pool(self, hidden: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:

@@ -428,7 +428,9 @@ class Multiplexer:
         return fn, (state, arrays), specs
 
     def loss_fn(self, model: MultiplexedModel, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
-        x = self.engine.embed(model.llm, batch["tokens"])  # ids and rows move, never the table
+        vocab = self.engine.model_cfg.vocab_size  # placeholder ids beyond a pretrained vocabulary: never looked up
+        tokens = jnp.where((batch["tokens"] >= 0) & (batch["tokens"] < vocab), batch["tokens"], 0)
+        x = self.engine.embed(model.llm, tokens)  # ids and rows move, never the table
         x = self.engine.constrain(x, "batch", "seq", "embed")
         part = EncoderPart(model.encoders, model.projectors)
         if self.interleave:

@@ -20,6 +20,7 @@ from omnijax.errors import UserError
 from omnijax.train import metrics as metrics_lib
 from omnijax.train.checkpoint import Checkpointer, CheckpointSaveError, abstract_like
 from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
+from omnijax.train.parts import Partition
 from omnijax.train.placement import DataParallel
 from omnijax.data.payload import global_layout
 from omnijax.layers.remat import use_remat
@@ -110,10 +111,15 @@ class Trainer:
         self.hooks = hooks
         self.placement = placement or DataParallel()
         self.run_dir = run_dir or runs_root() / cfg.trainer.run_name
-        self.optimizer = make_optimizer(cfg.optimizer, cfg.trainer.steps)
+        self.partition = self._partition(model)
+        self.optimizer = make_optimizer(cfg.optimizer, cfg.trainer.steps, self.partition)
         self.lr_schedule = learning_rate_schedule(cfg.optimizer, cfg.trainer.steps)
         state = self._initial_state(model)
+        trainable = None if self.partition.is_trivial else self.partition.mask()
         if cfg.trainer.staleness != "sync":  # stale data parallelism: omnijax/train/staleness.py
+            if self.partition.frozen:
+                raise UserError(f"trainer.staleness={cfg.trainer.staleness} with frozen parts "
+                                f"({', '.join(self.partition.frozen)}) is not supported; use trainer.staleness=sync")
             from omnijax.train.staleness import make_stale_train_step
 
             self.state, step = make_stale_train_step(
@@ -125,7 +131,8 @@ class Trainer:
                                    grad_accum=cfg.trainer.grad_accum, aux_weights=aux_weights,
                                    compute_dtype=jnp.dtype(cfg.trainer.compute_dtype),
                                    state_shardings=self.placement.state_shardings(state),
-                                   grads_fn=getattr(self.placement, "grads_fn", lambda _: None)(loss_fn))
+                                   grads_fn=getattr(self.placement, "grads_fn", lambda _: None)(loss_fn),
+                                   trainable=trainable)
         self._step = jax.jit(step, donate_argnums=0)
         self.checkpointer = (Checkpointer(self.run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
                              if cfg.trainer.checkpoint_every else None)
@@ -143,6 +150,17 @@ class Trainer:
         return f"step {steps[-1]} in {folder}" if steps else "none (the run starts again from step 0)"
 
     # ------------------------------------------------------------------------------ utilities
+    def _partition(self, model: nnx.Module | Callable[[], nnx.Module]) -> Partition:
+        """The parts of the model (abstractly, nothing allocated), which train (`trainer.trainable`) and
+        their learning-rate scales (`optimizer.lr_scale`); printed once per run."""
+        abstract = model if isinstance(model, nnx.Module) else nnx.eval_shape(model)
+        tcfg, ocfg = self.cfg.trainer, self.cfg.optimizer
+        partition = Partition(nnx.state(abstract, nnx.Param), getattr(tcfg, "trainable", None),
+                              getattr(ocfg, "lr_scale", None))
+        if jax.process_index() == 0 and (len(partition.parts) > 1 or partition.frozen):
+            print(partition.summary(), file=sys.stderr)
+        return partition
+
     def _initial_state(self, model: nnx.Module | Callable[[], nnx.Module]) -> TrainState:
         """Parameters and optimizer state in the placement's shardings; sets graphdef and rest.
 

@@ -1,4 +1,8 @@
-"""Optimizers: optax AdamW (or SGD) with linear warm-up, cosine decay and global-norm clipping."""
+"""Optimizers: optax AdamW (or SGD) with linear warm-up, cosine decay and global-norm clipping.
+
+With a `Partition` (omnijax/train/parts.py) the update rule is an optax partition over the model's parts:
+frozen parts get `set_to_zero` (no moments, no weight decay), trainable parts their own copy of the rule
+with the schedule scaled by `optimizer.lr_scale.<part>`."""
 from __future__ import annotations
 
 import optax
@@ -17,17 +21,32 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     )
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """The update rule the trainer applies to fp32 master weights."""
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, partition=None) -> optax.GradientTransformation:
+    """The update rule the trainer applies to fp32 master weights (partitioned by `partition`'s parts)."""
     lr = learning_rate_schedule(cfg, total_steps)
+    chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+    if partition is None or partition.is_trivial:
+        return optax.chain(*chain, _rule(cfg, lr))
+    from omnijax.train.parts import label_tree
+
+    rules = {}
+    for part in partition.parts:
+        scale = float(partition.lr_scale.get(part, 1.0))
+        if part not in partition.trainable:
+            rules[part] = optax.set_to_zero()
+        else:
+            rules[part] = _rule(cfg, lr if scale == 1.0 else (lambda step, s=scale: lr(step) * s))
+    return optax.chain(*chain, optax.multi_transform(rules, label_tree))
+
+
+def _rule(cfg: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransformation:
     if cfg.name == "adamw":
         # Norms, biases and other vectors are not decayed: decay only matrices.
         core = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                            mask=lambda params: _matrices(params))
     else:
         core = optax.sgd(lr, momentum=cfg.b1 or None)
-    chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    return optax.chain(*chain, core)
+    return core
 
 
 # Leading axes the pipeline adds when it stacks blocks (omnijax.parallel.engine.PipelinedLLM): not part of

@@ -4,6 +4,7 @@ The objective (global-mean loss and its gradient) is model-level: omnijax/models
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -15,14 +16,23 @@ from omnijax.models.objective import LossFn, cast_floating, loss_and_grads, spli
 from omnijax.train.state import TrainState
 
 def apply_update(state: TrainState, grads: Any, optimizer: optax.GradientTransformation,
-                 finite: jax.Array) -> TrainState:
+                 finite: jax.Array, trainable: list[bool] | None = None) -> TrainState:
     """Apply the optimizer where `finite`; otherwise keep everything and count the skip.
+
+    `trainable` (one bool per parameter leaf): frozen leaves are carried over untouched (not `p + 0`),
+    so they stay bitwise what they were.
 
     A `lax.cond`, not `where(finite, new, old)`: the select would keep both versions of every donated
     parameter and moment alive and make XLA copy each leaf; the cond updates in place or not at all."""
     def update(st: TrainState) -> TrainState:
         updates, new_opt = optimizer.update(grads, st.opt_state, st.params)
-        return st.replace(step=st.step + 1, params=optax.apply_updates(st.params, updates), opt_state=new_opt,
+        if trainable is None or all(trainable):
+            params = optax.apply_updates(st.params, updates)
+        else:
+            leaves, treedef = jax.tree.flatten(st.params)
+            new = jax.tree.leaves(optax.apply_updates(st.params, updates))
+            params = jax.tree.unflatten(treedef, [n if t else old for n, old, t in zip(new, leaves, trainable)])
+        return st.replace(step=st.step + 1, params=params, opt_state=new_opt,
                           nonfinite_in_row=jnp.zeros_like(st.nonfinite_in_row))
 
     def skip(st: TrainState) -> TrainState:
@@ -34,14 +44,20 @@ def apply_update(state: TrainState, grads: Any, optimizer: optax.GradientTransfo
 def make_train_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimizer: optax.GradientTransformation,
                     *, grad_accum: int = 1, compute_dtype: jnp.dtype = jnp.float32,
                     aux_weights: dict[str, float] | None = None,
-                    state_shardings: Any = None, grads_fn: Callable | None = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+                    state_shardings: Any = None, grads_fn: Callable | None = None,
+                    trainable: list[bool] | None = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """Build `step(state, batch) -> (state, metrics)`; jit it with the shardings of your layout.
 
     `state_shardings` (the placement's shardings of the TrainState) pins the gradients to their
     parameters' layout as soon as they are computed, so the batch reduction of a sharded (FSDP) weight's
     gradient is a reduce-scatter into its shard rather than a full all-reduce that is sliced afterwards
     (XLA:CPU does not make that rewrite by itself), and keeps the new state in the layout it came in.
-    `grads_fn` replaces `loss_and_grads` (same signature), e.g. a placement's explicit-collective version."""
+    `grads_fn` replaces `loss_and_grads` (same signature), e.g. a placement's explicit-collective version.
+    `trainable` (one bool per parameter leaf, omnijax/train/parts.py): gradients of the trainable leaves
+    only, frozen leaves untouched by the update (a placement's own `grads_fn` is not used then)."""
+    partial = trainable is not None and not all(trainable)
+    if partial:
+        grads_fn = functools.partial(loss_and_grads, trainable=trainable)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         loss, grads, aux = (grads_fn or loss_and_grads)(graphdef, rest, loss_fn, state.params, batch,
@@ -51,7 +67,7 @@ def make_train_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimize
             grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        new_state = apply_update(state, grads, optimizer, finite)
+        new_state = apply_update(state, grads, optimizer, finite, trainable if partial else None)
         if state_shardings is not None:
             new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
         metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": jnp.sum(batch["loss_mask"]),

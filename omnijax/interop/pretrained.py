@@ -1,0 +1,501 @@
+"""Pretrained Hugging Face folders in and out: Llama/Qwen2 LLMs, SigLIP vision towers, Whisper encoders.
+
+In: `*_config_from_folder` translate `config.json` (+ `preprocessor_config.json` for encoders) into
+omnijax configs; `load_*_params(path, target)` fill a parameter state whose leaves carry their
+shardings (`jax.ShapeDtypeStruct(..., sharding=)` or arrays): every process builds only its own
+devices' shards (`jax.make_array_from_callback`) from the slices of the safetensors files that those
+shards need, so no host ever holds the whole model. Out: `export_llm` / `export_encoder` write HF
+folders under the original names, shapes and dtypes, gathering one tensor at a time (process 0
+writes) into a temporary folder that is renamed into place when complete.
+
+Each weight has a layout kind that says how omnijax's array relates to the HF tensor, so one reader
+and one writer serve every format (omnijax shape S, HF shape T):
+  same        S == T (or S = T[offset : offset + S[0]] for parts of a packed tensor)
+  reshape     same elements, other shape (small tensors: biases, probes); read whole
+  linear_in   omnijax [in, *out] = HF [offset + prod(out), in].T
+  linear_out  omnijax [*in, out] = HF [out, prod(in)].T
+  conv_patch  omnijax [p*p*C, d] rows (y, x, c) = HF Conv2d [d, C, p, p]
+  conv1d      omnijax [k, in, out] = HF Conv1d [out, in, k]
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+
+from omnijax.config import LLMConfig
+from omnijax.errors import UserError
+from omnijax.interop import hf, siglip, whisper
+from omnijax.interop.tensors import TensorIndex, write_file
+from omnijax.mm_config import VisionConfig, WhisperConfig
+
+KINDS = {"llama": "llama", "qwen2": "qwen2", "siglip": "siglip", "siglip_vision_model": "siglip",
+         "whisper": "whisper"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                    "generation_config.json")
+MAX_FILE_BYTES = 5 << 30  # exports split into model-0000i-of-0000n.safetensors beyond this (as transformers)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One omnijax parameter and the HF tensor (or part of one) it comes from."""
+    hf: str
+    path: tuple
+    kind: str
+    shape: tuple[int, ...]      # omnijax shape
+    hf_shape: tuple[int, ...]   # the whole HF tensor's shape
+    offset: int = 0             # rows of the HF tensor before this part
+
+
+# ------------------------------------------------------------------------------ folders
+def _folder(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"pretrained folder not found: {path}")
+    if not (path / "config.json").exists():
+        raise UserError(f"{path}: no config.json (expected a Hugging Face model folder from save_pretrained)")
+    return path
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def folder_kind(path: str | Path) -> str:
+    """"llama" | "qwen2" | "siglip" | "whisper" from config.json's model_type."""
+    path = _folder(path)
+    model_type = _json(path / "config.json").get("model_type")
+    if model_type not in KINDS:
+        raise UserError(f"{path}: model_type {model_type!r} is not supported; omnijax reads "
+                        f"{', '.join(sorted(KINDS))} folders")
+    return KINDS[model_type]
+
+
+def llm_config_from_folder(path: str | Path) -> LLMConfig:
+    kind = folder_kind(path)
+    if kind not in hf.SUPPORTED:
+        raise UserError(f"{path}: a {kind} folder is not an LLM (expected llama or qwen2)")
+    return hf.config_from_hf(_json(Path(path) / "config.json"))
+
+
+def encoder_config_from_folder(path: str | Path) -> VisionConfig | WhisperConfig:
+    """The encoder config of a SigLIP or Whisper folder, preprocessing included (its preprocessor_config.json)."""
+    kind = folder_kind(path)
+    path = Path(path)
+    pre = _json(path / "preprocessor_config.json") if (path / "preprocessor_config.json").exists() else {}
+    if kind == "siglip":
+        return siglip.config_from_folder(_json(path / "config.json"), pre)
+    if kind == "whisper":
+        return whisper.config_from_hf(_json(path / "config.json"), pre)
+    raise UserError(f"{path}: a {kind} folder is not an encoder (expected siglip or whisper)")
+
+
+# ------------------------------------------------------------------------------ layouts
+def _hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if kind == "same":
+        return shape
+    if kind == "linear_in":
+        return (math.prod(shape[1:]), shape[0])
+    if kind == "linear_out":
+        return (shape[-1], math.prod(shape[:-1]))
+    if kind == "conv1d":
+        return (shape[2], shape[1], shape[0])
+    if kind == "bias":
+        return (math.prod(shape),)
+    raise ValueError(kind)
+
+
+def _layout(module: nnx.Module, entries: Iterable[tuple]) -> list[Tensor]:
+    """Tensors from (HF name, variable, kind[, HF shape, offset]) entries of an abstract module."""
+    paths = {id(v): tuple(p) for p, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)}
+    out = []
+    for name, var, kind, *rest in entries:
+        shape = tuple(var.shape)
+        hf_shape = tuple(rest[0]) if rest and rest[0] is not None else _hf_shape(kind, shape)
+        if kind == "bias":
+            kind = "reshape"
+        out.append(Tensor(name, paths[id(var)], kind, shape, hf_shape, rest[1] if len(rest) > 1 else 0))
+    return out
+
+
+def llm_tensors(cfg: LLMConfig) -> list[Tensor]:
+    from omnijax.models.llm import LLM
+
+    model = nnx.eval_shape(lambda: LLM(cfg, rngs=nnx.Rngs(0)))
+    return _layout(model, hf.weight_layout(model))
+
+
+def encoder_tensors(cfg: VisionConfig | WhisperConfig, prefix: str | None = None) -> list[Tensor]:
+    if isinstance(cfg, WhisperConfig):
+        from omnijax.models.whisper import WhisperEncoder
+
+        model = nnx.eval_shape(lambda: WhisperEncoder(cfg, rngs=nnx.Rngs(0)))
+        return _layout(model, whisper.weight_layout(model, "encoder." if prefix is None else prefix))
+    if isinstance(cfg, VisionConfig):
+        if cfg.position != "learned" or cfg.merge != 1 or cfg.temporal_patch != 1 or not cfg.post_norm \
+                or not cfg.patch_bias:
+            raise UserError("this vision encoder has no Hugging Face counterpart: only SigLIP-shaped towers "
+                            "(position=learned, merge=1, temporal_patch=1, post_norm, patch_bias) export")
+        from omnijax.models.vision import VisionEncoder
+
+        model = nnx.eval_shape(lambda: VisionEncoder(cfg, rngs=nnx.Rngs(0)))
+        return _layout(model, siglip.weight_layout(model, "vision_model." if prefix is None else prefix))
+    raise UserError(f"encoder config {type(cfg).__name__} has no Hugging Face format")
+
+
+# ------------------------------------------------------------------------------ reading
+def _ranges(idx: tuple, shape: tuple[int, ...]) -> list[range]:
+    out = []
+    for s, n in zip(tuple(idx) + (slice(None),) * (len(shape) - len(idx)), shape):
+        r = range(*s.indices(n))
+        if r.step != 1:
+            raise ValueError(f"strided shard index {s}")
+        out.append(r)
+    return out
+
+
+def _flat_rows(ranges: list[range], shape: tuple[int, ...]) -> np.ndarray:
+    grids = np.ix_(*[np.arange(r.start, r.stop) for r in ranges])
+    return np.ravel_multi_index(grids, shape).reshape(-1) if shape else np.zeros(1, np.int64)
+
+
+def read_part(index: TensorIndex, t: Tensor, idx: tuple) -> np.ndarray:
+    """omnijax's array of `t` at `idx` (a shard's slices), reading only what that shard needs."""
+    r = _ranges(idx, t.shape)
+    sl = tuple(slice(x.start, x.stop) for x in r)
+    n = tuple(len(x) for x in r)
+    if t.kind == "same":
+        if not t.shape:
+            return index.read(t.hf).reshape(())
+        return index.read(t.hf, (t.offset + r[0].start, t.offset + r[0].stop), sl[1:])
+    if t.kind == "reshape":
+        return index.read(t.hf).reshape(t.shape)[sl]
+    if t.kind == "linear_in":
+        rows = _flat_rows(r[1:], t.shape[1:]) + t.offset
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        block = index.read(t.hf, (lo, hi), (sl[0],))
+        return block[rows - lo].T.reshape(n)
+    if t.kind == "linear_out":
+        cols = _flat_rows(r[:-1], t.shape[:-1])
+        lo, hi = int(cols.min()), int(cols.max()) + 1
+        block = index.read(t.hf, (r[-1].start, r[-1].stop), (slice(lo, hi),))
+        return block[:, cols - lo].T.reshape(n)
+    if t.kind == "conv_patch":
+        block = index.read(t.hf, (r[1].start, r[1].stop))  # [d', C, p, p]
+        return block.transpose(2, 3, 1, 0).reshape(-1, n[1])[sl[0]]
+    if t.kind == "conv1d":
+        return index.read(t.hf, (r[2].start, r[2].stop), (sl[1], sl[0])).transpose(2, 1, 0)
+    raise ValueError(t.kind)
+
+
+def _leaf(var: Any) -> Any:
+    return var.get_value() if isinstance(var, nnx.Variable) else var
+
+
+def _sharding(value: Any) -> jax.sharding.Sharding:
+    sharding = getattr(value, "sharding", None)
+    return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _check(index: TensorIndex, tensors: list[Tensor], where: str) -> None:
+    missing = sorted({t.hf for t in tensors if t.hf not in index})
+    if missing:
+        raise UserError(f"{where}: checkpoint lacks {len(missing)} tensor(s) the config implies, e.g. "
+                        f"{', '.join(repr(m) for m in missing[:3])}")
+    for t in tensors:
+        info = index.info(t.hf)
+        if info.shape != t.hf_shape:
+            raise UserError(f"{where}: tensor {t.hf!r} in {info.file.name} has shape {list(info.shape)}, "
+                            f"config.json implies {list(t.hf_shape)}")
+
+
+def load_params(index: TensorIndex, tensors: list[Tensor], target: Any, where: str) -> nnx.State:
+    """`target` (Param state, leaves with shardings) filled from `index`, each process reading its shards only."""
+    flat = list(nnx.to_flat_state(target)) if isinstance(target, nnx.State) else list(
+        nnx.to_flat_state(nnx.State(target)))
+    by_path = {t.path: t for t in tensors}
+    unknown = [p for p, _ in flat if tuple(p) not in by_path]
+    if unknown:
+        path = "/".join(str(k) for k in unknown[0])
+        if any("stages" in p for p in unknown):
+            raise UserError(f"{where}: the target is a pipelined LLM (parallel.llm with pp > 1, parameter {path}); "
+                            "load into the unpipelined model and let the placement stack it")
+        raise UserError(f"{where}: target parameter {path} has no tensor in this checkpoint format")
+    wanted = [by_path[tuple(p)] for p, _ in flat]
+    _check(index, wanted, where)
+    out = []
+    for (path, var), t in zip(flat, wanted):
+        value = _leaf(var)
+        if tuple(value.shape) != t.shape:
+            raise UserError(f"{where}: target parameter {'/'.join(map(str, path))} has shape {list(value.shape)}, "
+                            f"the checkpoint's config implies {list(t.shape)}")
+        dtype = np.dtype(value.dtype)
+        cache: dict = {}
+
+        def part(idx, t=t, dtype=dtype, cache=cache):
+            key = tuple((x.start, x.stop) for x in _ranges(idx, t.shape))
+            if key not in cache:  # replicas of one shard on this host are read once
+                cache[key] = np.asarray(read_part(index, t, idx), dtype=dtype)
+            return cache[key]
+
+        arr = jax.make_array_from_callback(t.shape, _sharding(value), part)
+        out.append((path, var.replace(arr) if isinstance(var, nnx.Variable) else arr))
+    return nnx.from_flat_state(out)
+
+
+def _source_llm_tensors(path: Path) -> tuple[LLMConfig, TensorIndex, list[Tensor]]:
+    cfg = llm_config_from_folder(path)
+    index = TensorIndex(path)
+    tensors = llm_tensors(cfg)
+    known = {t.hf for t in tensors}
+    extra = [n for n in index.tensors if n not in known and not n.endswith(hf._IGNORED_SUFFIXES)
+             and not (n == "lm_head.weight" and cfg.tie_embeddings)]
+    if extra:
+        raise UserError(f"{path}: unexpected tensor(s) for a {cfg.num_layers}-layer "
+                        f"{'tied' if cfg.tie_embeddings else 'untied'} model, e.g. {extra[0]!r}")
+    return cfg, index, tensors
+
+
+def load_llm_params(path: str | Path, target: Any) -> nnx.State:
+    """The LLM's Param state (`target`: leaves ShapeDtypeStruct with .sharding, or arrays) from a Llama/Qwen2 folder."""
+    path = _folder(path)
+    _, index, tensors = _source_llm_tensors(path)
+    return load_params(index, tensors, target, str(path))
+
+
+def _whisper_prefix(index: TensorIndex) -> str:
+    return "model.encoder." if "model.encoder.conv1.weight" in index else "encoder."
+
+
+def _siglip_prefix(index: TensorIndex) -> str:
+    """SiglipModel and older SiglipVisionModel files say `vision_model.`; transformers 5 saves a SiglipVisionModel bare."""
+    return "" if "embeddings.patch_embedding.weight" in index else "vision_model."
+
+
+def _prefix(cfg: Any, index: TensorIndex | None) -> str:
+    if isinstance(cfg, WhisperConfig):
+        return _whisper_prefix(index) if index is not None else "encoder."
+    return _siglip_prefix(index) if index is not None else "vision_model."
+
+
+def load_encoder_params(path: str | Path, target: Any) -> nnx.State:
+    """A SigLIP vision tower's or a Whisper encoder's Param state from its folder (the rest is ignored)."""
+    path = _folder(path)
+    cfg = encoder_config_from_folder(path)
+    index = TensorIndex(path)
+    prefix = _prefix(cfg, index)
+    flat = nnx.to_flat_state(target if isinstance(target, nnx.State) else nnx.State(target))
+    has_head = any(p and p[0] == "head" for p, _ in flat)
+    if isinstance(cfg, VisionConfig) and has_head != cfg.head:  # a target built without (or with) the head
+        cfg = VisionConfig(**{**cfg.__dict__, "head": has_head})
+    return load_params(index, encoder_tensors(cfg, prefix), target, str(path))
+
+
+# ------------------------------------------------------------------------------ writing
+def to_hf(t: Tensor, arr: np.ndarray) -> np.ndarray:
+    """The HF rows of `t` (its whole tensor, or its rows of a packed one) from omnijax's full array."""
+    if t.kind == "same":
+        return arr
+    if t.kind == "reshape":
+        return arr.reshape(t.hf_shape)
+    if t.kind == "linear_in":
+        return arr.reshape(t.shape[0], -1).T
+    if t.kind == "linear_out":
+        return arr.reshape(-1, t.shape[-1]).T
+    if t.kind == "conv_patch":
+        d, c, p, _ = t.hf_shape
+        return arr.reshape(p, p, c, d).transpose(3, 2, 0, 1)
+    if t.kind == "conv1d":
+        return arr.transpose(2, 1, 0)
+    raise ValueError(t.kind)
+
+
+def _gather(x: Any) -> np.ndarray:
+    """One parameter as a host numpy array on every process (one tensor at a time)."""
+    x = _leaf(x)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _flat_params(params: Any) -> dict[tuple, Any]:
+    state = params if isinstance(params, nnx.State) else nnx.State(params)
+    return {tuple(p): v for p, v in nnx.to_flat_state(state)}
+
+
+def _grouped(tensors: list[Tensor]) -> list[tuple[str, list[Tensor]]]:
+    groups: dict[str, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.hf, []).append(t)
+    return list(groups.items())
+
+
+def _hf_arrays(groups: list[tuple[str, list[Tensor]]], params: dict[tuple, Any],
+               dtypes: dict[str, np.dtype]) -> Iterator[np.ndarray]:
+    for name, parts in groups:
+        if len(parts) == 1 and parts[0].offset == 0:
+            yield np.asarray(to_hf(parts[0], _gather(params[parts[0].path])), dtypes[name])
+            continue
+        out = np.zeros(parts[0].hf_shape, dtypes[name])
+        for t in parts:
+            rows = to_hf(t, _gather(params[t.path]))
+            out[t.offset:t.offset + rows.shape[0]] = rows
+        yield out
+
+
+def _write_weights(folder: Path, tensors: list[Tensor], params: Any, like: TensorIndex | None,
+                   write: bool) -> None:
+    """safetensors files (+ index when several) of `tensors`, every process gathering, process 0 writing."""
+    flat = _flat_params(params)
+    missing = [t for t in tensors if t.path not in flat]
+    if missing:
+        raise UserError(f"parameters lack {'/'.join(map(str, missing[0].path))} (for {missing[0].hf}); "
+                        "they do not match the config being exported")
+    groups = _grouped(tensors)
+    dtypes = {}
+    for name, parts in groups:
+        if like is not None and name in like:
+            dtypes[name] = like.info(name).dtype
+        else:
+            dtypes[name] = np.dtype(_leaf(flat[parts[0].path]).dtype)
+    sizes = {name: math.prod(parts[0].hf_shape) * dtypes[name].itemsize for name, parts in groups}
+    files: list[list[tuple[str, list[Tensor]]]] = [[]]
+    used = 0
+    for g in groups:
+        if files[-1] and used + sizes[g[0]] > MAX_FILE_BYTES:
+            files.append([])
+            used = 0
+        files[-1].append(g)
+        used += sizes[g[0]]
+    names = (["model.safetensors"] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    for fname, part in zip(names, files):
+        arrays = _hf_arrays(part, flat, dtypes)
+        header = [(name, parts[0].hf_shape, dtypes[name]) for name, parts in part]
+        if write:
+            write_file(folder / fname, header, arrays)
+        else:
+            for _ in arrays:  # every process takes part in each gather
+                pass
+    if write and len(files) > 1:
+        index = {"metadata": {"total_size": int(sum(sizes.values()))},
+                 "weight_map": {name: fname for fname, part in zip(names, files) for name, _ in part}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+class _AtomicFolder:
+    """A folder written under a temporary name next to `out` and renamed to `out` when complete."""
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        if self.out.exists():
+            raise UserError(f"{self.out} exists; choose a new output folder or remove it (nothing was written)")
+        self.write = jax.process_index() == 0
+        self.tmp: Path | None = None
+
+    def __enter__(self) -> Path:
+        if self.write:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        return self.tmp if self.tmp is not None else self.out
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.tmp is not None:
+            if exc_type is None:
+                os.rename(self.tmp, self.out)
+            else:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        if jax.process_count() > 1 and exc_type is None:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"export {self.out}")
+
+
+def _dump(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _same_llm(a: LLMConfig, b: LLMConfig) -> bool:
+    keys = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "qkv_bias",
+            "tie_embeddings", "norm_eps", "rope")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def export_llm(params: Any, cfg: LLMConfig, out_dir: str | Path, *, like: str | Path | None = None,
+               tokenizer_dir: str | Path | None = None) -> None:
+    """An HF Llama/Qwen2 folder of the LLM's Param state: config.json, safetensors under HF names/shapes (the
+    dtypes of `like`'s tensors when given, else the params'), tokenizer files; written atomically."""
+    like_index = None
+    if like is not None:
+        like = _folder(like)
+        like_cfg = _json(like / "config.json")
+        model_type = folder_kind(like)
+        if model_type not in hf.SUPPORTED:
+            raise UserError(f"{like}: a {model_type} folder is not an LLM")
+        config = like_cfg if _same_llm(hf.config_from_hf(like_cfg), cfg) else {
+            **like_cfg, **hf.config_to_hf(cfg, model_type, like_cfg.get("dtype") or like_cfg.get("torch_dtype")
+                                          or "float32")}
+        like_index = TensorIndex(like)
+    else:
+        model_type = "qwen2" if cfg.qkv_bias else "llama"
+        dtypes = {str(_leaf(v).dtype) for v in _flat_params(params).values()}
+        config = hf.config_to_hf(cfg, model_type, dtypes.pop() if len(dtypes) == 1 else "float32")
+    hf.config_from_hf(config)  # what transformers would build must be what omnijax can: fail before writing
+    tensors = llm_tensors(cfg)
+    with _AtomicFolder(out_dir) as folder:
+        _write_weights(folder, tensors, params, like_index, jax.process_index() == 0)
+        if jax.process_index() == 0:
+            _dump(folder / "config.json", config)
+            for src in (like, tokenizer_dir):
+                if src is None:
+                    continue
+                for name in _TOKENIZER_FILES:
+                    if (Path(src) / name).exists() and not (folder / name).exists():
+                        shutil.copy2(Path(src) / name, folder / name)
+
+
+def export_encoder(params: Any, cfg: VisionConfig | WhisperConfig, out_dir: str | Path, *,
+                   like: str | Path | None = None) -> None:
+    """An HF folder of an encoder's Param state: SigLIP -> SiglipVisionModel names (`vision_model.*`),
+    Whisper -> the `encoder.*` tensors (under `like`'s prefix), config.json and preprocessor_config.json."""
+    like_index = None
+    if like is not None:
+        like = _folder(like)
+        like_index = TensorIndex(like)
+    if isinstance(cfg, WhisperConfig):
+        prefix = _prefix(cfg, like_index)
+        config = _json(like / "config.json") if like is not None else whisper.config_to_hf(cfg)
+        preprocessor = whisper.preprocessor_to_hf(cfg)
+    elif isinstance(cfg, VisionConfig):
+        prefix = _prefix(cfg, like_index)
+        config = siglip.config_to_hf(cfg, _json(like / "config.json") if like is not None else None)
+        preprocessor = siglip.preprocessor_to_hf(cfg)
+    else:
+        raise UserError(f"encoder config {type(cfg).__name__} has no Hugging Face format")
+    flat = _flat_params(params)
+    if isinstance(cfg, VisionConfig) and cfg.head != any(p and p[0] == "head" for p in flat):
+        cfg = VisionConfig(**{**cfg.__dict__, "head": not cfg.head})
+    tensors = encoder_tensors(cfg, prefix)
+    with _AtomicFolder(out_dir) as folder:
+        _write_weights(folder, tensors, params, like_index, jax.process_index() == 0)
+        if jax.process_index() == 0:
+            _dump(folder / "config.json", config)
+            if like is not None and (like / "preprocessor_config.json").exists():
+                shutil.copy2(like / "preprocessor_config.json", folder / "preprocessor_config.json")
+            else:
+                _dump(folder / "preprocessor_config.json", preprocessor)

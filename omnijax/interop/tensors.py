@@ -1,0 +1,150 @@
+"""safetensors files read by slices and written tensor by tensor (no whole model in host memory).
+
+The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape, byte
+offsets) and the raw row-major data. Reading uses `os.pread` of contiguous row ranges in bounded
+chunks instead of a memory map: a mapped file's touched pages count in the process's resident set
+until it is unmapped, which would charge every host for the slices it merely passed over. Writing
+streams each tensor after a header computed from the shapes alone, so an exporter holds one tensor
+at a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import ml_dtypes
+import numpy as np
+
+from omnijax.errors import UserError
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+CHUNK_BYTES = 16 << 20  # rows are read in pieces of at most this size
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the first element in `file`
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
+    """name -> TensorInfo and the `__metadata__` of one safetensors file (header bytes only)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError("shorter than 8 bytes")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 << 20:
+                raise ValueError(f"header length {n} is implausible")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: not a readable safetensors file ({exc})") from None
+    meta = header.pop("__metadata__", {}) or {}
+    out = {}
+    for name, h in header.items():
+        if h["dtype"] not in DTYPES:
+            raise UserError(f"{path}: tensor {name!r} has dtype {h['dtype']} which omnijax does not read")
+        out[name] = TensorInfo(path, np.dtype(DTYPES[h["dtype"]]), tuple(int(d) for d in h["shape"]),
+                               8 + n + int(h["data_offsets"][0]))
+    return out, meta
+
+
+class TensorIndex:
+    """Every tensor of a Hugging Face folder: one `*.safetensors` or many with `model.safetensors.index.json`."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map") or {}
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{index}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            files = sorted({folder / f for f in weight_map.values()})
+            if not files:
+                raise UserError(f"{index}: empty weight_map")
+            missing = [f.name for f in files if not f.exists()]
+            if missing:
+                raise UserError(f"{index} lists missing file(s) {', '.join(missing[:3])}; copy the whole folder")
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise UserError(f"{folder}: no *.safetensors weights (omnijax reads safetensors, not .bin; re-save "
+                                "with save_pretrained(safe_serialization=True))")
+        self.folder, self.files = folder, files
+        self.tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            self.tensors.update(read_header(f)[0])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def read(self, name: str, rows: tuple[int, int] | None = None, rest: tuple[slice, ...] = ()) -> np.ndarray:
+        """tensor[rows[0]:rows[1]][:, *rest] in its stored dtype, reading only rows [rows) from disk."""
+        t = self.tensors[name]
+        if not t.shape:
+            return self._pread(t, 0, t.dtype.itemsize).view(t.dtype).reshape(())
+        lo, hi = rows if rows is not None else (0, t.shape[0])
+        row_elems = int(np.prod(t.shape[1:], dtype=np.int64))
+        row_bytes = max(1, row_elems * t.dtype.itemsize)
+        step = max(1, CHUNK_BYTES // row_bytes)
+        parts = []
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            raw = self._pread(t, a * row_bytes, (b - a) * row_bytes)
+            block = raw.view(t.dtype).reshape((b - a,) + t.shape[1:])
+            parts.append(np.ascontiguousarray(block[(slice(None),) + tuple(rest)]) if rest else block)
+        if not parts:
+            return np.zeros((0,) + t.shape[1:], t.dtype)[(slice(None),) + tuple(rest)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    @staticmethod
+    def _pread(t: TensorInfo, start: int, size: int) -> np.ndarray:
+        buf = bytearray(size)
+        fd = os.open(t.file, os.O_RDONLY)
+        try:
+            view, done = memoryview(buf), 0
+            while done < size:
+                n = os.preadv(fd, [view[done:]], t.offset + start + done)
+                if n <= 0:
+                    raise UserError(f"{t.file}: truncated (tensor data ends early); the file is incomplete")
+                done += n
+        finally:
+            os.close(fd)
+        return np.frombuffer(buf, np.uint8)
+
+
+def write_file(path: Path, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]],
+               produce: Iterator[np.ndarray], metadata: dict | None = None) -> None:
+    """Write a safetensors file whose header lists `tensors` (name, shape, dtype) in order, then each
+    array that `produce` yields (one at a time, same order and shapes)."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    specs = list(tensors)
+    for name, shape, dtype in specs:
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": CODES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for (name, shape, dtype), arr in zip(specs, produce):
+            arr = np.ascontiguousarray(arr, dtype=dtype)
+            if arr.shape != tuple(shape):
+                raise ValueError(f"{name}: produced shape {arr.shape}, header says {tuple(shape)}")
+            f.write(arr.tobytes())

@@ -1,0 +1,1 @@
+"""Serving trained models: generation with a KV cache (prefill, decode), prompts from records."""

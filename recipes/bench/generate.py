@@ -1,0 +1,107 @@
+"""Generation speed: omnijax's KV-cache generator vs transformers (PyTorch, CPU) on the same tiny random Llama
+and the same prompts, and the per-token cost against the prompt length (flat with a cache)."""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+DESCRIPTION = ("generate: tokens/s of omnijax (KV cache, batched) vs transformers on CPU, same tiny Llama and "
+               "prompts; per-token decode cost by prompt length")
+
+
+@dataclass
+class GenerateBench:
+    batch: int = 8
+    prompt_len: int = 64
+    new_tokens: int = 64
+    lengths: list[int] = field(default_factory=lambda: [32, 256, 1024])   # per-token cost: prompt lengths
+    cost_new_tokens: int = 32
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 512
+    repeats: int = 3
+    seed: int = 0
+    torch_device: str = "cpu"          # where transformers runs (cpu, the issue's comparison; cuda on a GPU machine)
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run(overrides: list[str]) -> Iterator[dict]:
+    from omnijax.config import build
+    from omnijax.errors import ConfigError
+
+    cfg = build(GenerateBench, None, overrides, check=None)
+    if min([cfg.batch, cfg.prompt_len, cfg.new_tokens, cfg.cost_new_tokens, cfg.repeats, *cfg.lengths]) <= 0 or \
+            cfg.cost_new_tokens < 2 or cfg.heads % cfg.kv_heads:
+        raise ConfigError("bench generate: sizes must be > 0, cost_new_tokens >= 2, heads a multiple of kv_heads")
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+
+    from omnijax.interop import hf
+    from omnijax.serve.generate import Generator, SamplingConfig
+
+    torch.manual_seed(cfg.seed)
+    longest = max(cfg.lengths + [cfg.prompt_len]) + max(cfg.new_tokens, cfg.cost_new_tokens)
+    hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 3,
+                                      num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                                      num_key_value_heads=cfg.kv_heads, max_position_embeddings=longest,
+                                      tie_word_embeddings=False)
+    ref = transformers.LlamaForCausalLM(hf_cfg).float().eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(tmp)
+        model = hf.load_model(tmp)
+    ref = ref.to(cfg.torch_device)
+    gen = Generator(model)
+    rng = np.random.default_rng(cfg.seed)
+    common = {"device": jax.devices()[0].device_kind, "torch_device": cfg.torch_device,
+              "torch_threads": torch.get_num_threads(),
+              "model": f"llama {cfg.layers}x{cfg.hidden} vocab {cfg.vocab}", "cpu_count": os.cpu_count()}
+
+    def ours(prompts, n):
+        return gen.generate(prompts, SamplingConfig(max_new_tokens=n), batch_size=len(prompts))
+
+    def theirs(prompts, n):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor(np.array(prompts), device=cfg.torch_device), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+        if cfg.torch_device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return out[:, len(prompts[0]):].tolist()
+
+    prompts = rng.integers(0, cfg.vocab, (cfg.batch, cfg.prompt_len)).tolist()
+    mine = [g.tokens for g in ours(prompts, cfg.new_tokens)]      # also compiles
+    same = mine == theirs(prompts, cfg.new_tokens)
+    total = cfg.batch * cfg.new_tokens
+    t_ours = _median_s(lambda: ours(prompts, cfg.new_tokens), cfg.repeats)
+    t_theirs = _median_s(lambda: theirs(prompts, cfg.new_tokens), cfg.repeats)
+    shape = {"batch": cfg.batch, "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens}
+    yield {"variant": "transformers", **shape, "tokens_per_s": round(total / t_theirs, 1),
+           "seconds": round(t_theirs, 4), **common}
+    yield {"variant": "omnijax", **shape, "tokens_per_s": round(total / t_ours, 1), "seconds": round(t_ours, 4),
+           "vs": "transformers", "speedup": round(t_theirs / t_ours, 2), "greedy_tokens_equal": same, **common}
+    # decode cost per token by prompt length: (time for n tokens - time for 1 token) / (n - 1), one prompt
+    n = cfg.cost_new_tokens
+    for length in cfg.lengths:
+        p = rng.integers(0, cfg.vocab, (1, length)).tolist()
+        row = {"prompt_len": length, "new_tokens": n, "batch": 1}
+        for name, fn in (("omnijax", ours), ("transformers", theirs)):
+            fn(p, n), fn(p, 1)  # warm (compiles the two programs for omnijax)
+            many = _median_s(lambda: fn(p, n), cfg.repeats)
+            one = _median_s(lambda: fn(p, 1), cfg.repeats)
+            yield {"variant": f"per_token_cost_{name}", **row, "ms_per_token": round(1e3 * (many - one) / (n - 1), 3),
+                   "prefill_and_first_ms": round(1e3 * one, 2), **common}

@@ -1,0 +1,73 @@
+"""export: a run's latest checkpoint out to the formats its parts came from.
+
+`python -m recipes export RUN_DIR output=DIR`: DIR/llm an HF Llama/Qwen2 folder with the tokenizer,
+DIR/encoders/NAME an HF folder per pretrained encoder (SigLIP / Whisper names), DIR/projector.safetensors,
+DIR/omnijax.json (the model config; `recipes generate DIR` reads it). Written tensor by tensor from the
+parameters restored sharded over this machine's devices, into a temporary folder renamed when complete.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omnijax.config import ParallelConfig, build
+from omnijax.errors import ConfigError
+
+DESCRIPTION = "a run's latest checkpoint -> HF folders (LLM + tokenizer, SigLIP/Whisper encoders) + projector: export RUN_DIR output=DIR"
+
+
+@dataclass
+class ExportConfig:
+    output: str = ""                 # the export folder (must not exist)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def main(argv: list[str]) -> int:
+    from recipes.common import setup_devices
+
+    if not argv or "=" in argv[0]:
+        raise ConfigError("usage: python -m recipes export RUN_DIR output=DIR (RUN_DIR: runs/<trainer.run_name>)")
+    run_dir, rest = Path(argv[0]), argv[1:]
+    cfg = build(ExportConfig, None, rest, check=None)
+    if not cfg.output:
+        raise ConfigError("export needs output=DIR (a new folder)")
+    out = Path(cfg.output)
+    if out.exists():
+        raise ConfigError(f"output={out} exists; choose a new folder or remove it (nothing was written)")
+    setup_devices(rest)
+    t0 = time.perf_counter()
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from omnijax.config import from_dict
+    from omnijax.interop.bundle import write_bundle
+    from omnijax.mm_config import MMConfig
+    from omnijax.models.mllm import MultimodalModel
+    from omnijax.train import warmstart
+
+    saved = warmstart.run_config(run_dir)
+    if "model" not in saved or not isinstance(saved["model"], dict) or "llm" not in saved["model"]:
+        raise ConfigError(f"{run_dir}: not a multimodal run (its config.json has no model.llm); export reads "
+                          "finetune / tiny_omni runs")
+    model_cfg = from_dict(MMConfig, saved["model"], prefix="model.")
+    abstract = nnx.state(nnx.eval_shape(lambda: MultimodalModel(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    n = mesh.size
+
+    def sharded(x):  # each tensor split over every device along its first divisible axis
+        axis = next((i for i, d in enumerate(x.shape) if d % n == 0), None)
+        spec = P(*([None] * axis + ["x"])) if axis is not None and n > 1 else P()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    params, step = warmstart.params_from_run(run_dir, jax.tree.map(sharded, abstract), key="RUN_DIR")
+    src = warmstart.origins(run_dir)
+    write_bundle(out, model_cfg, params, llm_from=src["llm"], encoders_from=src["encoders"],
+                 tokenizer=src["tokenizer"] or None,
+                 extra={"run": str(run_dir.resolve()), "step": step, "tokenizer_from": src["tokenizer"]})
+    print(f"exported {run_dir} step {step} -> {out} ({time.perf_counter() - t0:.0f} s); generate with "
+          f"`python -m recipes generate {out} prompts=FILE output=OUT.jsonl`", file=sys.stderr)
+    return 0
