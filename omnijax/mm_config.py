@@ -76,12 +76,14 @@ class WhisperConfig(AudioConfig):
     embed_dim: int = 64
     mlp_dim: int = 256
     norm_eps: float = 1e-5
-    max_source_positions: int = 1500  # encoder tokens of a 30 s window; longer clips are cut there (as HF does)
+    max_source_positions: int = 1500  # encoder tokens of a 30 s window (its position table)
+    chunk_frames: int = 3000     # the feature extractor's window (nb_max_frames); longer clips are cut there, as HF does
     activation: Literal["gelu", "gelu_new", "relu"] = "gelu"
 
     @property
     def max_frames(self) -> int:
-        return 2 * self.max_source_positions
+        """Frames a clip may keep: the window, and no more than the position table covers."""
+        return min(self.chunk_frames, 2 * self.max_source_positions)
 
 
 @dataclass
