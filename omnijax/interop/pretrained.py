@@ -210,6 +210,10 @@ def _sharding(value: Any) -> jax.sharding.Sharding:
     return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
+def _key(idx: tuple, shape: tuple[int, ...]) -> tuple:
+    return tuple((r.start, r.stop) for r in _ranges(idx, shape))
+
+
 def _check(index: TensorIndex, tensors: list[Tensor], where: str) -> None:
     missing = sorted({t.hf for t in tensors if t.hf not in index})
     if missing:
@@ -220,6 +224,26 @@ def _check(index: TensorIndex, tensors: list[Tensor], where: str) -> None:
         if info.shape != t.hf_shape:
             raise UserError(f"{where}: tensor {t.hf!r} in {info.file.name} has shape {list(info.shape)}, "
                             f"config.json implies {list(t.hf_shape)}")
+
+
+def _build(index: TensorIndex, t: Tensor, dtype: np.dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """One global array of `t` in `sharding`, built from this process's device shards one at a time (each
+    read, put on its device and dropped before the next: host memory holds one shard beyond the devices')."""
+    per_device = sharding.addressable_devices_indices_map(t.shape)
+    keys = {d: _key(idx, t.shape) for d, idx in per_device.items()}
+    left = {k: list(keys.values()).count(k) for k in set(keys.values())}
+    cache: dict = {}
+    shards = []
+    for device, idx in per_device.items():
+        key = keys[device]
+        if key not in cache:  # replicas of one shard on this host are read once
+            cache[key] = np.asarray(read_part(index, t, idx), dtype=dtype)
+        shards.append(jax.device_put(cache[key], device))
+        left[key] -= 1
+        if not left[key]:
+            jax.block_until_ready(shards[-1])
+            del cache[key]
+    return jax.make_array_from_single_device_arrays(t.shape, sharding, shards)
 
 
 def load_params(index: TensorIndex, tensors: list[Tensor], target: Any, where: str) -> nnx.State:
@@ -242,16 +266,7 @@ def load_params(index: TensorIndex, tensors: list[Tensor], target: Any, where: s
         if tuple(value.shape) != t.shape:
             raise UserError(f"{where}: target parameter {'/'.join(map(str, path))} has shape {list(value.shape)}, "
                             f"the checkpoint's config implies {list(t.shape)}")
-        dtype = np.dtype(value.dtype)
-        cache: dict = {}
-
-        def part(idx, t=t, dtype=dtype, cache=cache):
-            key = tuple((x.start, x.stop) for x in _ranges(idx, t.shape))
-            if key not in cache:  # replicas of one shard on this host are read once
-                cache[key] = np.asarray(read_part(index, t, idx), dtype=dtype)
-            return cache[key]
-
-        arr = jax.make_array_from_callback(t.shape, _sharding(value), part)
+        arr = _build(index, t, np.dtype(value.dtype), _sharding(value))
         out.append((path, var.replace(arr) if isinstance(var, nnx.Variable) else arr))
     return nnx.from_flat_state(out)
 
