@@ -142,6 +142,11 @@ def validate_encoder(name: str, cfg: Any) -> Any:
         for f in ("n_mels", "n_fft", "hop", "reduction", "sample_rate"):
             if getattr(cfg, f) <= 0:
                 raise ConfigError(f"{where}.{f}={getattr(cfg, f)}: must be > 0")
+    if isinstance(cfg, WhisperConfig):
+        if cfg.reduction != 2:
+            raise ConfigError(f"{where}.reduction={cfg.reduction}: Whisper's stride-2 stem makes it 2")
+        if cfg.max_source_positions <= 0 or cfg.chunk_frames <= 0:
+            raise ConfigError(f"{where}.max_source_positions/chunk_frames: must be > 0")
     return cfg
 
 
