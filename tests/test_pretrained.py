@@ -281,3 +281,11 @@ def test_bad_folders_one_line(folders, tmp_path):
         pt.load_llm_params(wrong, _llm_target(pt.llm_config_from_folder(wrong)))
     with pytest.raises(UserError, match="not an LLM"):
         pt.llm_config_from_folder(root / "siglip")
+    piped = nnx.eval_shape(lambda: LLMParallel("pp2xdp4", cfg).prepare(LLM(cfg, rngs=nnx.Rngs(0))))
+    with pytest.raises(UserError, match="pipelined LLM"):
+        pt.load_llm_params(root / "llama", nnx.state(piped, nnx.Param))
+    from omnijax.errors import ConfigError
+    from omnijax.mm_config import encoder_config
+
+    with pytest.raises(ConfigError, match="reduction=4: Whisper"):
+        encoder_config("audio", {"kind": "whisper", "reduction": 4})
