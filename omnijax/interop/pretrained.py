@@ -339,13 +339,30 @@ def to_hf(t: Tensor, arr: np.ndarray) -> np.ndarray:
 
 
 def _gather(x: Any) -> np.ndarray:
-    """One parameter as a host numpy array on every process (one tensor at a time)."""
-    x = _leaf(x)
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
+    """One parameter as a host numpy array on every process (one tensor at a time).
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+    Assembled from the addressable shards (`np.asarray` of the whole array would cache a host copy on it
+    for as long as the parameter lives). Across processes the tensor is first laid out whole on every
+    process, split over that process's own devices, so each host holds it once, not once per device."""
+    x = _leaf(x)
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if not x.is_fully_addressable:
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        local = jax.local_device_count()
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        mesh = Mesh(np.array(devices).reshape(jax.process_count(), local), ("process", "local"))
+        spec = PartitionSpec("local") if x.ndim and x.shape[0] % local == 0 else PartitionSpec()
+        x = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, spec))(x)
+    out = np.empty(x.shape, x.dtype)
+    seen = set()
+    for shard in x.addressable_shards:
+        key = _key(shard.index, x.shape)
+        if key not in seen:
+            seen.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def _flat_params(params: Any) -> dict[tuple, Any]:

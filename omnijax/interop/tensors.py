@@ -147,4 +147,4 @@ def write_file(path: Path, tensors: Iterable[tuple[str, tuple[int, ...], np.dtyp
             arr = np.ascontiguousarray(arr, dtype=dtype)
             if arr.shape != tuple(shape):
                 raise ValueError(f"{name}: produced shape {arr.shape}, header says {tuple(shape)}")
-            f.write(arr.tobytes())
+            f.write(arr.reshape(-1).view(np.uint8).data)  # the array's own bytes, no copy

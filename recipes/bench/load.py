@@ -6,7 +6,9 @@ over 8 CPU devices, as one process x 8 devices and as 2 processes x 4 devices (a
 job on 127.0.0.1 with gloo). Each process reports its resident-set peak during the load above its
 resident set just before it (the peak counter is reset there), over the model's parameter bytes:
 a process whose devices hold half of the model should stay near 0.5 (target <= 0.65 for each of the
-two processes), which it can only do if it never reads or materialises the other half.
+two processes), which it can only do if it never reads or materialises the other half. Each run then
+exports the loaded model again (`export_llm`, one tensor gathered at a time, process 0 writing) and
+checks the written tensors against the source files bit for bit.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-DESCRIPTION = ("load: sharded HF Llama loading (seconds, peak RSS above baseline / parameter bytes) for 1 process "
-               "x 8 devices and 2 processes x 4 devices")
+DESCRIPTION = ("load: sharded HF Llama loading and export (seconds, peak RSS above baseline / parameter bytes) for "
+               "1 process x 8 devices and 2 processes x 4 devices")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -122,13 +124,34 @@ def child(folder: str, layout: str) -> None:
 
         ref = TensorIndex(folder).read("model.embed_tokens.weight")
         ok = all(np.array_equal(np.asarray(s.data), ref[s.index]) for s in emb.addressable_shards)
-        del loaded, leaves, emb, ref
+        del leaves, emb, ref
     seconds = min(r[0] for r in rows)
     above = max(r[1] for r in rows)
+    # out again: every process takes part in the per-tensor gathers, process 0 writes; then compared with the
+    # source files tensor by tensor through the safetensors library
+    out = Path(folder).parent / f"export_{jax.process_count()}proc"
+    base = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    t0 = time.perf_counter()
+    pretrained.export_llm(loaded, cfg, out, like=folder)
+    export_s = time.perf_counter() - t0
+    export_above = _status("VmHWM") - base
+    same = None
+    if jax.process_index() == 0:
+        from safetensors import safe_open
+
+        src = json.loads((Path(folder) / "model.safetensors.index.json").read_text())["weight_map"]
+        dst = {n: "model.safetensors" for n in src} if (out / "model.safetensors").exists() else json.loads(
+            (out / "model.safetensors.index.json").read_text())["weight_map"]
+        same = sorted(src) == sorted(dst)
+        for name in src:
+            with safe_open(str(Path(folder) / src[name]), "np") as a, safe_open(str(out / dst[name]), "np") as b:
+                same = same and np.array_equal(a.get_tensor(name), b.get_tensor(name))
     print("BENCH " + json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
                                  "devices": jax.local_device_count(), "seconds": round(seconds, 3),
                                  "rss_base": rows[0][3], "rss_peak_above_base": above, "local_param_bytes": rows[0][2],
-                                 "values_ok": ok}), flush=True)
+                                 "values_ok": ok, "export_s": round(export_s, 3), "export_rss_peak_above_base":
+                                 export_above, "export_bit_exact": same}), flush=True)
 
 
 def _free_port() -> int:
@@ -164,7 +187,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from omnijax.config import build
 
     b = build(BenchConfig, None, overrides, check=None)
-    with tempfile.TemporaryDirectory(prefix="omnijax_bench_load_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="omnijax_bench_load_") as tmp:  # the exports land beside the folder
         folder = Path(tmp) / "llama"
         t0 = time.perf_counter()
         total = write_folder(b, folder)
@@ -179,7 +202,11 @@ def run(overrides: list[str]) -> Iterator[dict]:
                    "seconds": max(r["seconds"] for r in rows),
                    "peak_rss_above_base_over_params": [round(x, 3) for x in ratios],
                    "local_param_bytes_over_params": [round(r["local_param_bytes"] / total, 3) for r in rows],
-                   "values_ok": all(r["values_ok"] for r in rows)}
+                   "values_ok": all(r["values_ok"] for r in rows),
+                   "export_s": max(r["export_s"] for r in rows),
+                   "export_peak_rss_above_base_over_params": [round(r["export_rss_peak_above_base"] / total, 3)
+                                                              for r in rows],
+                   "export_bit_exact": rows[0]["export_bit_exact"]}
             if processes == 2:
                 row.update(target=b.target, met=all(x <= b.target for x in ratios))
             yield row
