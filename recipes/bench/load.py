@@ -162,7 +162,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(folder: Path, b: BenchConfig, processes: int) -> list[dict]:
+def launch(folder: Path, b: BenchConfig, processes: int) -> list[dict]:
+    """`processes` processes x 8/processes CPU devices loading (and exporting) `folder`; their JSON rows."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "BENCH_REPEATS": str(b.repeats),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}"}
     cmd = [sys.executable, "-m", "recipes.bench.load", "--child", str(folder), b.layout]
@@ -195,7 +196,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         yield {"variant": "folder", "param_bytes": total, "files": files, "write_s": round(time.perf_counter() - t0, 2),
                "config": {k: getattr(b, k) for k in ("embed_dim", "num_layers", "mlp_dim", "vocab_size")}}
         for processes in (1, 2):
-            rows = _launch(folder, b, processes)
+            rows = launch(folder, b, processes)
             ratios = [r["rss_peak_above_base"] / total for r in rows]
             row = {"variant": f"{processes}proc_x{8 // processes}dev", "layout": b.layout, "processes": processes,
                    "devices_per_process": 8 // processes, "param_bytes": total,
