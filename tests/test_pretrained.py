@@ -44,8 +44,8 @@ def _widen(model, skip=()):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig,
-                              SiglipVisionModel, WhisperConfig, WhisperFeatureExtractor,
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, SiglipConfig, SiglipModel,
+                              SiglipTextConfig, SiglipVisionConfig, SiglipVisionModel, WhisperConfig, WhisperFeatureExtractor,
                               WhisperForConditionalGeneration, WhisperModel)
 
     root = tmp_path_factory.mktemp("hf")
@@ -62,6 +62,12 @@ def folders(tmp_path_factory):
     siglip = _widen(SiglipVisionModel(SiglipVisionConfig(
         image_size=32, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)))
     siglip.save_pretrained(root / "siglip")
+    full = _widen(SiglipModel(SiglipConfig(
+        vision_config=dict(image_size=32, patch_size=8, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4),
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=16))))
+    full.save_pretrained(root / "siglip_full")  # SiglipModel: the vision tower is read, the text tower ignored
     (root / "siglip" / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "SiglipImageProcessor", "do_resize": True, "size": {"height": 32, "width": 32},
         "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
@@ -75,7 +81,7 @@ def folders(tmp_path_factory):
     gen = WhisperForConditionalGeneration(wcfg)
     gen.model.load_state_dict(whisper.state_dict())
     gen.save_pretrained(root / "whisper_gen")
-    return {"root": root, "llama": llama.eval(), "qwen2": qwen.eval(), "siglip": siglip.eval(),
+    return {"root": root, "llama": llama.eval(), "qwen2": qwen.eval(), "siglip": siglip.eval(), "siglip_full": full.eval(),
             "whisper": whisper.eval()}
 
 
@@ -191,6 +197,23 @@ def test_siglip_parity_load_and_export(folders):
     orig = folders["siglip"].state_dict()
     assert sorted(back) == sorted(orig) and all(torch.equal(back[k], orig[k]) for k in orig)
     assert json.loads((root / "out_siglip" / "preprocessor_config.json").read_text())["resample"] == 2
+    # a SiglipModel folder: its vision tower in, out as a SiglipVisionModel with the same tensors
+    fcfg = pt.encoder_config_from_folder(root / "siglip_full")
+    assert pt.folder_kind(root / "siglip_full") == "siglip" and fcfg.resample == "bicubic"  # processor default
+    fabs = nnx.eval_shape(lambda: VisionEncoder(fcfg, rngs=nnx.Rngs(0)))
+    fparams = pt.load_encoder_params(root / "siglip_full", nnx.state(fabs, nnx.Param))
+    nnx.update(fabs, fparams)
+    fh = np.asarray(fabs.hidden(jnp.asarray(rows), jnp.asarray(segs), jnp.asarray(poss))).reshape(2, 16, -1)
+    with torch.no_grad():
+        fref = folders["siglip_full"].vision_model(
+            pixel_values=torch.tensor(pixels * 2 - 1).permute(0, 3, 1, 2)).last_hidden_state.numpy()
+    assert _rel(fh, fref) < 1e-4
+    pt.export_encoder(fparams, fcfg, root / "out_siglip_full", like=root / "siglip_full")
+    back = SiglipVisionModel.from_pretrained(root / "out_siglip_full").state_dict()
+    orig = {k.removeprefix("vision_model."): v for k, v in folders["siglip_full"].state_dict().items()
+            if k.startswith("vision_model.")}
+    back = {k.removeprefix("vision_model."): v for k, v in back.items()}  # transformers 5 keeps the tower bare
+    assert sorted(back) == sorted(orig) and all(torch.equal(back[k], orig[k]) for k in orig)
 
 
 def test_whisper_parity_packing_and_export(folders):
