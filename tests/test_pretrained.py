@@ -134,6 +134,30 @@ def test_llm_layouts_equal_one_device_and_transformers(folders):
     assert _rel(model(jnp.asarray(tokens)), ref) < 1e-4
 
 
+def test_pipelined_llm_loads_stage_by_stage_and_exports(folders):
+    """pp2: blocks stacked [stage, repeat, layer, ...] and sharded over pp; each stage's layers read into it."""
+    from omnijax.parallel.engine import unstack_params
+    from safetensors.numpy import load_file
+
+    root = folders["root"]
+    path = root / "llama"
+    cfg = pt.llm_config_from_folder(path)
+    engine = LLMParallel("pp2xfsdp2xtp2", cfg)
+    piped = nnx.state(nnx.eval_shape(lambda: engine.prepare(LLM(cfg, rngs=nnx.Rngs(0)))), nnx.Param)
+    got = pt.load_llm_params(path, _sharded_target(piped, engine.state_shardings(piped)))
+    stack = dict(nnx.to_flat_state(got))[("stages", "attn", "q")].get_value()
+    assert stack.shape[:3] == (2, 1, 1) and "pp" in str(stack.sharding.spec)
+    one = _pure(pt.load_llm_params(path, _llm_target(cfg)))
+    unstacked = jax.tree.map(np.asarray, unstack_params(got, engine.schedule))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(unstacked)))
+    pt.export_llm(got, cfg, root / "out_piped", like=path)
+    orig = {}
+    for f in path.glob("*.safetensors"):
+        orig.update(load_file(str(f)))
+    back = load_file(str(root / "out_piped" / "model.safetensors"))
+    assert sorted(back) == sorted(orig) and all(np.array_equal(back[k], orig[k]) for k in orig)
+
+
 def test_llm_export_round_trips_bitwise(folders):
     from transformers import AutoModelForCausalLM
 
@@ -304,9 +328,8 @@ def test_bad_folders_one_line(folders, tmp_path):
         pt.load_llm_params(wrong, _llm_target(pt.llm_config_from_folder(wrong)))
     with pytest.raises(UserError, match="not an LLM"):
         pt.llm_config_from_folder(root / "siglip")
-    piped = nnx.eval_shape(lambda: LLMParallel("pp2xdp4", cfg).prepare(LLM(cfg, rngs=nnx.Rngs(0))))
-    with pytest.raises(UserError, match="pipelined LLM"):
-        pt.load_llm_params(root / "llama", nnx.state(piped, nnx.Param))
+    with pytest.raises(UserError, match="target parameter extra has no tensor"):
+        pt.load_llm_params(root / "llama", {**nnx.to_pure_dict(_llm_target(cfg)), "extra": np.zeros(3)})
     from omnijax.errors import ConfigError
     from omnijax.mm_config import encoder_config
 
