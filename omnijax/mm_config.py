@@ -77,7 +77,7 @@ class WhisperConfig(AudioConfig):
     mlp_dim: int = 256
     norm_eps: float = 1e-5
     max_source_positions: int = 1500  # encoder tokens of a 30 s window (its position table)
-    chunk_frames: int = 3000     # the feature extractor's window (nb_max_frames); longer clips are cut there, as HF does
+    chunk_frames: int = 3000     # the feature extractor's window (nb_max_frames); longer clips are cut there (as HF)
     activation: Literal["gelu", "gelu_new", "relu"] = "gelu"
 
     @property
@@ -135,7 +135,8 @@ def validate_encoder(name: str, cfg: Any) -> Any:
         if cfg.max_side < cfg.patch * cfg.merge:
             raise ConfigError(f"{where}.max_side={cfg.max_side} must be >= patch*merge={cfg.patch * cfg.merge}")
         if cfg.image_size and cfg.image_size < cfg.patch * cfg.merge:
-            raise ConfigError(f"{where}.image_size={cfg.image_size} must be 0 or >= patch*merge={cfg.patch * cfg.merge}")
+            raise ConfigError(f"{where}.image_size={cfg.image_size} must be 0 or >= patch*merge="
+                              f"{cfg.patch * cfg.merge}")
         if len(cfg.image_mean) != 3 or len(cfg.image_std) != 3 or min(cfg.image_std) <= 0:
             raise ConfigError(f"{where}.image_mean/image_std: three values each, std > 0")
     if isinstance(cfg, AudioConfig):

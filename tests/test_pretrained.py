@@ -45,7 +45,7 @@ def _widen(model, skip=()):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, SiglipConfig, SiglipModel,
-                              SiglipTextConfig, SiglipVisionConfig, SiglipVisionModel, WhisperConfig, WhisperFeatureExtractor,
+                              SiglipVisionConfig, SiglipVisionModel, WhisperConfig, WhisperFeatureExtractor,
                               WhisperForConditionalGeneration, WhisperModel)
 
     root = tmp_path_factory.mktemp("hf")

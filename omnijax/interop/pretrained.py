@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -333,7 +333,8 @@ def _whisper_prefix(index: TensorIndex) -> str:
 
 
 def _siglip_prefix(index: TensorIndex) -> str:
-    """SiglipModel and older SiglipVisionModel files say `vision_model.`; transformers 5 saves a SiglipVisionModel bare."""
+    """SiglipModel and older SiglipVisionModel files say `vision_model.`; transformers 5 saves a
+    SiglipVisionModel bare."""
     return "" if "embeddings.patch_embedding.weight" in index else "vision_model."
 
 
