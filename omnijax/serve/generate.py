@@ -138,12 +138,11 @@ class Generator:
         logits, cache = llm.prefill(x, batch["segment_ids"], batch["positions"], last, cache)
         return logits, jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, sh), cache)
 
-    def _decode_impl(self, params, cache, logits0, lengths, row_ids, live, seed, temperature, top_p, *,
+    def _decode_impl(self, params, cache, logits0, lengths, row_ids, live, eos, seed, temperature, top_p, *,
                      max_new: int, sample: bool):
         """(tokens [B, max_new] (pad after a row's end), steps taken); rows with live=False start done."""
         llm = nnx.merge(self.graphdef, params, self.rest)
         llm = llm.llm if self.multimodal else llm
-        eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         b = logits0.shape[0]
 
         def pick(logits, step):
@@ -212,11 +211,13 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sample | Sequence[int]], cfg: SamplingConfig = SamplingConfig(), *,
                  batch_size: int = 8, zero_encoders: bool = False, progress: Any = None,
-                 params: Any = None) -> list[Generation]:
+                 params: Any = None, eos_ids: Sequence[int] | None = None) -> list[Generation]:
         """One `Generation` per prompt, in order. A prompt is a `Sample` (text ids and media, as the data
         plane makes them) or a list of token ids (text LLMs). `batch_size` prompts decode together (rounded
-        up to a multiple of the layout's batch shards); `progress(n)` is called after each batch."""
+        up to a multiple of the layout's batch shards); `progress(n)` is called after each batch; `params`
+        and `eos_ids` replace the generator's own for this call."""
         cfg.check()
+        eos = tuple(int(i) for i in (self.eos_ids if eos_ids is None else eos_ids))
         params = self.params if params is None else self.place(params)
         if params is None:
             raise ConfigError("Generator: the model was built abstractly; pass params= to generate")
@@ -230,13 +231,13 @@ class Generator:
         out: list[Generation] = []
         for lo in range(0, len(flats), rows):
             part = flats[lo: lo + rows]
-            out += self._generate_batch(params, part, rows, list(range(lo, lo + len(part))), cfg, zero_encoders)
+            out += self._generate_batch(params, part, rows, list(range(lo, lo + len(part))), cfg, zero_encoders, eos)
             if progress is not None:
                 progress(len(part))
         return out
 
     def _generate_batch(self, params, flats: list[packing.Flat], rows: int, ids: list[int], cfg: SamplingConfig,
-                        zero_encoders: bool) -> list[Generation]:
+                        zero_encoders: bool, eos: tuple[int, ...]) -> list[Generation]:
         longest = max(f.tokens.size for f in flats)
         row_len = _bucket(longest, 16)
         pad_flat = packing.Flat(np.array([self.pad_id], np.int32), np.zeros(1, bool), [])
@@ -251,14 +252,17 @@ class Generator:
         logits0, cache = self._prefill(params, batch, dev["last"], cache_len=row_len + cfg.max_new_tokens,
                                        zero_encoders=zero_encoders)
         sample = cfg.temperature > 0
+        eos_arr = np.full(_bucket(len(eos), 4), -1, np.int32)  # padded: a few eos sets share one program
+        eos_arr[:len(eos)] = eos
         tokens, _ = self._decode(params, cache, logits0, dev["lengths"], dev["row_ids"], dev["live"],
+                                 jax.device_put(eos_arr, self._replicated),
                                  jnp.int32(cfg.seed), jnp.float32(cfg.temperature if sample else 1.0),
                                  jnp.float32(cfg.top_p), max_new=cfg.max_new_tokens, sample=sample)
         tokens = np.asarray(jax.device_get(tokens))
         out = []
         for r, f in enumerate(flats):
             row = tokens[r].tolist()
-            end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            end = next((i for i, t in enumerate(row) if t in eos), None)
             out.append(Generation([int(t) for t in f.tokens], row if end is None else row[:end],
                                   "length" if end is None else "eos"))
         return out
