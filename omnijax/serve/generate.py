@@ -14,6 +14,7 @@ Pipeline and context parallelism are training layouts only (a ConfigError names 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -112,6 +113,7 @@ class Generator:
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len", "zero_encoders"))
         self._decode = jax.jit(self._decode_impl, static_argnames=("max_new", "sample"))
         self.specs = packing.encoder_specs(self.mm_cfg) if self.multimodal else {}
+        self.last_timing: dict[str, float] = {}   # the last batch: prefill_s, decode_s, decode_steps
 
     # -------------------------------------------------------------------------------- shardings
     def place(self, params: Any) -> Any:
@@ -249,16 +251,21 @@ class Generator:
                 "row_ids": np.array(ids + [0] * (rows - len(flats)), np.int32), "live": live}
         dev = self._put({**batch, **host})
         batch = {k: dev[k] for k in batch}
+        t0 = time.perf_counter()
         logits0, cache = self._prefill(params, batch, dev["last"], cache_len=row_len + cfg.max_new_tokens,
                                        zero_encoders=zero_encoders)
+        jax.block_until_ready(logits0)
+        t1 = time.perf_counter()
         sample = cfg.temperature > 0
         eos_arr = np.full(_bucket(len(eos), 4), -1, np.int32)  # padded: a few eos sets share one program
         eos_arr[:len(eos)] = eos
-        tokens, _ = self._decode(params, cache, logits0, dev["lengths"], dev["row_ids"], dev["live"],
+        tokens, steps = self._decode(params, cache, logits0, dev["lengths"], dev["row_ids"], dev["live"],
                                  jax.device_put(eos_arr, self._replicated),
                                  jnp.int32(cfg.seed), jnp.float32(cfg.temperature if sample else 1.0),
                                  jnp.float32(cfg.top_p), max_new=cfg.max_new_tokens, sample=sample)
-        tokens = np.asarray(jax.device_get(tokens))
+        tokens, steps = jax.device_get((tokens, steps))
+        self.last_timing = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "decode_steps": int(steps) - 1}
+        tokens = np.asarray(tokens)
         out = []
         for r, f in enumerate(flats):
             row = tokens[r].tolist()
