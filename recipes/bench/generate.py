@@ -28,7 +28,9 @@ class GenerateBench:
     repeats: int = 3
     seed: int = 0
     torch_device: str = "cpu"          # where transformers runs (cpu, the comparison; cuda on a GPU machine)
-X
+    # torch.set_num_threads (0: torch's default). 1 by default: on a busy shared CPU torch's thread pool spins
+    # (measured here under load 30 on 2 cores: 6.5-8 ms/token with 1 thread, 80-100 ms/token with 2)
+    torch_threads: int = 1
 
 
 def _median_s(fn, repeats: int) -> float:
