@@ -54,7 +54,7 @@ def _explicit(argv: list[str], prefix: str) -> dict:
         if isinstance(node, dict) and node:
             for k, v in node.items():
                 walk(v, f"{path}.{k}" if path else k)
-        else:
+        elif path:
             out[path] = node
     walk(tree, "")
     return out

@@ -116,6 +116,8 @@ def state_shardings(state: Any, rules: Rules, mesh: Mesh, extra_leading: Sequenc
             return NamedSharding(mesh, P())
         names = v.get_metadata().get("out_sharding")
         value = v.get_value()
+        if not jax.tree.leaves(value):  # a frozen part's slot in a partitioned optimizer state: nothing to place
+            return v
         shape = getattr(value, "shape", ())
         if names is None:
             names = (None,) * (len(shape) - len(extra_leading))
