@@ -5,14 +5,14 @@ import pathlib
 ROOT = pathlib.Path(__file__).parent.parent / "omnijax"
 # package -> packages it must never import
 FORBIDDEN = {
-    "data": {"models", "parallel", "train", "perfmodel"},
-    "models": {"data", "parallel", "train", "perfmodel"},
-    "layers": {"data", "models", "parallel", "train", "perfmodel"},
-    "mm_config": {"data", "models", "layers", "parallel", "train", "perfmodel"},
-    "config": {"data", "models", "layers", "parallel", "train", "mm_config", "perfmodel"},
-    "parallel": {"train", "perfmodel"},
-    "train": {"perfmodel"},
-    "interop": {"perfmodel"},
+    "data": {"models", "parallel", "train", "perfmodel", "serve"},
+    "models": {"data", "parallel", "train", "perfmodel", "serve"},
+    "layers": {"data", "models", "parallel", "train", "perfmodel", "serve"},
+    "mm_config": {"data", "models", "layers", "parallel", "train", "perfmodel", "serve"},
+    "config": {"data", "models", "layers", "parallel", "train", "mm_config", "perfmodel", "serve"},
+    "parallel": {"train", "perfmodel", "serve"},
+    "train": {"perfmodel", "serve"},      # generation (serve) sits above training; the trainer never imports it
+    "interop": {"perfmodel", "serve"},
 }
 
 
