@@ -264,6 +264,29 @@ def test_whisper_parity_packing_and_export(folders):
     assert _rel(out[:16], ref[0]) < 1e-4 and _rel(out[21:], ref[1]) < 1e-4
     alone = np.asarray(enc(jnp.asarray(short), jnp.ones(10, jnp.int32), jnp.asarray(pos[32:42] * 1)))
     assert np.abs(alone - out[16:21]).max() < 1e-5
+    # a clip split over a sequence-parallel group (esp=2, Ulysses attention): the stem's edge rows come from the
+    # neighbouring device, so the split buffer equals the whole one
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from omnijax.layers import attention as attention_lib, sequence
+    from omnijax.parallel.multiplex import ulysses_attention
+
+    rows2 = np.concatenate([feats[0].T[:20], feats[1].T[:12]])
+    segs2 = np.concatenate([np.full(20, 1), np.full(12, 2)]).astype(np.int32)
+    pos2 = np.zeros((32, 3), np.int32)
+    pos2[:, 0] = np.concatenate([np.arange(20), np.arange(12)])
+    whole = np.asarray(enc(jnp.asarray(rows2), jnp.asarray(segs2), jnp.asarray(pos2)))
+    graph, state = nnx.split(enc)
+
+    def split_run(st, x, seg, p):
+        with attention_lib.use_attention(ulysses_attention(("esp",))), sequence.use_sequence_group(("esp",)):
+            return nnx.merge(graph, st)(x, seg, p)
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("esp",))
+    state = jax.device_put(state, jax.sharding.NamedSharding(mesh, P()))
+    split = jax.shard_map(split_run, mesh=mesh, in_specs=(P(),) + (P("esp"),) * 3, out_specs=P("esp"),
+                          check_vma=False)(state, jnp.asarray(rows2), jnp.asarray(segs2), jnp.asarray(pos2))
+    assert np.abs(np.asarray(split) - whole).max() < 1e-5 * np.abs(whole).max()
     for src, name in ((root / "whisper", "out_whisper"), (root / "whisper_gen", "out_whisper_gen")):
         pt.export_encoder(one, cfg, root / name, like=src)
         orig = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if "encoder." in k}
