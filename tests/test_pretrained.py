@@ -112,6 +112,13 @@ def _same(a, b) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(_pure(a)), jax.tree.leaves(_pure(b))))
 
 
+def _jitted(module, method: str = "__call__"):
+    """module.method(x, segment_ids, positions) compiled (eager encoder forwards dispatch op by op: slow)."""
+    graph, state = nnx.split(module)
+    fn = jax.jit(lambda st, *a: getattr(nnx.merge(graph, st), method)(*a))
+    return lambda *a: np.asarray(fn(state, *(jnp.asarray(x) for x in a)))
+
+
 def _rel(ours, ref) -> float:
     return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
 
@@ -205,16 +212,17 @@ def test_siglip_parity_load_and_export(folders):
     pixels = np.random.RandomState(0).rand(2, 32, 32, 3).astype(np.float32)
     rows, poss, segs = zip(*[(*features.segment_inputs("image", img, cfg), np.full(16, i + 1)) for i, img in enumerate(pixels)])
     rows, poss, segs = np.concatenate(rows), np.concatenate(poss), np.concatenate(segs)
-    hidden = np.asarray(enc.hidden(jnp.asarray(rows), jnp.asarray(segs), jnp.asarray(poss))).reshape(2, 16, -1)
+    hidden_of = _jitted(enc, "hidden")
+    hidden = hidden_of(rows, segs, poss).reshape(2, 16, -1)
     with torch.no_grad():
         ref = folders["siglip"](pixel_values=torch.tensor(pixels * 2 - 1).permute(0, 3, 1, 2)).last_hidden_state.numpy()
     assert _rel(hidden, ref) < 1e-4
     # video through the image tower frame by frame (LLaVA-Video): each frame's tokens = that frame as an image
     video = np.random.RandomState(1).rand(3, 32, 32, 3).astype(np.float32)
     vrows, vpos = features.segment_inputs("video", video, cfg)
-    vh = np.asarray(enc.hidden(jnp.asarray(vrows), jnp.ones(len(vrows), jnp.int32), jnp.asarray(vpos)))
+    vh = hidden_of(vrows, np.ones(len(vrows), np.int32), vpos)
     frame = features.segment_inputs("image", video[2], cfg)
-    fh = np.asarray(enc.hidden(jnp.asarray(frame[0]), jnp.ones(16, jnp.int32), jnp.asarray(frame[1])))
+    fh = hidden_of(frame[0], np.ones(16, np.int32), frame[1])
     assert np.abs(vh[32:] - fh).max() < 1e-5
     pt.export_encoder(one, cfg, root / "out_siglip", like=root / "siglip")
     back = SiglipVisionModel.from_pretrained(root / "out_siglip").state_dict()
@@ -227,7 +235,7 @@ def test_siglip_parity_load_and_export(folders):
     fabs = nnx.eval_shape(lambda: VisionEncoder(fcfg, rngs=nnx.Rngs(0)))
     fparams = pt.load_encoder_params(root / "siglip_full", nnx.state(fabs, nnx.Param))
     nnx.update(fabs, fparams)
-    fh = np.asarray(fabs.hidden(jnp.asarray(rows), jnp.asarray(segs), jnp.asarray(poss))).reshape(2, 16, -1)
+    fh = _jitted(fabs, "hidden")(rows, segs, poss).reshape(2, 16, -1)
     with torch.no_grad():
         fref = folders["siglip_full"].vision_model(
             pixel_values=torch.tensor(pixels * 2 - 1).permute(0, 3, 1, 2)).last_hidden_state.numpy()
@@ -260,10 +268,34 @@ def test_whisper_parity_packing_and_export(folders):
     segs = np.concatenate([np.full(32, 1), np.full(10, 2), np.full(32, 3)])
     pos = np.zeros((len(rows), 3), np.int32)
     pos[:, 0] = np.concatenate([np.arange(32), np.arange(10), np.arange(32)])
-    out = np.asarray(enc(jnp.asarray(rows), jnp.asarray(segs), jnp.asarray(pos)))
+    forward = _jitted(enc)
+    out = forward(rows, segs, pos)
     assert _rel(out[:16], ref[0]) < 1e-4 and _rel(out[21:], ref[1]) < 1e-4
-    alone = np.asarray(enc(jnp.asarray(short), jnp.ones(10, jnp.int32), jnp.asarray(pos[32:42] * 1)))
+    alone = forward(short, np.ones(10, np.int32), pos[32:42])
     assert np.abs(alone - out[16:21]).max() < 1e-5
+    # a clip split over a sequence-parallel group (esp=2, Ulysses attention): the stem's edge rows come from the
+    # neighbouring device, so the split buffer equals the whole one
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from omnijax.layers import attention as attention_lib, sequence
+    from omnijax.parallel.multiplex import ulysses_attention
+
+    rows2 = np.concatenate([feats[0].T[:20], feats[1].T[:12]])
+    segs2 = np.concatenate([np.full(20, 1), np.full(12, 2)]).astype(np.int32)
+    pos2 = np.zeros((32, 3), np.int32)
+    pos2[:, 0] = np.concatenate([np.arange(20), np.arange(12)])
+    whole = forward(rows2, segs2, pos2)
+    graph, state = nnx.split(enc)
+
+    def split_run(st, x, seg, p):
+        with attention_lib.use_attention(ulysses_attention(("esp",))), sequence.use_sequence_group(("esp",)):
+            return nnx.merge(graph, st)(x, seg, p)
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("esp",))
+    state = jax.device_put(state, jax.sharding.NamedSharding(mesh, P()))
+    split = jax.shard_map(split_run, mesh=mesh, in_specs=(P(),) + (P("esp"),) * 3, out_specs=P("esp"),
+                          check_vma=False)(state, jnp.asarray(rows2), jnp.asarray(segs2), jnp.asarray(pos2))
+    assert np.abs(np.asarray(split) - whole).max() < 1e-5 * np.abs(whole).max()
     for src, name in ((root / "whisper", "out_whisper"), (root / "whisper_gen", "out_whisper_gen")):
         pt.export_encoder(one, cfg, root / name, like=src)
         orig = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if "encoder." in k}
