@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -148,7 +147,7 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
     runs = tmp_path / "runs"
     env = {"OMNIJAX_RUNS": str(runs), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    steps = 40  # the kill comes once step 8 is saved: 32 steps before the end
+    steps = 40  # the kill comes once step 4 or 8 is saved: many steps before the end
     common = ["tiny_lm", *TINY_LM, f"trainer.steps={steps}", "trainer.checkpoint_every=4"]
     # the undisturbed run: one process, 8 devices
     ref = _recipes([*common, "trainer.run_name=ref", "parallel.cpu_devices=8"], tmp_path / "ref.log",
@@ -176,12 +175,17 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
     # the same under the launcher: the group restarts from the last checkpoint and ends as if undisturbed
     launcher = _recipes(["launch", "--processes", "2", "--cpu-devices-per-process", "4", "--max-restarts", "1",
                          *common, "trainer.run_name=launched"], tmp_path / "launch.log", env={"OMNIJAX_RUNS": str(runs)})
-    _wait_for_checkpoint(runs / "launched", 8, [launcher])
+    _wait_for_checkpoint(runs / "launched", 4, [launcher])
     from recipes.bench.faults import _descendants  # the process tree under the launcher
 
-    victim = [pid for pid, args in _descendants(launcher.pid) if "--process-id 1" in args]
-    assert victim
+    group = _descendants(launcher.pid)
+    for pid, _ in group:  # freeze the group mid-run, then kill process 1 and let process 0 go on
+        os.kill(pid, signal.SIGSTOP)
+    victim = [pid for pid, args in group if "--process-id 1" in args]
+    assert victim, (group, (tmp_path / "launch.log").read_text()[-3000:])
     os.kill(victim[-1], signal.SIGKILL)
+    for pid, _ in group:
+        os.kill(pid, signal.SIGCONT)
     assert launcher.wait(900) == 0
     err = (tmp_path / "launch.log").read_text()
     assert "launch: restart 1 of 1: process 1 was killed by SIGKILL" in err

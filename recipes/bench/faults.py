@@ -226,7 +226,7 @@ def sigkill_under_launch(b: FaultsBench, ref: dict) -> dict:
 
 
 def _descendants(pid: int) -> list[tuple[int, str]]:
-    rows = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
+    rows = subprocess.run(["ps", "-ww", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
     kids: dict[int, list] = {}
     for r in rows:
         parts = r.strip().split(None, 2)
