@@ -121,10 +121,10 @@ def run_local(args: argparse.Namespace) -> int:
                  for i in range(args.processes)]
         failed: tuple[int, int] | None = None
         while failed is None and any(p.poll() is None for p in procs):
-            if stopping["signal"] is not None:
+            if stopping["signal"] is not None:  # SIGTERM (idempotent: a Ctrl-C already reached them too)
                 for p in procs:
                     if p.poll() is None:
-                        p.send_signal(stopping["signal"])
+                        p.send_signal(signal.SIGTERM)
                 for p in procs:
                     p.wait()
                 return max((p.returncode for p in procs), default=0) or 0

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,10 +135,11 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-def _wait_for_step(run: Path, step: int, procs, timeout=600) -> None:
+def _wait_for_checkpoint(run: Path, step: int, procs, timeout=600) -> None:
+    """Until checkpoint `step` is committed (metrics.jsonl is written in blocks; checkpoints show progress)."""
     deadline = time.monotonic() + timeout
-    while max(_losses(run) or {0: 0}) < step:
-        assert time.monotonic() < deadline and all(p.poll() in (None, 0) for p in procs), "the run stopped early"
+    while not (run / "checkpoints" / str(step) / "omnijax_checksums.json").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run stopped early"
         time.sleep(0.05)
 
 
@@ -147,7 +147,7 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
     runs = tmp_path / "runs"
     env = {"OMNIJAX_RUNS": str(runs), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    steps = 40  # the kill comes at step 6: many steps later the run is still going, however loaded the machine
+    steps = 40  # the kill comes once step 4 or 8 is saved: many steps before the end
     common = ["tiny_lm", *TINY_LM, f"trainer.steps={steps}", "trainer.checkpoint_every=4"]
     # the undisturbed run: one process, 8 devices
     ref = _recipes([*common, "trainer.run_name=ref", "parallel.cpu_devices=8"], tmp_path / "ref.log",
@@ -162,7 +162,7 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
                        f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], tmp_path / f"p{i}.log",
                       env=env)
              for i in range(2)]
-    _wait_for_step(runs / "pair", 6, procs)
+    _wait_for_checkpoint(runs / "pair", 8, procs)
     procs[1].send_signal(signal.SIGKILL)
     rc = procs[0].wait(300)
     err = (tmp_path / "p0.log").read_text()
@@ -175,14 +175,17 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
     # the same under the launcher: the group restarts from the last checkpoint and ends as if undisturbed
     launcher = _recipes(["launch", "--processes", "2", "--cpu-devices-per-process", "4", "--max-restarts", "1",
                          *common, "trainer.run_name=launched"], tmp_path / "launch.log", env={"OMNIJAX_RUNS": str(runs)})
-    deadline = time.monotonic() + 600
-    while max(_losses(runs / "launched") or {0: 0}) < 6:
-        assert time.monotonic() < deadline and launcher.poll() is None
-        time.sleep(0.05)
-    ps = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
-    victim = [int(r.split()[0]) for r in ps if int(r.split()[1]) == launcher.pid and "--process-id 1" in r]
-    assert len(victim) == 1
-    os.kill(victim[0], signal.SIGKILL)
+    _wait_for_checkpoint(runs / "launched", 4, [launcher])
+    from recipes.bench.faults import _descendants  # the process tree under the launcher
+
+    group = _descendants(launcher.pid)
+    for pid, _ in group:  # freeze the group mid-run, then kill process 1 and let process 0 go on
+        os.kill(pid, signal.SIGSTOP)
+    victim = [pid for pid, args in group if "--process-id 1" in args]
+    assert victim, (group, (tmp_path / "launch.log").read_text()[-3000:])
+    os.kill(victim[-1], signal.SIGKILL)
+    for pid, _ in group:
+        os.kill(pid, signal.SIGCONT)
     assert launcher.wait(900) == 0
     err = (tmp_path / "launch.log").read_text()
     assert "launch: restart 1 of 1: process 1 was killed by SIGKILL" in err

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,20 @@ SET_ASIDE = "set_aside"          # run_dir/checkpoints/../checkpoints_set_aside/
 _TMP = ".orbax-checkpoint-tmp"
 # orbax rewrites these after the commit (timestamps, a commit marker): not covered by the checksums
 _MUTABLE = {CHECKSUMS, "_CHECKPOINT_METADATA", "commit_success.txt"}
+
+
+class _DroppedWriteErrors(logging.Filter):
+    """A failed orbax write is logged with a traceback by each background thread and asyncio gather it
+    passes through; the failure is reported once, as CheckpointSaveError (one line), so these are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        orbax_trace = record.levelno >= logging.ERROR and "/orbax/" in record.pathname and (
+            record.exc_info or "raised an exception" in str(record.msg))
+        return not (orbax_trace or "exception was never retrieved" in str(record.msg))
+
+
+logging.getLogger("asyncio").addFilter(_DroppedWriteErrors())
+logging.getLogger("absl").addFilter(_DroppedWriteErrors())
 
 
 class CheckpointSaveError(UserError):
@@ -150,8 +166,15 @@ class Checkpointer:
             if isinstance(cause, OSError):
                 break
             cause = cause.__cause__ or cause.__context__
-        reason = (f"{cause.strerror} ({cause.filename})" if isinstance(cause, OSError) and cause.strerror
-                  else f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        text = str(exc)
+        code = re.search(r"os_error_code='?(\d+)", text)  # tensorstore's wording of an OSError
+        failed = re.search(r'Failed writing: "([^"]+)"', text)
+        if isinstance(cause, OSError) and cause.strerror:
+            reason = f"{cause.strerror} ({cause.filename})"
+        elif code:
+            reason = f"{os.strerror(int(code.group(1)))}" + (f" writing {failed.group(1)}" if failed else "")
+        else:
+            reason = f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
         good = self.all_steps()
         what = f"step {step}" if step is not None else "a checkpoint"
         keep = (f"checkpoints {', '.join(map(str, good))} are intact; fix it and run the same command to resume from "

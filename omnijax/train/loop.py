@@ -203,7 +203,9 @@ class Trainer:
         if placed and hasattr(self.placement, "set_state"):
             self.placement.set_state(placed)
         self._mend_metrics()
-        print(f"resumed from {self.checkpointer.directory} at step {step}", file=sys.stderr)
+        checked = (f" (checksums verified in {self.checkpointer.verify_s:.2f} s)"
+                   if self.checkpointer.has_checksums(step) else "")
+        print(f"resumed from {self.checkpointer.directory} at step {step}{checked}", file=sys.stderr)
         return step
 
     def _mend_metrics(self) -> None:
