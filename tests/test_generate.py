@@ -94,7 +94,7 @@ def test_greedy_equals_transformers_and_layouts(llama):
         assert g.tokens == out and g.prompt_tokens == p and g.finish_reason == "length"
     from omnijax.serve.load import _eos_ids
     eos = _eos_ids(tokenizer.BYTE_TOKENIZER, path)  # the folder's eos_token_id, as transformers reads it
-    assert ref.generation_config.eos_token_id in eos
+    assert eos == (ref.generation_config.eos_token_id,)
     stopping = gen.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), batch_size=4, eos_ids=eos)
     for p, g in zip(PROMPTS, stopping):  # transformers stops at its eos and keeps it; `tokens` leave it out
         with torch.no_grad():
