@@ -5,9 +5,11 @@ Llama/Qwen2 folder. FILE holds records in the formats `recipes convert` reads (`
 `conversations` without the answer; media paths relative to FILE); conversations go through the tokenizer's
 chat template with its generation prompt. OUT gets one JSON line per prompt, in order: `prompt_tokens` (the
 ids fed to the LLM, placeholders included), `tokens` (generated ids, without the end-of-sequence id),
-`text`, `finish_reason` (eos | length). OUT is written whole and then renamed into place (an existing OUT is
-replaced). Options: max_new_tokens, temperature (0 = greedy), top_p, seed, batch_size,
-parallel.llm (dp/fsdp/tp layout, e.g. tp2), parallel.cpu_devices.
+`text`, `finish_reason` (eos | length). An answer ends where transformers' generate ends it for that folder
+(its `eos_token_id`; the tokenizer's eos for a run without a Hugging Face LLM folder; `eos_ids=[...]` to
+choose). OUT is written whole and then renamed into place (an existing OUT is replaced). Options:
+max_new_tokens, temperature (0 = greedy), top_p, seed, batch_size, eos_ids, parallel.llm (dp/fsdp/tp
+layout, e.g. tp2), parallel.cpu_devices.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class GenerateConfig:
     top_p: float = 1.0
     seed: int = 0
     batch_size: int = 8
+    eos_ids: list[int] = field(default_factory=list)   # [] = the folder's eos_token_id (else the tokenizer's eos)
     parallel: GenerateParallel = field(default_factory=GenerateParallel)
 
 
@@ -72,7 +75,7 @@ def main(argv: list[str]) -> int:
     served = load(folders[0])
     prompts = read_prompts(cfg.prompts, served.tokenizer)
     tok = served.tokenizer
-    gen = Generator(served.model, layout=cfg.parallel.llm, eos_ids=served.eos_ids, pad_id=tok.pad,
+    gen = Generator(served.model, layout=cfg.parallel.llm, eos_ids=cfg.eos_ids or served.eos_ids, pad_id=tok.pad,
                     placeholder=dict(tok.placeholder))
     from tqdm import tqdm
 

@@ -5,12 +5,14 @@ import pathlib
 ROOT = pathlib.Path(__file__).parent.parent / "omnijax"
 # package -> packages it must never import
 FORBIDDEN = {
-    "data": {"models", "parallel", "train"},
-    "models": {"data", "parallel", "train"},
-    "layers": {"data", "models", "parallel", "train"},
-    "mm_config": {"data", "models", "layers", "parallel", "train"},
-    "config": {"data", "models", "layers", "parallel", "train", "mm_config"},
-    "parallel": {"train"},
+    "data": {"models", "parallel", "train", "serve"},
+    "models": {"data", "parallel", "train", "serve"},
+    "layers": {"data", "models", "parallel", "train", "serve"},
+    "mm_config": {"data", "models", "layers", "parallel", "train", "serve"},
+    "config": {"data", "models", "layers", "parallel", "train", "mm_config", "serve"},
+    "parallel": {"train", "serve"},
+    "train": {"serve"},      # generation (serve) sits above training; the trainer never imports it
+    "interop": {"serve"},
 }
 
 

@@ -14,6 +14,7 @@ Pipeline and context parallelism are training layouts only (a ConfigError names 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -112,6 +113,7 @@ class Generator:
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len", "zero_encoders"))
         self._decode = jax.jit(self._decode_impl, static_argnames=("max_new", "sample"))
         self.specs = packing.encoder_specs(self.mm_cfg) if self.multimodal else {}
+        self.last_timing: dict[str, float] = {}   # the last batch: prefill_s, decode_s, decode_steps
 
     # -------------------------------------------------------------------------------- shardings
     def place(self, params: Any) -> Any:
@@ -138,12 +140,11 @@ class Generator:
         logits, cache = llm.prefill(x, batch["segment_ids"], batch["positions"], last, cache)
         return logits, jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, sh), cache)
 
-    def _decode_impl(self, params, cache, logits0, lengths, row_ids, live, seed, temperature, top_p, *,
+    def _decode_impl(self, params, cache, logits0, lengths, row_ids, live, eos, seed, temperature, top_p, *,
                      max_new: int, sample: bool):
         """(tokens [B, max_new] (pad after a row's end), steps taken); rows with live=False start done."""
         llm = nnx.merge(self.graphdef, params, self.rest)
         llm = llm.llm if self.multimodal else llm
-        eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         b = logits0.shape[0]
 
         def pick(logits, step):
@@ -212,11 +213,13 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sample | Sequence[int]], cfg: SamplingConfig = SamplingConfig(), *,
                  batch_size: int = 8, zero_encoders: bool = False, progress: Any = None,
-                 params: Any = None) -> list[Generation]:
+                 params: Any = None, eos_ids: Sequence[int] | None = None) -> list[Generation]:
         """One `Generation` per prompt, in order. A prompt is a `Sample` (text ids and media, as the data
         plane makes them) or a list of token ids (text LLMs). `batch_size` prompts decode together (rounded
-        up to a multiple of the layout's batch shards); `progress(n)` is called after each batch."""
+        up to a multiple of the layout's batch shards); `progress(n)` is called after each batch; `params`
+        and `eos_ids` replace the generator's own for this call."""
         cfg.check()
+        eos = tuple(int(i) for i in (self.eos_ids if eos_ids is None else eos_ids))
         params = self.params if params is None else self.place(params)
         if params is None:
             raise ConfigError("Generator: the model was built abstractly; pass params= to generate")
@@ -230,13 +233,13 @@ class Generator:
         out: list[Generation] = []
         for lo in range(0, len(flats), rows):
             part = flats[lo: lo + rows]
-            out += self._generate_batch(params, part, rows, list(range(lo, lo + len(part))), cfg, zero_encoders)
+            out += self._generate_batch(params, part, rows, list(range(lo, lo + len(part))), cfg, zero_encoders, eos)
             if progress is not None:
                 progress(len(part))
         return out
 
     def _generate_batch(self, params, flats: list[packing.Flat], rows: int, ids: list[int], cfg: SamplingConfig,
-                        zero_encoders: bool) -> list[Generation]:
+                        zero_encoders: bool, eos: tuple[int, ...]) -> list[Generation]:
         longest = max(f.tokens.size for f in flats)
         row_len = _bucket(longest, 16)
         pad_flat = packing.Flat(np.array([self.pad_id], np.int32), np.zeros(1, bool), [])
@@ -248,17 +251,25 @@ class Generator:
                 "row_ids": np.array(ids + [0] * (rows - len(flats)), np.int32), "live": live}
         dev = self._put({**batch, **host})
         batch = {k: dev[k] for k in batch}
+        t0 = time.perf_counter()
         logits0, cache = self._prefill(params, batch, dev["last"], cache_len=row_len + cfg.max_new_tokens,
                                        zero_encoders=zero_encoders)
+        jax.block_until_ready(logits0)
+        t1 = time.perf_counter()
         sample = cfg.temperature > 0
-        tokens, _ = self._decode(params, cache, logits0, dev["lengths"], dev["row_ids"], dev["live"],
+        eos_arr = np.full(_bucket(len(eos), 4), -1, np.int32)  # padded: a few eos sets share one program
+        eos_arr[:len(eos)] = eos
+        tokens, steps = self._decode(params, cache, logits0, dev["lengths"], dev["row_ids"], dev["live"],
+                                 jax.device_put(eos_arr, self._replicated),
                                  jnp.int32(cfg.seed), jnp.float32(cfg.temperature if sample else 1.0),
                                  jnp.float32(cfg.top_p), max_new=cfg.max_new_tokens, sample=sample)
-        tokens = np.asarray(jax.device_get(tokens))
+        tokens, steps = jax.device_get((tokens, steps))
+        self.last_timing = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "decode_steps": int(steps) - 1}
+        tokens = np.asarray(tokens)
         out = []
         for r, f in enumerate(flats):
             row = tokens[r].tolist()
-            end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            end = next((i for i, t in enumerate(row) if t in eos), None)
             out.append(Generation([int(t) for t in f.tokens], row if end is None else row[:end],
                                   "length" if end is None else "eos"))
         return out

@@ -53,18 +53,19 @@ def folder_kind(path: str | Path) -> str:
 
 
 def _eos_ids(tok: Any, hf_folder: Path | None = None) -> tuple[int, ...]:
-    """The tokenizer's eos, plus the `eos_token_id`s of a Hugging Face folder's generation_config.json and
-    config.json: the ids transformers' generate stops on for that folder."""
-    ids = {int(tok.eos)} if getattr(tok, "eos", None) is not None else set()
+    """The ids an answer ends on: those a Hugging Face folder names (`eos_token_id` of generation_config.json,
+    else of config.json: where transformers' generate stops for that folder), else the tokenizer's eos."""
     for name in ("generation_config.json", "config.json"):
         if hf_folder is None or not (hf_folder / name).is_file():
             continue
         try:
-            extra = json.loads((hf_folder / name).read_text()).get("eos_token_id")
+            named = json.loads((hf_folder / name).read_text()).get("eos_token_id")
         except (ValueError, AttributeError):
-            extra = None
-        ids |= {int(i) for i in (extra if isinstance(extra, list) else [extra]) if isinstance(i, int)}
-    return tuple(sorted(ids))
+            named = None
+        ids = {int(i) for i in (named if isinstance(named, list) else [named]) if isinstance(i, int)}
+        if ids:
+            return tuple(sorted(ids))
+    return (int(tok.eos),) if getattr(tok, "eos", None) is not None else ()
 
 
 def load(path: str | Path) -> Served:

@@ -28,6 +28,9 @@ class GenerateBench:
     repeats: int = 3
     seed: int = 0
     torch_device: str = "cpu"          # where transformers runs (cpu, the issue's comparison; cuda on a GPU machine)
+    # torch.set_num_threads (0: torch's default). 1 by default: on a busy shared CPU torch's thread pool spins
+    # (measured here under load 30 on 2 cores: 6.5-8 ms/token with 1 thread, 80-100 ms/token with 2)
+    torch_threads: int = 1
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -56,6 +59,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from omnijax.serve.generate import Generator, SamplingConfig
 
     torch.manual_seed(cfg.seed)
+    if cfg.torch_threads > 0:
+        torch.set_num_threads(cfg.torch_threads)
     longest = max(cfg.lengths + [cfg.prompt_len]) + max(cfg.new_tokens, cfg.cost_new_tokens)
     hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 3,
                                       num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
@@ -94,14 +99,34 @@ def run(overrides: list[str]) -> Iterator[dict]:
            "seconds": round(t_theirs, 4), **common}
     yield {"variant": "omnijax", **shape, "tokens_per_s": round(total / t_ours, 1), "seconds": round(t_ours, 4),
            "vs": "transformers", "speedup": round(t_theirs / t_ours, 2), "greedy_tokens_equal": same, **common}
-    # decode cost per token by prompt length: (time for n tokens - time for 1 token) / (n - 1), one prompt
+    # decode cost per token by prompt length, prefill excluded: omnijax's decode loop (timed inside the
+    # generator) and transformers' forward with its past_key_values, one token at a time, one prompt
     n = cfg.cost_new_tokens
+
+    def ours_decode(p):
+        ours(p, n)
+        t = gen.last_timing
+        return t["decode_s"] / max(1, t["decode_steps"]), t["prefill_s"]
+
+    def theirs_decode(p):
+        with torch.no_grad():
+            ids = torch.tensor(np.array(p), device=cfg.torch_device)
+            t0 = time.perf_counter()
+            out = ref(ids, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            t1 = time.perf_counter()
+            past = out.past_key_values
+            for _ in range(n - 1):
+                out = ref(tok, past_key_values=past, use_cache=True)
+                past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            tok.tolist()
+            return (time.perf_counter() - t1) / (n - 1), t1 - t0
+
     for length in cfg.lengths:
         p = rng.integers(0, cfg.vocab, (1, length)).tolist()
-        row = {"prompt_len": length, "new_tokens": n, "batch": 1}
-        for name, fn in (("omnijax", ours), ("transformers", theirs)):
-            fn(p, n), fn(p, 1)  # warm (compiles the two programs for omnijax)
-            many = _median_s(lambda: fn(p, n), cfg.repeats)
-            one = _median_s(lambda: fn(p, 1), cfg.repeats)
-            yield {"variant": f"per_token_cost_{name}", **row, "ms_per_token": round(1e3 * (many - one) / (n - 1), 3),
-                   "prefill_and_first_ms": round(1e3 * one, 2), **common}
+        for name, fn in (("omnijax", ours_decode), ("transformers", theirs_decode)):
+            fn(p)  # warm (compiles omnijax's programs for this length)
+            runs = sorted(fn(p) for _ in range(cfg.repeats))
+            per_token, prefill = runs[len(runs) // 2]
+            yield {"variant": f"per_token_cost_{name}", "prompt_len": length, "new_tokens": n, "batch": 1,
+                   "ms_per_token": round(1e3 * per_token, 3), "prefill_ms": round(1e3 * prefill, 2), **common}
