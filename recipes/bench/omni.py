@@ -188,8 +188,9 @@ def run(overrides: list[str]) -> Iterator[dict]:
         raise ConfigError(f"bench omni: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     cfg = from_dict(MMConfig, MM)
     steps, w = opts["steps"], max(1, opts["window"])
+    ranks = opts["cpu_devices"] or jax.device_count()   # cpu_devices=0: the accelerators present (gpucheck)
     t0 = time.perf_counter()
-    host = batches(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], opts["cpu_devices"], w)
+    host = batches(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], ranks, w)
     pack_s = time.perf_counter() - t0
     windows = [list(range(i, min(i + w, steps))) for i in range(0, steps, w)]
     window_of = {i: k for k, win in enumerate(windows) for i in win}
@@ -341,7 +342,7 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
 
     def prefetched(cpus: set[int] | None):
         counter = iter(range(steps))
-        loader = make_loader(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], opts["cpu_devices"],
+        loader = make_loader(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], ranks,
                              max(1, opts["window"]))
         pf = Prefetcher(TrainerBatches(loader), lambda b: put(b, next(counter)), depth=2,
                         cpus=cpus)
