@@ -143,6 +143,7 @@ def _wait_for_checkpoint(run: Path, step: int, procs, timeout=600) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_group(tmp_path):
     runs = tmp_path / "runs"
     env = {"OMNIJAX_RUNS": str(runs), "JAX_PLATFORMS": "cpu",
