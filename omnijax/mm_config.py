@@ -76,12 +76,14 @@ class WhisperConfig(AudioConfig):
     embed_dim: int = 64
     mlp_dim: int = 256
     norm_eps: float = 1e-5
-    max_source_positions: int = 1500  # encoder tokens of a 30 s window; longer clips are cut there (as HF does)
+    max_source_positions: int = 1500  # encoder tokens of a 30 s window (its position table)
+    chunk_frames: int = 3000     # the feature extractor's window (nb_max_frames); longer clips are cut there (as HF)
     activation: Literal["gelu", "gelu_new", "relu"] = "gelu"
 
     @property
     def max_frames(self) -> int:
-        return 2 * self.max_source_positions
+        """Frames a clip may keep: the window, and no more than the position table covers."""
+        return min(self.chunk_frames, 2 * self.max_source_positions)
 
 
 @dataclass
@@ -133,13 +135,19 @@ def validate_encoder(name: str, cfg: Any) -> Any:
         if cfg.max_side < cfg.patch * cfg.merge:
             raise ConfigError(f"{where}.max_side={cfg.max_side} must be >= patch*merge={cfg.patch * cfg.merge}")
         if cfg.image_size and cfg.image_size < cfg.patch * cfg.merge:
-            raise ConfigError(f"{where}.image_size={cfg.image_size} must be 0 or >= patch*merge={cfg.patch * cfg.merge}")
+            raise ConfigError(f"{where}.image_size={cfg.image_size} must be 0 or >= patch*merge="
+                              f"{cfg.patch * cfg.merge}")
         if len(cfg.image_mean) != 3 or len(cfg.image_std) != 3 or min(cfg.image_std) <= 0:
             raise ConfigError(f"{where}.image_mean/image_std: three values each, std > 0")
     if isinstance(cfg, AudioConfig):
         for f in ("n_mels", "n_fft", "hop", "reduction", "sample_rate"):
             if getattr(cfg, f) <= 0:
                 raise ConfigError(f"{where}.{f}={getattr(cfg, f)}: must be > 0")
+    if isinstance(cfg, WhisperConfig):
+        if cfg.reduction != 2:
+            raise ConfigError(f"{where}.reduction={cfg.reduction}: Whisper's stride-2 stem makes it 2")
+        if cfg.max_source_positions <= 0 or cfg.chunk_frames <= 0:
+            raise ConfigError(f"{where}.max_source_positions/chunk_frames: must be > 0")
     return cfg
 
 

@@ -10,6 +10,13 @@ round(side * s / unit) * unit, at least one unit and at most floor(max_side / un
 are resampled to that size with a box filter (area average when shrinking). The aspect ratio is kept
 up to half a unit per side; nothing is cropped. A side that would need more than 2x up-scaling
 (shorter than half a unit) is rejected (`BadSample`): it would invent detail.
+A tower pretrained at a fixed input size (SigLIP: `image_size` > 0) instead gets what its Hugging Face
+image processor gives it: every image/frame resized to image_size x image_size with its `resample`
+filter (Pillow's, on the 8-bit pixels when they are exactly 8-bit, as SiglipImageProcessor does), the
+patches covering the top-left grid * patch pixels (a stride = kernel convolution's cover), and
+`(x - image_mean) / image_std` per channel. Audio for a Whisper encoder follows WhisperFeatureExtractor
+(`whisper_log_mel`); converted shards store decoded media at their own size and rate, so the same
+shards serve either kind of encoder.
 Frames of a video are grouped by `temporal_patch` (the last frame is repeated to fill the last
 group); an image is one frame repeated `temporal_patch` times.
 """
@@ -21,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from omnijax.errors import BadSample
-from omnijax.mm_config import (AudioConfig, MMConfig, VisionConfig, _encoder_cfg, _target_sides, audio_frames,  # noqa: F401
-                                 encoder_configs, encoder_tokens, vision_grid)
+from omnijax.mm_config import (AudioConfig, MMConfig, VisionConfig, WhisperConfig, _encoder_cfg, _target_sides,  # noqa: F401
+                                 audio_frames, encoder_configs, encoder_tokens, vision_grid)
 
 
 # ------------------------------------------------------------------------------------ vision
@@ -42,22 +49,54 @@ def _resize_side(x: np.ndarray, axis: int, target: int) -> np.ndarray:
     return np.moveaxis(np.tensordot(_box_weights(n, target), np.moveaxis(x, axis, 0), axes=1), 0, axis)
 
 
+_PIL_FILTERS = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4}
+
+
+def resize_frames(frames: np.ndarray, size: int, resample: str) -> np.ndarray:
+    """[T, H, W, 3] in [0, 1] -> [T, size, size, 3] with Pillow's `resample` filter.
+
+    Exactly 8-bit pixels (k/255, what decoded JPEG/PNG/video frames are) are resized as 8-bit RGB, the
+    way Hugging Face image processors resize; other values per channel in 32-bit float."""
+    from PIL import Image
+
+    if frames.shape[1:3] == (size, size):
+        return frames
+    method = _PIL_FILTERS[resample]
+    u8 = np.rint(frames * np.float32(255.0))
+    exact = bool(np.all((u8 >= 0) & (u8 <= 255))) and np.array_equal(u8 / np.float32(255.0), frames)
+    out = np.empty((frames.shape[0], size, size, 3), np.float32)
+    for i, frame in enumerate(frames):
+        if exact:
+            img = Image.fromarray(u8[i].astype(np.uint8), "RGB").resize((size, size), resample=method)
+            out[i] = np.asarray(img, np.float32) / np.float32(255.0)
+        else:
+            for c in range(3):
+                img = Image.fromarray(np.ascontiguousarray(frame[..., c]), "F").resize((size, size), resample=method)
+                out[i, ..., c] = np.asarray(img, np.float32)
+    return out
+
+
 def image_patches(pixels: np.ndarray, patch: int, temporal_patch: int = 1, merge: int = 2,
-                  max_side: int | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
+                  max_side: int | None = None, image_size: int = 0,
+                  resample: str = "box") -> tuple[np.ndarray, tuple[int, int, int]]:
     """Patches [n, temporal_patch*patch*patch*3] and grid (t, h, w) of an image or a video.
 
     Rows are ordered (t, h-block, w-block, i, j) so that each merge x merge window is `merge*merge`
     consecutive rows; a row is the flattened (frame, y, x, channel) block. Values are not rescaled.
+    image_size > 0: frames resized to that square with `resample` first (a fixed-input tower).
     """
     pixels = np.asarray(pixels, dtype=np.float32)
-    t, gh, gw = vision_grid(pixels.shape, patch, temporal_patch, merge, max_side)
+    t, gh, gw = vision_grid(pixels.shape, patch, temporal_patch, merge, max_side, image_size)
     frames = pixels[None] if pixels.ndim == 3 else pixels
     if pixels.ndim == 3:
         frames = np.repeat(frames, temporal_patch, axis=0)
     elif frames.shape[0] % temporal_patch:
         fill = temporal_patch - frames.shape[0] % temporal_patch
         frames = np.concatenate([frames, np.repeat(frames[-1:], fill, axis=0)], axis=0)
-    frames = _resize_side(_resize_side(frames, 1, gh * patch), 2, gw * patch)
+    if image_size:
+        frames = resize_frames(frames, image_size, resample)[:, :gh * patch, :gw * patch]
+    else:
+        frames = _resize_side(_resize_side(frames, 1, gh * patch), 2, gw * patch)
     m, p, tp = merge, patch, temporal_patch
     x = frames.reshape(t, tp, gh // m, m, p, gw // m, m, p, 3)
     x = x.transpose(0, 2, 5, 3, 6, 1, 4, 7, 8)
@@ -118,12 +157,60 @@ def log_mel(wave: np.ndarray, sample_rate: int = 16000, n_mels: int = 32, n_fft:
     return feats
 
 
+def _slaney_mel(hz: np.ndarray) -> np.ndarray:
+    hz = np.asarray(hz, np.float64)
+    mel = 3.0 * hz / 200.0
+    log = 15.0 + np.log(np.maximum(hz, 1e-12) / 1000.0) * (27.0 / np.log(6.4))
+    return np.where(hz >= 1000.0, log, mel)
+
+
+def _slaney_hz(mel: np.ndarray) -> np.ndarray:
+    mel = np.asarray(mel, np.float64)
+    return np.where(mel >= 15.0, 1000.0 * np.exp(np.log(6.4) / 27.0 * (mel - 15.0)), 200.0 * mel / 3.0)
+
+
+def slaney_filterbank(sample_rate: int, n_fft: int, n_mels: int, f_max: float = 8000.0) -> np.ndarray:
+    """Whisper's mel filters [n_fft//2 + 1, n_mels]: Slaney mel scale, area-normalised triangles, 0..f_max Hz."""
+    edges = _slaney_hz(np.linspace(_slaney_mel(0.0), _slaney_mel(f_max), n_mels + 2))
+    freqs = np.linspace(0, sample_rate // 2, n_fft // 2 + 1)
+    diff = np.diff(edges)
+    slopes = edges[None] - freqs[:, None]
+    tri = np.maximum(0.0, np.minimum(-slopes[:, :-2] / diff[:-1], slopes[:, 2:] / diff[1:]))
+    return tri * (2.0 / (edges[2:] - edges[:-2]))[None]
+
+
+def whisper_log_mel(wave: np.ndarray, cfg: WhisperConfig) -> np.ndarray:
+    """WhisperFeatureExtractor's log-mel features [frames, n_mels] of one clip, at the clip's own length.
+
+    Hann window (periodic), centred STFT with reflection, power spectrum through Slaney mel filters,
+    log10 with a 1e-10 floor, clamped at the window's peak - 8, then (x + 4) / 4. HF pads every clip with
+    zeros to a 30 s window; these are its first ceil(n / hop) frames (rounded up to the encoder's
+    stride), and the peak is taken over every frame the clip reaches, so the values are HF's. Clips
+    longer than the window are cut at it, as HF does."""
+    hop, n_fft, window_frames = cfg.hop, cfg.n_fft, cfg.chunk_frames
+    wave = np.asarray(wave, np.float64).reshape(-1)[:window_frames * hop]
+    frames = min(audio_frames(wave.size, hop), cfg.max_frames)
+    frames += -frames % cfg.reduction
+    reach = min(window_frames, max(frames, -(-(wave.size + n_fft // 2) // hop)))  # frames that see the clip
+    length = min(window_frames * hop, reach * hop + n_fft)
+    x = np.pad(wave, (0, length - wave.size))
+    x = np.pad(x, (n_fft // 2, n_fft // 2), mode="reflect")
+    idx = np.arange(n_fft)[None] + hop * np.arange(reach)[:, None]
+    window = np.hanning(n_fft + 1)[:-1]
+    power = np.abs(np.fft.rfft(x[idx] * window, axis=-1)) ** 2
+    mel = np.maximum(1e-10, power @ slaney_filterbank(cfg.sample_rate, n_fft, cfg.n_mels))
+    logm = np.log10(mel).astype(np.float32)
+    logm = np.maximum(logm, logm.max() - np.float32(8.0))
+    return ((logm[:frames] + np.float32(4.0)) / np.float32(4.0)).astype(np.float32)
+
+
 def segment_positions(modality: str, shape: tuple[int, ...], cfg: Any) -> np.ndarray:
     """Positions [n, 3] of a segment's encoder input rows from its shape alone (equal to what
     `segment_inputs` returns with the decoded rows): the plan lays buffers out before any decoding."""
     enc = _encoder_cfg(modality, cfg)
     if modality in ("image", "video"):
-        return patch_positions(vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side), enc.merge)
+        return patch_positions(vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side,
+                                           enc.image_size), enc.merge)
     rows, _ = encoder_tokens(modality, shape, enc)
     pos = np.zeros((rows, 3), np.int32)
     pos[:, 0] = np.arange(rows)
@@ -136,10 +223,17 @@ def segment_inputs(modality: str, data: np.ndarray, cfg: Any) -> tuple[np.ndarra
     if modality in ("image", "video"):
         if modality == "image" and data.ndim != 3 or modality == "video" and data.ndim != 4:
             raise BadSample(f"{modality} of shape {data.shape}: wrong rank")
-        patches, grid = image_patches(data, enc.patch, enc.temporal_patch, enc.merge, enc.max_side)
-        if enc.normalize:  # [0, 1] -> [-1, 1], the SigLIP convention (zero-centred inputs)
-            patches = patches * 2.0 - 1.0
+        patches, grid = image_patches(data, enc.patch, enc.temporal_patch, enc.merge, enc.max_side, enc.image_size,
+                                      enc.resample)
+        if enc.normalize:  # (x - mean) / std per channel; the default 0.5 / 0.5 maps [0, 1] to [-1, 1]
+            mean, std = np.asarray(enc.image_mean, np.float32), np.asarray(enc.image_std, np.float32)
+            patches = ((patches.reshape(len(patches), -1, 3) - mean) / std).reshape(patches.shape)
         return patches, patch_positions(grid, enc.merge)
+    if modality == "audio" and isinstance(enc, WhisperConfig):
+        feats = whisper_log_mel(data, enc)
+        pos = np.zeros((feats.shape[0], 3), np.int32)
+        pos[:, 0] = np.arange(feats.shape[0])
+        return feats, pos
     if modality == "audio":
         feats = log_mel(data, enc.sample_rate, enc.n_mels, enc.n_fft, enc.hop, pad_to_multiple=enc.reduction)
         pos = np.zeros((feats.shape[0], 3), np.int32)

@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -202,12 +202,16 @@ def read_part(index: TensorIndex, t: Tensor, idx: tuple) -> np.ndarray:
 
 
 def _leaf(var: Any) -> Any:
-    return var.get_value() if isinstance(var, nnx.Variable) else var
+    return var.get_value() if isinstance(var, (nnx.Variable, _LayerOf)) else var
 
 
 def _sharding(value: Any) -> jax.sharding.Sharding:
     sharding = getattr(value, "sharding", None)
     return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _key(idx: tuple, shape: tuple[int, ...]) -> tuple:
+    return tuple((r.start, r.stop) for r in _ranges(idx, shape))
 
 
 def _check(index: TensorIndex, tensors: list[Tensor], where: str) -> None:
@@ -222,36 +226,84 @@ def _check(index: TensorIndex, tensors: list[Tensor], where: str) -> None:
                             f"config.json implies {list(t.hf_shape)}")
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """A parameter of a pipelined LLM: every layer's tensor stacked [stage, repeat, layer, ...] the way
+    `omnijax.parallel.pipeline.stack_layers` lays them out (entry (s, r, j) is layer (r*S + s)*per + j)."""
+    path: tuple
+    shape: tuple[int, ...]
+    layers: dict  # (s, r, j) -> Tensor
+
+    @staticmethod
+    def of(path: tuple, shape: tuple[int, ...], by_path: dict) -> "Stacked":
+        stages, repeats, per = shape[:3]
+        layers = {}
+        for s_ in range(stages):
+            for r in range(repeats):
+                for j in range(per):
+                    key = ("blocks", (r * stages + s_) * per + j, *path[1:])
+                    if key not in by_path:
+                        raise UserError(f"pipelined parameter {'/'.join(map(str, path))}: no tensor for layer {key[1]}")
+                    layers[s_, r, j] = by_path[key]
+        return Stacked(path, tuple(shape), layers)
+
+
+def _read(index: TensorIndex, t: Tensor | Stacked, idx: tuple) -> np.ndarray:
+    if isinstance(t, Tensor):
+        return read_part(index, t, idx)
+    r = _ranges(idx, t.shape)
+    rest = tuple(idx)[3:]
+    return np.stack([np.stack([np.stack([read_part(index, t.layers[s_, q, j], rest) for j in r[2]]) for q in r[1]])
+                     for s_ in r[0]])
+
+
+def _build(index: TensorIndex, t: Tensor | Stacked, dtype: np.dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """One global array of `t` in `sharding`, built from this process's device shards one at a time (each
+    read, put on its device and dropped before the next: host memory holds one shard beyond the devices')."""
+    per_device = sharding.addressable_devices_indices_map(t.shape)
+    keys = {d: _key(idx, t.shape) for d, idx in per_device.items()}
+    left = {k: list(keys.values()).count(k) for k in set(keys.values())}
+    cache: dict = {}
+    shards = []
+    for device, idx in per_device.items():
+        key = keys[device]
+        if key not in cache:  # replicas of one shard on this host are read once
+            cache[key] = np.asarray(_read(index, t, idx), dtype=dtype)
+        shards.append(jax.device_put(cache[key], device))
+        left[key] -= 1
+        if not left[key]:
+            jax.block_until_ready(shards[-1])
+            del cache[key]
+    return jax.make_array_from_single_device_arrays(t.shape, sharding, shards)
+
+
 def load_params(index: TensorIndex, tensors: list[Tensor], target: Any, where: str) -> nnx.State:
-    """`target` (Param state, leaves with shardings) filled from `index`, each process reading its shards only."""
+    """`target` (Param state, leaves with shardings) filled from `index`, each process reading its shards only.
+
+    A pipelined LLM's stacked blocks (`stages/...`, [stage, repeat, layer, ...]) are read layer by layer
+    into the stack, each device taking the layers of its own stage."""
     flat = list(nnx.to_flat_state(target)) if isinstance(target, nnx.State) else list(
         nnx.to_flat_state(nnx.State(target)))
     by_path = {t.path: t for t in tensors}
-    unknown = [p for p, _ in flat if tuple(p) not in by_path]
-    if unknown:
-        path = "/".join(str(k) for k in unknown[0])
-        if any("stages" in p for p in unknown):
-            raise UserError(f"{where}: the target is a pipelined LLM (parallel.llm with pp > 1, parameter {path}); "
-                            "load into the unpipelined model and let the placement stack it")
-        raise UserError(f"{where}: target parameter {path} has no tensor in this checkpoint format")
-    wanted = [by_path[tuple(p)] for p, _ in flat]
-    _check(index, wanted, where)
+    wanted: list[Tensor | Stacked] = []
+    for path, var in flat:
+        path = tuple(path)
+        if path in by_path:
+            wanted.append(by_path[path])
+        elif path and path[0] == "stages" and len(_leaf(var).shape) >= 3:
+            wanted.append(Stacked.of(path, tuple(_leaf(var).shape), by_path))
+        else:
+            raise UserError(f"{where}: target parameter {'/'.join(map(str, path))} has no tensor in this "
+                            "checkpoint format")
+    _check(index, [u for w in wanted for u in (w.layers.values() if isinstance(w, Stacked) else [w])], where)
     out = []
     for (path, var), t in zip(flat, wanted):
         value = _leaf(var)
-        if tuple(value.shape) != t.shape:
+        expect = t.shape if isinstance(t, Tensor) else t.shape[:3] + next(iter(t.layers.values())).shape
+        if tuple(value.shape) != expect:
             raise UserError(f"{where}: target parameter {'/'.join(map(str, path))} has shape {list(value.shape)}, "
-                            f"the checkpoint's config implies {list(t.shape)}")
-        dtype = np.dtype(value.dtype)
-        cache: dict = {}
-
-        def part(idx, t=t, dtype=dtype, cache=cache):
-            key = tuple((x.start, x.stop) for x in _ranges(idx, t.shape))
-            if key not in cache:  # replicas of one shard on this host are read once
-                cache[key] = np.asarray(read_part(index, t, idx), dtype=dtype)
-            return cache[key]
-
-        arr = jax.make_array_from_callback(t.shape, _sharding(value), part)
+                            f"the checkpoint's config implies {list(expect)}")
+        arr = _build(index, t, np.dtype(value.dtype), _sharding(value))
         out.append((path, var.replace(arr) if isinstance(var, nnx.Variable) else arr))
     return nnx.from_flat_state(out)
 
@@ -281,7 +333,8 @@ def _whisper_prefix(index: TensorIndex) -> str:
 
 
 def _siglip_prefix(index: TensorIndex) -> str:
-    """SiglipModel and older SiglipVisionModel files say `vision_model.`; transformers 5 saves a SiglipVisionModel bare."""
+    """SiglipModel and older SiglipVisionModel files say `vision_model.`; transformers 5 saves a
+    SiglipVisionModel bare."""
     return "" if "embeddings.patch_embedding.weight" in index else "vision_model."
 
 
@@ -324,18 +377,68 @@ def to_hf(t: Tensor, arr: np.ndarray) -> np.ndarray:
 
 
 def _gather(x: Any) -> np.ndarray:
-    """One parameter as a host numpy array on every process (one tensor at a time)."""
-    x = _leaf(x)
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
+    """One parameter as a host numpy array on every process (one tensor at a time).
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+    Assembled from the addressable shards (`np.asarray` of the whole array would cache a host copy on it
+    for as long as the parameter lives). Across processes the tensor is first laid out whole on every
+    process, split over that process's own devices, so each host holds it once, not once per device."""
+    x = _leaf(x)
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if not x.is_fully_addressable:
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        local = jax.local_device_count()
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        mesh = Mesh(np.array(devices).reshape(jax.process_count(), local), ("process", "local"))
+        spec = PartitionSpec("local") if x.ndim and x.shape[0] % local == 0 else PartitionSpec()
+        x = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, spec))(x)
+    out = np.empty(x.shape, x.dtype)
+    seen = set()
+    for shard in x.addressable_shards:
+        key = _key(shard.index, x.shape)
+        if key not in seen:
+            seen.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def _flat_params(params: Any) -> dict[tuple, Any]:
+    """path -> parameter; a pipelined LLM's stacked blocks also answer ('blocks', i, ...) paths lazily."""
     state = params if isinstance(params, nnx.State) else nnx.State(params)
-    return {tuple(p): v for p, v in nnx.to_flat_state(state)}
+    flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
+    stacked = {p: v for p, v in flat.items() if p and p[0] == "stages"}
+    for path, var in stacked.items():
+        shape = _leaf(var).shape
+        stages, repeats, per = shape[:3]
+        for s_ in range(stages):
+            for r in range(repeats):
+                for j in range(per):
+                    flat[("blocks", (r * stages + s_) * per + j, *path[1:])] = _LayerOf(var, (s_, r, j))
+    return flat
+
+
+@dataclass(frozen=True)
+class _LayerOf:
+    """Layer (s, r, j) of a stacked parameter, sliced on the devices when gathered (one layer at a time)."""
+    var: Any
+    at: tuple[int, int, int]
+
+    def get_value(self) -> jax.Array:
+        return _take_layer(_leaf(self.var), *self.at)
+
+    @property
+    def dtype(self):
+        return _leaf(self.var).dtype
+
+
+def _dtype(x: Any) -> np.dtype:
+    return np.dtype(x.dtype if isinstance(x, _LayerOf) else _leaf(x).dtype)
+
+
+@jax.jit
+def _take_layer(stack: jax.Array, s_, r, j) -> jax.Array:
+    return stack[s_, r, j]
 
 
 def _grouped(tensors: list[Tensor]) -> list[tuple[str, list[Tensor]]]:
@@ -372,7 +475,7 @@ def _write_weights(folder: Path, tensors: list[Tensor], params: Any, like: Tenso
         if like is not None and name in like:
             dtypes[name] = like.info(name).dtype
         else:
-            dtypes[name] = np.dtype(_leaf(flat[parts[0].path]).dtype)
+            dtypes[name] = np.dtype(_dtype(flat[parts[0].path]))
     sizes = {name: math.prod(parts[0].hf_shape) * dtypes[name].itemsize for name, parts in groups}
     files: list[list[tuple[str, list[Tensor]]]] = [[]]
     used = 0
@@ -453,7 +556,7 @@ def export_llm(params: Any, cfg: LLMConfig, out_dir: str | Path, *, like: str | 
         like_index = TensorIndex(like)
     else:
         model_type = "qwen2" if cfg.qkv_bias else "llama"
-        dtypes = {str(_leaf(v).dtype) for v in _flat_params(params).values()}
+        dtypes = {str(_dtype(v)) for v in _flat_params(params).values()}
         config = hf.config_to_hf(cfg, model_type, dtypes.pop() if len(dtypes) == 1 else "float32")
     hf.config_from_hf(config)  # what transformers would build must be what omnijax can: fail before writing
     tensors = llm_tensors(cfg)

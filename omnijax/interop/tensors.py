@@ -25,7 +25,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
-CHUNK_BYTES = 16 << 20  # rows are read in pieces of at most this size
+CHUNK_BYTES = 4 << 20  # rows are read in pieces of at most this size
 
 
 @dataclass(frozen=True)
@@ -147,4 +147,4 @@ def write_file(path: Path, tensors: Iterable[tuple[str, tuple[int, ...], np.dtyp
             arr = np.ascontiguousarray(arr, dtype=dtype)
             if arr.shape != tuple(shape):
                 raise ValueError(f"{name}: produced shape {arr.shape}, header says {tuple(shape)}")
-            f.write(arr.tobytes())
+            f.write(arr.reshape(-1).view(np.uint8).data)  # the array's own bytes, no copy

@@ -27,7 +27,8 @@ def config_from_hf(hf: dict, pre: dict | None = None) -> WhisperConfig:
         raise UserError(f"Whisper preprocessor_config.json: sampling_rate={rate}; omnijax decodes audio at 16000 Hz")
     return WhisperConfig(n_mels=mels, n_fft=int(pre.get("n_fft", 400)), hop=int(pre.get("hop_length", 160)),
                          sample_rate=rate, embed_dim=d, num_layers=layers, num_heads=heads, mlp_dim=ffn,
-                         max_source_positions=int(hf.get("max_source_positions", 1500)), activation=act)
+                         max_source_positions=int(hf.get("max_source_positions", 1500)), activation=act,
+                         chunk_frames=int(pre.get("nb_max_frames", 3000)))
 
 
 def config_to_hf(cfg: WhisperConfig) -> dict:
@@ -42,7 +43,7 @@ def config_to_hf(cfg: WhisperConfig) -> dict:
 
 def preprocessor_to_hf(cfg: WhisperConfig) -> dict:
     """The WhisperFeatureExtractor settings omnijax's features follow (omnijax/data/features.py)."""
-    frames = cfg.max_frames
+    frames = cfg.chunk_frames
     return {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": cfg.n_mels,
             "sampling_rate": cfg.sample_rate, "hop_length": cfg.hop, "n_fft": cfg.n_fft,
             "chunk_length": frames * cfg.hop // cfg.sample_rate, "n_samples": frames * cfg.hop,

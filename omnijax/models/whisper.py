@@ -56,7 +56,8 @@ class WhisperAttention(nnx.Module):
         dh = dim // heads
         self.heads, self.head_dim, self.impl = heads, dh, attention
         for name in ("q", "k", "v"):
-            setattr(self, name, nnx.Param(_normal(rngs, (dim, heads, dh), dim), out_sharding=("embed", "heads", "head_dim")))
+            setattr(self, name, nnx.Param(_normal(rngs, (dim, heads, dh), dim),
+                                          out_sharding=("embed", "heads", "head_dim")))
         self.q_bias = nnx.Param(jnp.zeros((heads, dh), jnp.float32), out_sharding=("heads", "head_dim"))
         self.v_bias = nnx.Param(jnp.zeros((heads, dh), jnp.float32), out_sharding=("heads", "head_dim"))
         self.o = nnx.Param(_normal(rngs, (heads, dh, dim), dim), out_sharding=("heads", "head_dim", "embed"))

@@ -345,8 +345,10 @@ class Multiplexer:
                 seg, pos = arrays[f"{name}_{kind}_segment_ids"], arrays[f"{name}_{kind}_positions"]
                 run = lambda x=x, seg=seg, pos=pos, kind=kind: self._run_encoder(enc, proj, x, seg, pos, kind)
                 has_work = jnp.any(seg > 0)
-                if kind == "long":  # every device of the group must take the same branch (collectives inside)
-                    has_work = jax.lax.psum(has_work.astype(jnp.int32), self.esp_axes) > 0
+                if kind == "long":  # every device must take the same branch (collectives inside): XLA:CPU meets
+                    # all local devices at each collective, whatever its groups, so one esp group's extra
+                    # collective (e.g. a Whisper stem's halo exchange) would wait forever for the others
+                    has_work = jax.lax.psum(has_work.astype(jnp.int32), ALL) > 0
                 width = self.engine.model_cfg.embed_dim
                 outs.append(jax.lax.cond(has_work, lambda run=run: run().astype(dt),
                                          lambda: jnp.zeros((x.shape[0] // r, width), dt)))
