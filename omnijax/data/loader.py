@@ -568,7 +568,7 @@ def step_capacities(bounds: DataBounds, rows: int, row_len: int, mm_cfg: Any,
         if given is not None:
             if given < fit:
                 raise ConfigError(f"{key}.{name}={given} is below the {fit} {name} input rows of sample {src}[{rec}]: "
-                                  f"set {key}.{name}={fit} or more, or leave it unset to size it from the data")
+                                  f"set {key}.{name}={fit} or more, or auto (or unset) to size it from the data")
             out[name] = int(given)
             continue
         n = rows * row_len / max(bounds.mean_tokens, 1e-9)
