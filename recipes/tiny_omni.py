@@ -44,8 +44,8 @@ class OmniConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
-    # encoder name -> input rows of one global batch (multiples of its reduction); an encoder left out is
-    # sized at start from the sources' metadata (`loader.step_capacities`)
+    # encoder name -> input rows of one global batch (multiples of its reduction); an encoder left out (or
+    # `auto`) is sized at start from the sources' metadata (`loader.step_capacities`)
     capacity: dict[str, Any] = field(default_factory=dict)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -74,9 +74,9 @@ def check(cfg: OmniConfig) -> OmniConfig:
     for name, enc in encs.items():
         r = enc.merge * enc.merge if hasattr(enc, "merge") else enc.reduction
         cap = cfg.capacity.get(name)
-        if cap is not None and (not isinstance(cap, int) or cap <= 0 or cap % r):
+        if cap not in (None, "auto") and (not isinstance(cap, int) or cap <= 0 or cap % r):
             raise ConfigError(f"capacity.{name}={cap!r}: must be a positive multiple of {r} (the encoder's reduction), "
-                              "or left out to size it from the data")
+                              "or auto to size it from the data")
     if cfg.model.llm.max_seq_len < cfg.data.seq_len:
         raise ConfigError(f"model.llm.max_seq_len={cfg.model.llm.max_seq_len} must be >= data.seq_len={cfg.data.seq_len}")
     cfg.world.check()
@@ -233,7 +233,7 @@ def open_plane(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix
 
     specs = source_specs(key, paths, split)
     sources = open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media, bad_shards=cfg.data.bad_shards)
-    if key == "data.sources" or set(cfg.capacity) != set(encoder_configs(cfg.model)):
+    if key == "data.sources" or not _capacities_known(cfg):
         size_capacities(cfg, sources, key)
     plane = plane_config(cfg, specs, mix, seed)
     if steps:
@@ -256,7 +256,7 @@ def size_capacities(cfg: OmniConfig, sources: list, key: str) -> None:
     from omnijax.data.loader import data_bounds, step_capacities
 
     bounds = data_bounds(sources, cfg.model)
-    given = dict(cfg.capacity)
+    given = {k: v for k, v in cfg.capacity.items() if v != "auto"}
     cfg.capacity = step_capacities(bounds, cfg.data.batch_size, cfg.data.seq_len, cfg.model, explicit=given)
     derived = {k: v for k, v in cfg.capacity.items() if k not in given}
     if derived and jax.process_index() == 0:
@@ -265,12 +265,17 @@ def size_capacities(cfg: OmniConfig, sources: list, key: str) -> None:
               f"largest sample {largest}): {derived}", file=sys.stderr)
 
 
+def _capacities_known(cfg: OmniConfig) -> bool:
+    encs = encoder_configs(cfg.model)
+    return all(isinstance(cfg.capacity.get(n), int) for n in encs)
+
+
 def training_capacity(cfg: OmniConfig, tok=None) -> dict[str, int]:
     """`capacity.*` as training uses it: explicit values, the rest sized from `data.sources`' metadata
     (for code that packs or traces a step without opening the loader: tests, `dryrun`)."""
     from omnijax.data.sources import open_sources
 
-    if set(cfg.capacity) != set(encoder_configs(cfg.model)):
+    if not _capacities_known(cfg):
         specs = source_specs("data.sources", cfg.data.sources or [WORLD], "train")
         size_capacities(cfg, open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media), "data.sources")
     return dict(cfg.capacity)

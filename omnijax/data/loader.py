@@ -508,6 +508,7 @@ class DataBounds:
     largest: dict[str, tuple[int, str, int]]         # encoder -> (input rows, source, record) of its largest sample
     mean_rows: dict[str, float]                      # encoder -> input rows per sample (all samples)
     mean_tokens: float                               # LLM tokens per sample
+    var_rows: dict[str, float] = field(default_factory=dict)  # encoder -> variance of input rows per sample
 
 
 def data_bounds(sources: list[Source], mm_cfg: Any, prefix: int = 2048) -> DataBounds:
@@ -519,7 +520,7 @@ def data_bounds(sources: list[Source], mm_cfg: Any, prefix: int = 2048) -> DataB
     enc_of = modality_encoders(mm_cfg)
     cache: dict[tuple, tuple[int, int]] = {}
     largest: dict[str, tuple[int, str, int]] = {}
-    total = Counter()
+    total, total_sq = Counter(), Counter()
     tokens, scanned, complete = 0, 0, True
     for src in sources:
         n = len(src) if src.metadata_in_memory else min(len(src), prefix)
@@ -540,20 +541,24 @@ def data_bounds(sources: list[Source], mm_cfg: Any, prefix: int = 2048) -> DataB
                     rows[enc_of[seg.modality]] = rows.get(enc_of[seg.modality], 0) + r
             for e, r in rows.items():
                 total[e] += r
+                total_sq[e] += r * r
                 if r > largest.get(e, (0, "", -1))[0]:
                     largest[e] = (r, src.name, i)
             scanned += 1
+    n = max(scanned, 1)
     return DataBounds(scanned, complete, {e: largest[e] for e in names if e in largest},
-                      {e: total[e] / max(scanned, 1) for e in names}, tokens / max(scanned, 1))
+                      {e: total[e] / n for e in names}, tokens / n,
+                      {e: max(0.0, total_sq[e] / n - (total[e] / n) ** 2) for e in names})
 
 
 def step_capacities(bounds: DataBounds, rows: int, row_len: int, mm_cfg: Any,
                     explicit: dict[str, int] | None = None, key: str = "capacity") -> dict[str, int]:
     """Encoder input rows per step: `explicit` where given (checked: it must hold the largest sample),
-    else sized from the data: a step's expected need (rows x row_len LLM tokens of samples at the mean
-    sizes) or the largest sample if that is more, in multiples of the encoder's reduction. The packer
-    fills a step up to it; what does not fit waits for the next step (never dropped), so padding is
-    bounded by one sample's rows plus the step-to-step variation of the mix.
+    else sized from the data: a step of rows x row_len LLM tokens holds n = rows x row_len / mean tokens
+    samples, whose rows sum to n x mean +- sqrt(n x variance); the capacity is that mean plus two
+    standard deviations (a heavy-tailed encoder, e.g. few long clips, gets more room than its mean), or
+    the largest sample if that is more, in multiples of the encoder's reduction. The packer fills a step
+    up to it; what does not fit waits for the next step (never dropped), so padding stays bounded.
 
     An explicit value below the largest sample is a ConfigError naming `key` and the value that fits."""
     out = {}
@@ -564,10 +569,11 @@ def step_capacities(bounds: DataBounds, rows: int, row_len: int, mm_cfg: Any,
         if given is not None:
             if given < fit:
                 raise ConfigError(f"{key}.{name}={given} is below the {fit} {name} input rows of sample {src}[{rec}]: "
-                                  f"set {key}.{name}={fit} or more, or leave it unset to size it from the data")
+                                  f"set {key}.{name}={fit} or more, or auto (or unset) to size it from the data")
             out[name] = int(given)
             continue
-        need = rows * row_len / max(bounds.mean_tokens, 1e-9) * bounds.mean_rows.get(name, 0.0)
+        n = rows * row_len / max(bounds.mean_tokens, 1e-9)
+        need = n * bounds.mean_rows.get(name, 0.0) + 2.0 * math.sqrt(n * bounds.var_rows.get(name, 0.0))
         out[name] = max(fit, -(-math.ceil(need) // spec.group) * spec.group, spec.group)
     unknown = set(explicit or {}) - set(out)
     if unknown:
