@@ -276,7 +276,7 @@ def test_balanced_capacities_grow_a_bucket_when_balance_needs_room():
     a, c = routing.place_segments(segs, grid, RED, capacities=base, long_factor=0.25)
     tight = placement_meta.refine_assignment(a, segs, grid, c).device_cost.max() / mean
     assert tight > 1.2
-    caps, (score,) = placement_meta.fit_balanced_capacities([segs], grid, RED, mean, long_factor=0.25,
+    caps, (score,) = scale.fit_balanced_capacities([segs], grid, RED, mean, long_factor=0.25,
                                                             pad_cost=COSTS.padding_cost)
     assert all(caps[k] >= v for k, v in base.items()) and caps != base
     assert score < 1.05
@@ -285,7 +285,7 @@ def test_balanced_capacities_grow_a_bucket_when_balance_needs_room():
     _placed_once_within(refined, segs, grid, caps)
     assert refined.device_cost.max() / mean == pytest.approx(score)
     # padding priced above the gain: the smallest capacities stay
-    same, _ = placement_meta.fit_balanced_capacities([segs], grid, RED, mean, long_factor=0.25,
+    same, _ = scale.fit_balanced_capacities([segs], grid, RED, mean, long_factor=0.25,
                                                      pad_cost=lambda n, r: 1e3 * mean * r)
     assert same == base
 

@@ -22,14 +22,10 @@ change. Deterministic (ties: move kind in the order above, then lowest index), p
 """
 from __future__ import annotations
 
-import math
-from typing import Callable
-
 import numpy as np
 
-from omnijax.errors import ConfigError
 from omnijax.parallel.device_grid import DeviceGrid
-from omnijax.parallel.encoder_placement import BUCKET_GROWTH, Assignment, Segment, _bucket, _chunks
+from omnijax.parallel.encoder_placement import Assignment, Segment, _chunks
 
 _EPS = 1e-9
 
@@ -242,69 +238,3 @@ def _best_move(d, load, gmax, whole, kind, place, cost, rows, enc, used, cap, G,
                     dssq = float((gl ** 2).sum() - (load[gd * esp:(gd + 1) * esp] ** 2).sum())
                     offer(float(gl.max()), was, dssq, 4, ("splitall", tuple(int(j) for j in ws[:k + 1]), gd))
     return None if best is None else best[4]
-
-
-def fit_balanced_capacities(parts: list[list[Segment]], grid: DeviceGrid, reductions: dict[str, int],
-                            mean_cost: float, *, target: float = 1.05, rounds: int = 4, long_short: bool = True,
-                            pad_cost: Callable[[str, int], float] | None = None,
-                            long_factor: float = 1.0, min_rows: int = 16,
-                            growth: float = BUCKET_GROWTH) -> tuple[dict, list[float]]:
-    """Common encoder capacities for `parts` (placements on grids of one shape: the hosts of a step,
-    or a window's batches) that also leave room to balance: (capacities, worst device cost / mean_cost
-    of each part after `place_segments` + `refine_assignment`).
-
-    Starts from the smallest capacities the greedy fits (`routing.fit_segment_capacities`); those can
-    be so tight that cost cannot move (a host whose cost sits in a few long clips fills its buffers
-    with rows): while a part's worst device is above `target` × `mean_cost` (or × the costliest segment's
-    share, whole or over an esp group, where that is higher: the step's slowest device cannot beat it),
-    grow the one buffer (one bucket step) that lowers the worst such part most, for at most `rounds`
-    steps. Padding is the price: every device computes the grown rows (`pad_cost(encoder, rows)`, the
-    cost of rows that hold nothing: the per-row term), so a step is taken only if the worst device
-    gains more than that. Done per window, ahead of the steps (the trainer's window fit)."""
-    from omnijax.parallel import routing
-
-    splittable = long_short and grid.esp > 1
-    caps = routing.fit_segment_capacities(parts, grid, reductions, long_short=long_short, long_factor=long_factor,
-                                          min_rows=min_rows, growth=growth)
-
-    def worst(c: dict, p: int) -> float:
-        segs = parts[p]
-        if not segs or mean_cost <= 0:
-            return 0.0
-        names = {s.encoder for s in segs}
-        pins = {k: v for k, v in c.items() if k.rsplit("_", 1)[0] in names}
-        try:
-            a, got = routing.place_segments(segs, grid, reductions, capacities=pins, long_short=long_short,
-                                            long_factor=long_factor, min_rows=min_rows, growth=growth)
-        except ConfigError:
-            return math.inf
-        a = refine_assignment(a, segs, grid, got, splittable=splittable)
-        return float(a.device_cost.max()) / mean_cost
-
-    # the step cannot beat its costliest segment (whole, or over one esp group): aim within target of that
-    floor = max((s.cost for segs in parts for s in segs), default=0.0) / (grid.esp if splittable else 1)
-    goal = target * max(1.0, floor / max(mean_cost, 1e-300))
-    scores = [worst(caps, p) for p in range(len(parts))]
-    for _ in range(rounds):
-        bad = [p for p, s in enumerate(scores) if s > goal]
-        if not bad:
-            break
-        now = max(scores[p] for p in bad)
-        options = []
-        for key in sorted(caps):
-            name, kind = key.rsplit("_", 1)
-            if kind == "long" and not splittable:
-                continue
-            r = reductions[name]
-            grown = dict(caps)
-            grown[key] = _bucket(caps[key] + 1, r, min_rows, growth)
-            price = pad_cost(name, grown[key] - caps[key]) / mean_cost if pad_cost else 0.0
-            options.append((max(worst(grown, p) for p in bad) + price, sum(grown.values()), key, grown))
-        if not options:
-            break
-        score, _, _, grown = min(options, key=lambda o: o[:3])
-        if score >= now - 1e-9:     # no step gains more than the padding it adds
-            break
-        caps = grown
-        scores = [worst(caps, p) for p in range(len(parts))]
-    return caps, scores

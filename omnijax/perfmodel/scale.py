@@ -14,7 +14,7 @@ Planning (`plan_step_hosts`, the plan one host makes for one step, from metadata
        `build_plan`'s placement: capacity search, esp groups inside the host), then the second pass
        `placement_meta.refine_assignment` (local moves, splits and swaps inside the capacities);
   ahead, per window: the capacities every host fits, grown a bucket where balance needs room and
-  gains more than the padding costs (`placement_meta.fit_balanced_capacities`).
+  gains more than the padding costs (`fit_balanced_capacities`).
 On one host (8 devices) G1/G2 are the identity and L2/L3 (without the second pass) are exactly
 `balance_rows` / `build_plan`'s placement (tests/test_scale.py checks it against the packed-batch planner).
 
@@ -31,12 +31,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from omnijax.data import balance
 from omnijax.errors import ConfigError
 from omnijax.parallel import placement_meta, routing
+from omnijax.parallel.device_grid import DeviceGrid
+from omnijax.parallel.encoder_placement import BUCKET_GROWTH, Segment, _bucket
 
 # ---------------------------------------------------------------------------------- hardware
 @dataclass(frozen=True)
@@ -621,7 +624,7 @@ def window_capacities(meta: StepMeta, glob: HostPlan, layout: Layout, costs: Cos
     what the trainer's window fit does ahead of the steps (prefetched, not per step). `slack` > 1 adds
     room (rounded to the reduction) so the cost-balancing placement fits instead of best fit.
     `balance_target`: grow buffers, a bucket at a time, while a host's refined placement leaves a device
-    above target × the step's mean device cost (`placement_meta.fit_balanced_capacities`)."""
+    above target × the step's mean device cost (`fit_balanced_capacities`)."""
     hg = layout.host_grid()
     parts = []
     for h in hosts:
@@ -633,7 +636,7 @@ def window_capacities(meta: StepMeta, glob: HostPlan, layout: Layout, costs: Cos
         return {}
     if balance_target is not None:
         mean = float(glob.host_load.sum()) / (len(glob.host_load) * 8)
-        caps, _ = placement_meta.fit_balanced_capacities(parts, hg, costs.reductions, mean, target=balance_target,
+        caps, _ = fit_balanced_capacities(parts, hg, costs.reductions, mean, target=balance_target,
                                                          long_short=hg.esp > 1, long_factor=long_factor,
                                                          pad_cost=costs.padding_cost, growth=growth)
     else:
@@ -768,3 +771,67 @@ def plan_phases_cpu(plan: routing.Plan, batch: dict, esp: int, llm_width: int, c
         n = np.bincount(row[row > 0]).astype(np.float64)
         docs += float((a * n + b * n * n).sum())
     return Phases(enc, route, np.array([const + docs]))
+
+
+def fit_balanced_capacities(parts: list[list[Segment]], grid: DeviceGrid, reductions: dict[str, int],
+                            mean_cost: float, *, target: float = 1.05, rounds: int = 4, long_short: bool = True,
+                            pad_cost: Callable[[str, int], float] | None = None,
+                            long_factor: float = 1.0, min_rows: int = 16,
+                            growth: float = BUCKET_GROWTH) -> tuple[dict, list[float]]:
+    """Common encoder capacities for `parts` (placements on grids of one shape: the hosts of a step,
+    or a window's batches) that also leave room to balance: (capacities, worst device cost / mean_cost
+    of each part after `place_segments` + `refine_assignment`).
+
+    Starts from the smallest capacities the greedy fits (`routing.fit_segment_capacities`); those can
+    be so tight that cost cannot move (a host whose cost sits in a few long clips fills its buffers
+    with rows): while a part's worst device is above `target` × `mean_cost` (or × the costliest segment's
+    share, whole or over an esp group, where that is higher: the step's slowest device cannot beat it),
+    grow the one buffer (one bucket step) that lowers the worst such part most, for at most `rounds`
+    steps. Padding is the price: every device computes the grown rows (`pad_cost(encoder, rows)`, the
+    cost of rows that hold nothing: the per-row term), so a step is taken only if the worst device
+    gains more than that. Done per window, ahead of the steps (the trainer's window fit)."""
+    splittable = long_short and grid.esp > 1
+    caps = routing.fit_segment_capacities(parts, grid, reductions, long_short=long_short, long_factor=long_factor,
+                                          min_rows=min_rows, growth=growth)
+
+    def worst(c: dict, p: int) -> float:
+        segs = parts[p]
+        if not segs or mean_cost <= 0:
+            return 0.0
+        names = {s.encoder for s in segs}
+        pins = {k: v for k, v in c.items() if k.rsplit("_", 1)[0] in names}
+        try:
+            a, got = routing.place_segments(segs, grid, reductions, capacities=pins, long_short=long_short,
+                                            long_factor=long_factor, min_rows=min_rows, growth=growth)
+        except ConfigError:
+            return math.inf
+        a = placement_meta.refine_assignment(a, segs, grid, got, splittable=splittable)
+        return float(a.device_cost.max()) / mean_cost
+
+    # the step cannot beat its costliest segment (whole, or over one esp group): aim within target of that
+    floor = max((s.cost for segs in parts for s in segs), default=0.0) / (grid.esp if splittable else 1)
+    goal = target * max(1.0, floor / max(mean_cost, 1e-300))
+    scores = [worst(caps, p) for p in range(len(parts))]
+    for _ in range(rounds):
+        bad = [p for p, s in enumerate(scores) if s > goal]
+        if not bad:
+            break
+        now = max(scores[p] for p in bad)
+        options = []
+        for key in sorted(caps):
+            name, kind = key.rsplit("_", 1)
+            if kind == "long" and not splittable:
+                continue
+            r = reductions[name]
+            grown = dict(caps)
+            grown[key] = _bucket(caps[key] + 1, r, min_rows, growth)
+            price = pad_cost(name, grown[key] - caps[key]) / mean_cost if pad_cost else 0.0
+            options.append((max(worst(grown, p) for p in bad) + price, sum(grown.values()), key, grown))
+        if not options:
+            break
+        score, _, _, grown = min(options, key=lambda o: o[:3])
+        if score >= now - 1e-9:     # no step gains more than the padding it adds
+            break
+        caps = grown
+        scores = [worst(caps, p) for p in range(len(parts))]
+    return caps, scores
