@@ -146,5 +146,6 @@ def test_bad_pretrained_folders_and_tokenizers_are_one_line(world, capsys, monke
     weights = load_file(str(broken / "model.safetensors"))
     weights.pop("model.layers.1.mlp.up_proj.weight")
     save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    line = _one_line_error(capsys, "finetune", f"init.llm={broken}", *_common(root, "b4"))
+    line = _one_line_error(capsys, "finetune", f"init.llm={broken}", f"init.encoders.vision={root}/hf/vision",
+                           f"init.encoders.audio={root}/hf/audio", *_common(root, "b4"))
     assert "model.layers.1.mlp.up_proj.weight" in line

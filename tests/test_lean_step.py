@@ -175,7 +175,7 @@ def test_nonfinite_step_is_skipped_and_counted(runs):
     assert int(m["update_skipped"]) == 0 and int(state.nonfinite_in_row) == 0 and int(state.skipped_updates) == 1
 
 
-def _where_guard(state, grads, optimizer, finite):
+def _where_guard(state, grads, optimizer, finite, trainable=None):
     """The old guard (select over every leaf), kept here as the baseline the cond is measured against."""
     updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
     new = optax.apply_updates(state.params, updates)

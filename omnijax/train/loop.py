@@ -153,6 +153,8 @@ class Trainer:
     def _partition(self, model: nnx.Module | Callable[[], nnx.Module]) -> Partition:
         """The parts of the model (abstractly, nothing allocated), which train (`trainer.trainable`) and
         their learning-rate scales (`optimizer.lr_scale`); printed once per run."""
+        if not isinstance(model, nnx.Module) and not callable(model):   # checked before anything traces it
+            raise UserError(f"Trainer(model=...) takes an nnx.Module or a function that builds one, got {type(model).__name__}")
         abstract = model if isinstance(model, nnx.Module) else nnx.eval_shape(model)
         tcfg, ocfg = self.cfg.trainer, self.cfg.optimizer
         partition = Partition(nnx.state(abstract, nnx.Param), getattr(tcfg, "trainable", None),
@@ -171,8 +173,6 @@ class Trainer:
         if isinstance(model, nnx.Module):
             self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
             return sharded_opt_init(self.placement.put_state(params), self.optimizer, self.placement.state_shardings)
-        if not callable(model):
-            raise UserError(f"Trainer(model=...) takes an nnx.Module or a function that builds one, got {type(model).__name__}")
         self.graphdef, self.rest, state = sharded_init(model, self.optimizer, self.placement.state_shardings,
                                                        self.placement.mesh)
         return state
