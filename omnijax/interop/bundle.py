@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -102,28 +99,6 @@ def _hf_encoder(cfg: Any, origin: str | None) -> bool:
     return cfg.kind == "whisper" or (cfg.kind == "vit" and origin is not None)
 
 
-class _Atomic:
-    """DIR written under a temporary name beside it and renamed when complete (process 0 writes)."""
-
-    def __init__(self, out: Path):
-        self.out = out
-        self.write = jax.process_index() == 0
-        self.tmp: Path | None = None
-
-    def __enter__(self) -> Path:
-        if self.write:
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
-        return self.tmp if self.tmp is not None else self.out
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self.tmp is not None:
-            if exc_type is None:
-                os.rename(self.tmp, self.out)
-            else:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-
-
 # ------------------------------------------------------------------------------------ write
 def write_bundle(out_dir: str | Path, cfg: MMConfig, params: Any, *, llm_from: str | None = None,
                  encoders_from: dict[str, str] | None = None, tokenizer: str | None = None,
@@ -135,13 +110,11 @@ def write_bundle(out_dir: str | Path, cfg: MMConfig, params: Any, *, llm_from: s
     from omnijax.interop import pretrained
 
     out = Path(out_dir)
-    if out.exists():
-        raise UserError(f"output={out} exists; choose a new folder or remove it (nothing was written)")
     encoders_from = dict(encoders_from or {})
     encs = encoder_configs(cfg)
     write = jax.process_index() == 0
     parts: dict[str, Any] = {}
-    with _Atomic(out) as folder:
+    with pretrained.AtomicFolder(out) as folder:   # an existing DIR is one line, before anything is written
         pretrained.export_llm(params["llm"], cfg.llm, folder / "llm", like=llm_from, tokenizer_dir=tokenizer)
         parts["llm"] = {"folder": "llm", "from": llm_from, "format": "hf"}
         for name, enc in encs.items():

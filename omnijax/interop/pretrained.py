@@ -501,7 +501,7 @@ def _write_weights(folder: Path, tensors: list[Tensor], params: Any, like: Tenso
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-class _AtomicFolder:
+class AtomicFolder:
     """A folder written under a temporary name next to `out` and renamed to `out` when complete."""
 
     def __init__(self, out: str | Path):
@@ -560,7 +560,7 @@ def export_llm(params: Any, cfg: LLMConfig, out_dir: str | Path, *, like: str | 
         config = hf.config_to_hf(cfg, model_type, dtypes.pop() if len(dtypes) == 1 else "float32")
     hf.config_from_hf(config)  # what transformers would build must be what omnijax can: fail before writing
     tensors = llm_tensors(cfg)
-    with _AtomicFolder(out_dir) as folder:
+    with AtomicFolder(out_dir) as folder:
         _write_weights(folder, tensors, params, like_index, jax.process_index() == 0)
         if jax.process_index() == 0:
             _dump(folder / "config.json", config)
@@ -594,7 +594,7 @@ def export_encoder(params: Any, cfg: VisionConfig | WhisperConfig, out_dir: str 
     if isinstance(cfg, VisionConfig) and cfg.head != any(p and p[0] == "head" for p in flat):
         cfg = VisionConfig(**{**cfg.__dict__, "head": not cfg.head})
     tensors = encoder_tensors(cfg, prefix)
-    with _AtomicFolder(out_dir) as folder:
+    with AtomicFolder(out_dir) as folder:
         _write_weights(folder, tensors, params, like_index, jax.process_index() == 0)
         if jax.process_index() == 0:
             _dump(folder / "config.json", config)
