@@ -106,9 +106,9 @@ def resolve(cfg: FinetuneConfig, argv: list[str]) -> FinetuneConfig:
                               f"with {prev_tok or 'the byte-level tokenizer'}; drop tokenizer.path")
         cfg.tokenizer.path = prev_tok
         return cfg
-    if init.llm:
-        from omnijax.interop import pretrained
+    from omnijax.interop import pretrained
 
+    if init.llm:
         llm = pretrained.llm_config_from_folder(init.llm)
         explicit = {k.removeprefix("llm."): v for k, v in _explicit(argv, "model").items() if k.startswith("llm.")}
         _agree("model.llm", f"init.llm={init.llm}", llm, explicit, allowed=_RUNTIME_LLM_KEYS)
@@ -118,8 +118,6 @@ def resolve(cfg: FinetuneConfig, argv: list[str]) -> FinetuneConfig:
         if not cfg.tokenizer.path:
             cfg.tokenizer.path = str(Path(init.llm))
     for name, path in init.encoders.items():
-        from omnijax.interop import pretrained
-
         enc = pretrained.encoder_config_from_folder(path)
         explicit = {k.removeprefix(f"encoders.{name}."): v for k, v in _explicit(argv, "model").items()
                     if k.startswith(f"encoders.{name}.")}

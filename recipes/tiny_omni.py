@@ -370,7 +370,7 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
                                   {k.partition(".")[2]: v for k, v in counts.items() if k.startswith("encoder.")},
                                   {k.partition(".")[2]: v for k, v in counts.items() if k.startswith("projector.")})
     # Evaluation decodes with the single-device model; a parallel layout's params are mapped back to it.
-    eval_graph, eval_params, eval_rest = nnx.split(model, nnx.Param, ...)
+    _, eval_params, _ = nnx.split(model, nnx.Param, ...)
     train_model, loss_fn = ((build, mm_loss) if placement is None else
                             (lambda: placement.prepare(build()), placement.loss_fn))
 

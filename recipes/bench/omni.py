@@ -79,6 +79,12 @@ def _options(overrides: list[str]) -> dict:
     return opts
 
 
+def _ranks(opts: dict) -> int:
+    """Data-parallel ranks the batches are planned for: cpu_devices, or (0) the accelerators present (gpucheck)."""
+    import jax
+    return opts["cpu_devices"] or jax.device_count()
+
+
 def batches(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 256, devices: int = 8,
             window: int = 3) -> list[dict]:
     """`steps` global batches from the data plane, the packer training uses (`omnijax.data.loader`): one
@@ -188,7 +194,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         raise ConfigError(f"bench omni: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     cfg = from_dict(MMConfig, MM)
     steps, w = opts["steps"], max(1, opts["window"])
-    ranks = opts["cpu_devices"] or jax.device_count()   # cpu_devices=0: the accelerators present (gpucheck)
+    ranks = _ranks(opts)
     t0 = time.perf_counter()
     host = batches(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], ranks, w)
     pack_s = time.perf_counter() - t0
@@ -342,7 +348,7 @@ def host_pair(r: dict, host: list[dict], windows: list[list[int]], window_of: di
 
     def prefetched(cpus: set[int] | None):
         counter = iter(range(steps))
-        loader = make_loader(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], ranks,
+        loader = make_loader(cfg, steps, opts["batch_size"], opts["seq_len"], opts["lookahead"], _ranks(opts),
                              max(1, opts["window"]))
         pf = Prefetcher(TrainerBatches(loader), lambda b: put(b, next(counter)), depth=2,
                         cpus=cpus)
