@@ -1,0 +1,108 @@
+"""The plain data of a balancing plan: items, bin capacities, a plan, and one bin's fill state.
+
+Shared by the planners (`balance`: which bin each item goes to) and the window's repair pass
+(`leveling`: even out encoder rows over a window's steps); neither owns the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Item:
+    key: int                   # identity within the window (position in arrival order)
+    cost: float
+    tokens: int                # LLM tokens: must fit in one row
+    enc: tuple[int, ...] = ()  # encoder input rows, one entry per encoder (fixed order)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    rows: int                  # LLM rows per bin
+    row_len: int               # tokens per row
+    enc: tuple[int, ...] = ()  # encoder input rows per bin, one entry per encoder
+
+    def fits_alone(self, item: Item) -> bool:
+        return item.tokens <= self.row_len and self.rows > 0 and all(e <= c for e, c in zip(item.enc, self.enc))
+
+
+@dataclass(frozen=True)
+class Plan:
+    bins: tuple[tuple[tuple[int, int], ...], ...]   # per bin: (item key, row) in placement order
+    loads: tuple[float, ...]                        # cost per bin
+    unplaced: tuple[int, ...] = ()                  # keys of items that fit in no bin
+
+    def rows_used(self) -> list[int]:
+        return [1 + max((r for _, r in b), default=-1) for b in self.bins]
+
+
+class Bin:
+    """One bin being filled: free tokens per opened row, free encoder rows, (key, row) in placement order."""
+    __slots__ = ("free", "enc", "items")
+
+    def __init__(self, cap: Capacity):
+        self.free: list[int] = []          # free tokens of each opened row
+        self.enc = list(cap.enc)
+        self.items: list[tuple[int, int]] = []
+
+    def level(self, item: Item, cap: Capacity) -> float:
+        """Fullest buffer of this bin (tokens or any encoder) after adding item, as a fraction of capacity."""
+        used_tokens = sum(cap.row_len - f for f in self.free) + item.tokens
+        lv = used_tokens / (cap.rows * cap.row_len)
+        for left, c, e in zip(self.enc, cap.enc, item.enc):
+            if c:
+                lv = max(lv, (c - left + e) / c)
+        return lv
+
+    def row_for(self, item: Item, cap: Capacity) -> int:
+        """Best-fit row index for item (a new row if none fits), or -1 if the bin cannot take it."""
+        if any(e > c for e, c in zip(item.enc, self.enc)):
+            return -1
+        best, best_free = -1, None
+        for r, f in enumerate(self.free):
+            if item.tokens <= f and (best_free is None or f < best_free):
+                best, best_free = r, f
+        if best >= 0:
+            return best
+        return len(self.free) if len(self.free) < cap.rows and item.tokens <= cap.row_len else -1
+
+    def add(self, item: Item, row: int, cap: Capacity) -> None:
+        if row == len(self.free):
+            self.free.append(cap.row_len)
+        self.free[row] -= item.tokens
+        self.enc = [c - e for c, e in zip(self.enc, item.enc)]
+        self.items.append((item.key, row))
+
+    def remove(self, item: Item) -> None:
+        """Take `item` out (its row stays open)."""
+        pos = next(p for p, (k, _) in enumerate(self.items) if k == item.key)
+        _, row = self.items.pop(pos)
+        self.free[row] += item.tokens
+        self.enc = [c + e for c, e in zip(self.enc, item.enc)]
+
+    def snapshot(self) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        return list(self.free), list(self.enc), list(self.items)
+
+    def restore(self, snap: tuple[list[int], list[int], list[tuple[int, int]]]) -> None:
+        self.free, self.enc, self.items = snap
+
+
+def rebuild(content: tuple[tuple[tuple[int, int], ...], ...], by_key: dict[int, Item], cap: Capacity) -> list[Bin]:
+    """Bins in the state of a placement (rows opened as recorded)."""
+    state = [Bin(cap) for _ in content]
+    for b, placed in zip(state, content):
+        for key, row in placed:
+            it = by_key[key]
+            while row >= len(b.free):
+                b.free.append(cap.row_len)
+            b.free[row] -= it.tokens
+            b.enc = [c - e for c, e in zip(b.enc, it.enc)]
+            b.items.append((key, row))
+    return state
+
+
+def window_time(loads, steps: int, ranks: int, microbatches: int) -> float:
+    """Sum over steps of the slowest rank's cost: how long the window runs (bins ordered (step, rank, microbatch))."""
+    return float(np.asarray(loads).reshape(steps, ranks, microbatches).sum(-1).max(-1).sum())

@@ -1,0 +1,306 @@
+"""Window leveling: even out each encoder's input rows over a window's steps, as placed.
+
+A window runs one compiled program whose encoder buffers hold its fullest step, so every other step
+pads up to that. `level_window` is a repair pass over a finished placement (`balance.plan_window`):
+rounds of moves between steps (and with the deferred items), each kept only if it lowers the
+window's padded rows within every bin's capacity and a small budget on the window's time.
+The state is plain data (`Window`: arrays of the items' rows and tokens, the bins as placed, the
+encoder rows per step); each part of a round is a named function over it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omnijax.data.bins import Bin, Capacity, Item, Plan, rebuild, window_time
+
+
+@dataclass
+class Window:
+    """A placement being leveled. Bins are ordered (step, rank, microbatch); `rows[g, m]` is encoder m's
+    input rows placed in step g; `pool` holds the deferred items that fit a bin alone."""
+    steps: int
+    per_step: int
+    cap: Capacity
+    by_key: dict[int, Item]
+    idx: dict[int, int]            # key -> row of `enc`/`tokens`
+    enc: np.ndarray                # [items, encoders] encoder rows per item (keys in sorted order)
+    tokens: np.ndarray             # [items] LLM tokens per item
+    bins: list[Bin]
+    loads: list[float]
+    where: dict[int, int]          # placed key -> its bin
+    pool: set[int]
+    rows: np.ndarray               # [steps, encoders]
+    floor: np.ndarray              # [encoders] rows placed before leveling: no encoder may end below
+    budget: float                  # the most window time a kept move may leave
+    time: tuple[int, int, int]     # (steps, ranks, microbatches) for `window_time`
+    saved: dict[int, tuple] = field(default_factory=dict)  # bins the move being tried touched, as they were
+
+    def step_of(self, key: int) -> int:
+        return self.where.get(key, -1) // self.per_step
+
+
+@dataclass(frozen=True)
+class Move:
+    """Step `a` gives item i (to step b, or defers it when b is None) and takes item j (from step b, or
+    from the pool when b is None); either item may be None (a one-way move)."""
+    a: int
+    b: int | None
+    i: int | None
+    j: int | None
+
+
+def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
+                 cost_slack: float = 0.05, max_moves: int = 2000, tries: int = 256) -> Plan:
+    """Even out each encoder's input rows over the window's steps, as placed; bins ordered (step, rank, microbatch).
+
+    This lowers the window's padded rows: per encoder, steps x (its fullest step) - (its rows placed),
+    minus the LLM tokens placed (rows and tokens count alike, as in the step's padded fraction). Moves:
+    swap two items of different steps, move one to another step, swap a placed item with an older
+    unplaced one (the placed one is deferred: a sample gives its place only to an older one, so none
+    waits for ever), or place an unplaced one where room opened. Each round scores them all on exact
+    integers (gain, then the steps' sum of squared rows, then a fixed order) and tries the best `tries`
+    in turn, each rescored on the rows as the round's earlier moves left them. A move is kept only if
+    every bin stays within capacity, no encoder ends with fewer rows placed in the window than the plan
+    had (the mix is kept; deferral only trades like for like), and the window's time (sum over steps of
+    the slowest rank's cost) grows by at most `cost_slack`. Pure and deterministic.
+    """
+    if not cap.enc or steps < 1 or not items:
+        return plan
+    w = _window(plan, items, steps, ranks, microbatches, cap, cost_slack)
+    if not w.rows.any():
+        return plan
+    for _ in range(max_moves):
+        cands = _candidates(w)
+        if cands is None or not _apply_round(w, _smallest(cands, tries)):
+            break
+    unplaced = tuple(sorted(k for k in w.by_key if k not in w.where))
+    return Plan(tuple(tuple(b.items) for b in w.bins), tuple(w.loads), unplaced)
+
+
+def _window(plan: Plan, items: list[Item], steps: int, ranks: int, microbatches: int, cap: Capacity,
+            cost_slack: float) -> Window:
+    """The leveling state of `plan`: item arrays, rebuilt bins, encoder rows per step, the time budget."""
+    n_enc = len(cap.enc)
+    per_step = ranks * microbatches
+    by_key = {it.key: it for it in items}
+    keys = sorted(by_key)
+    idx = {k: i for i, k in enumerate(keys)}
+    enc = np.array([by_key[k].enc for k in keys], np.int64).reshape(len(keys), n_enc)
+    where = {key: b for b, content in enumerate(plan.bins) for key, _ in content}
+    rows = np.zeros((steps, n_enc), np.int64)
+    for key, b in where.items():
+        rows[b // per_step] += enc[idx[key]]
+    loads = list(plan.loads)
+    return Window(steps=steps, per_step=per_step, cap=cap, by_key=by_key, idx=idx, enc=enc,
+                  tokens=np.array([by_key[k].tokens for k in keys], np.int64),
+                  bins=rebuild(plan.bins, by_key, cap), loads=loads, where=where,
+                  pool={k for k in plan.unplaced if cap.fits_alone(by_key[k])}, rows=rows, floor=rows.sum(0),
+                  budget=(1.0 + cost_slack) * window_time(loads, steps, ranks, microbatches),
+                  time=(steps, ranks, microbatches))
+
+
+# ------------------------------------------------------------------ trying one move on the bins
+def _save(w: Window, b: int) -> None:
+    if b not in w.saved:
+        w.saved[b] = (w.bins[b].snapshot(), w.loads[b])
+
+
+def _put(w: Window, key: int, g: int, first: int) -> int:
+    """Place `key` in step g (bin `first` first, then the least loaded bins); its bin or -1."""
+    it = w.by_key[key]
+    order = sorted(range(g * w.per_step, (g + 1) * w.per_step), key=lambda b: (b != first, w.loads[b], b))
+    for b in order:
+        row = w.bins[b].row_for(it, w.cap)
+        if row >= 0:
+            _save(w, b)
+            w.bins[b].add(it, row, w.cap)
+            w.loads[b] += it.cost
+            w.where[key] = b
+            return b
+    return -1
+
+
+def _take(w: Window, key: int) -> None:
+    b = w.where.pop(key)
+    _save(w, b)
+    it = w.by_key[key]
+    w.bins[b].remove(it)
+    w.loads[b] -= it.cost
+
+
+def _try_move(w: Window, m: Move) -> bool:
+    """Carry out `m` on the bins if every item finds room and the window's time stays in budget; else undo."""
+    w.saved.clear()
+    was = {k: w.where.get(k) for k in (m.i, m.j) if k is not None}
+    x = w.where.get(m.i, -1) if m.i is not None else -1
+    y = w.where.get(m.j, -1) if m.j is not None else -1
+    if m.i is not None:
+        _take(w, m.i)
+    if m.j is not None and y >= 0:
+        _take(w, m.j)
+    ok = m.j is None or _put(w, m.j, m.a, x) >= 0
+    if ok and m.i is not None and m.b is not None:
+        ok = _put(w, m.i, m.b, y) >= 0
+    ok = ok and window_time(w.loads, *w.time) <= w.budget + 1e-9
+    if not ok:
+        for t, (snap, load) in w.saved.items():
+            w.bins[t].restore(snap)
+            w.loads[t] = load
+        for k, where in was.items():
+            w.where.pop(k, None)
+            if where is not None:
+                w.where[k] = where
+    return ok
+
+
+def _record(w: Window, m: Move) -> None:
+    """Book a carried-out move into the rows per step and the pool."""
+    di = w.enc[w.idx[m.i]] if m.i is not None else 0
+    dj = w.enc[w.idx[m.j]] if m.j is not None else 0
+    w.rows[m.a] += dj - di
+    if m.b is not None:
+        w.rows[m.b] += di - dj
+    else:
+        if m.j is not None:
+            w.pool.discard(m.j)
+        if m.i is not None:
+            w.pool.add(m.i)
+
+
+# ------------------------------------------------------------------ scoring moves on the rows alone
+def _score(w: Window, a: int, b: int | None, Ei: np.ndarray, Ej: np.ndarray, Ti: np.ndarray, Tj: np.ndarray):
+    """For every (i, j): step a gives i (to step b, or defers it) and takes j (from step b, or the pool):
+    (change of the window's padded rows, change of the steps' sum of squared rows, improves)."""
+    R = w.rows
+    d = Ej[None, :, :] - Ei[:, None, :]
+    Ra = R[a] + d
+    others = [g for g in range(w.steps) if g != a and g != b]
+    rest = R[others].max(0) if others else np.zeros(R.shape[1], np.int64)
+    if b is None:
+        new_max = np.maximum(rest, Ra)
+        dsum = d.sum(-1) + (Tj[None, :] - Ti[:, None])
+        ok = np.all(R.sum(0) + d >= w.floor, axis=-1)
+        dsq = ((Ra ** 2) - R[a] ** 2).sum(-1)
+    else:
+        Rb = R[b] - d
+        new_max = np.maximum(np.maximum(rest, Ra), Rb)
+        dsum = np.zeros(d.shape[:2], np.int64)
+        ok = np.ones(d.shape[:2], bool)
+        dsq = ((Ra ** 2) - R[a] ** 2 + (Rb ** 2) - R[b] ** 2).sum(-1)
+    dpad = w.steps * (new_max - R.max(0)).sum(-1) - dsum
+    return dpad, dsq, ok & ((dpad < 0) | ((dpad == 0) & (dsq < 0)))
+
+
+def _fullest_steps(w: Window) -> set[int]:
+    """Steps holding some encoder's most rows (a move between two other steps lowers no maximum)."""
+    top = w.rows.max(0)
+    return {g for g in range(w.steps) for m in range(w.rows.shape[1]) if top[m] > 0 and w.rows[g, m] == top[m]}
+
+
+def _pool_representatives(w: Window) -> list[int]:
+    """Deferred items alike in rows and tokens: the oldest (lowest key) stands for all."""
+    oldest: dict[tuple, int] = {}
+    for k in sorted(w.pool, reverse=True):
+        oldest[(*w.enc[w.idx[k]].tolist(), int(w.tokens[w.idx[k]]))] = k
+    return sorted(oldest.values())
+
+
+def _token_room(w: Window) -> tuple[np.ndarray, np.ndarray]:
+    """Free tokens of each placed item's row (by item), and the largest free row of each step."""
+    room = np.zeros(len(w.idx), np.int64)
+    widest = np.zeros(w.steps, np.int64)
+    for b, st in enumerate(w.bins):
+        for key, row in st.items:
+            room[w.idx[key]] = st.free[row]
+        free = max([*st.free, w.cap.row_len if len(st.free) < w.cap.rows else 0])
+        widest[b // w.per_step] = max(widest[b // w.per_step], free)
+    return room, widest
+
+
+def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: list[int],
+                     room: np.ndarray, widest: np.ndarray) -> np.ndarray | None:
+    """Improving moves between step a (gives one of `give` or none) and step b or the pool (gives one of
+    `take` or none), as rows [padded gain, spread gain, a, b (-1: pool), key i (-1: none), key j (-1: none)]."""
+    n_enc = w.rows.shape[1]
+    ia = np.array([w.idx[k] for k in give], np.int64)
+    jb = np.array([w.idx[k] for k in take], np.int64)
+    none = np.zeros((1, n_enc), np.int64)
+    Ei, Ej = np.concatenate([none, w.enc[ia]]), np.concatenate([none, w.enc[jb]])
+    Ti, Tj = np.concatenate([[0], w.tokens[ia]]), np.concatenate([[0], w.tokens[jb]])
+    Fi, Fj = np.concatenate([[0], room[ia]]), np.concatenate([[0], room[jb]])
+    # necessary token fit: j into step a (i's row once i leaves, or a's widest room), i into b
+    fit = Tj[None, :] <= np.maximum(widest[a], Fi + Ti)[:, None]
+    if b is not None:
+        fit &= Ti[:, None] <= np.maximum(widest[b], Fj + Tj)[None, :]
+    dpad, dsq, keep = _score(w, a, b, Ei, Ej, Ti, Tj)
+    keep &= fit
+    keep[0, 0] = False
+    ka = np.concatenate([[-1], np.asarray(give, np.int64)])
+    kb = np.concatenate([[-1], np.asarray(take, np.int64)])
+    if b is None:  # a placed item gives its place only to an older one: none waits for ever
+        keep[1:, 1:] &= kb[None, 1:] < ka[1:, None]
+        keep[1:, 0] = False
+    ii, jj = np.nonzero(keep)
+    if not ii.size:
+        return None
+    return np.stack([dpad[ii, jj], dsq[ii, jj], np.full(ii.size, a), np.full(ii.size, -1 if b is None else b),
+                     ka[ii], kb[jj]], axis=1)
+
+
+def _candidates(w: Window) -> np.ndarray | None:
+    """Every improving move of this round (`_pair_candidates` rows), or None."""
+    fullest = _fullest_steps(w)
+    members = [sorted(k for k, b in w.where.items() if b // w.per_step == g) for g in range(w.steps)]
+    pool_keys = _pool_representatives(w)
+    room, widest = _token_room(w)
+    cands = []
+    for a in range(w.steps):
+        for b in [*range(w.steps), None]:
+            if b == a or (b is not None and a not in fullest and b not in fullest):
+                continue
+            # a pair of steps is scored once (a < b: swaps and moves both ways); the pool with every step
+            take = pool_keys if b is None else members[b] if b > a else []
+            c = _pair_candidates(w, a, b, members[a], take, room, widest)
+            if c is not None:
+                cands.append(c)
+    return np.concatenate(cands) if cands else None
+
+
+def _still_improves(w: Window, m: Move) -> bool:
+    """Whether `m` is still possible and improving after the round's earlier moves."""
+    if (m.i is not None and w.step_of(m.i) != m.a) or \
+            (m.j is not None and (m.j not in w.pool if m.b is None else w.step_of(m.j) != m.b)):
+        return False  # an earlier move of this round took i or j elsewhere
+    zero, none = np.zeros((1, w.rows.shape[1]), np.int64), np.zeros(1, np.int64)
+    Ei = w.enc[w.idx[m.i]][None] if m.i is not None else zero
+    Ej = w.enc[w.idx[m.j]][None] if m.j is not None else zero
+    Ti = w.tokens[[w.idx[m.i]]] if m.i is not None else none
+    Tj = w.tokens[[w.idx[m.j]]] if m.j is not None else none
+    return bool(_score(w, m.a, m.b, Ei, Ej, Ti, Tj)[2][0, 0])
+
+
+def _apply_round(w: Window, best: np.ndarray) -> int:
+    """Try the round's best candidates in order (after the first kept one, each rescored); moves kept."""
+    moved = 0
+    for _, _, a, b, i, j in best.tolist():
+        m = Move(a, None if b < 0 else b, None if i < 0 else i, None if j < 0 else j)
+        if moved and not _still_improves(w, m):
+            continue
+        if _try_move(w, m):
+            _record(w, m)
+            moved += 1
+    return moved
+
+
+def _smallest(c: np.ndarray, n: int) -> np.ndarray:
+    """The n lexicographically smallest rows of integer array c, sorted (without sorting all of c)."""
+    if len(c) > n:
+        t = np.partition(c[:, 0], n - 1)[n - 1]
+        low, tie = c[c[:, 0] < t], c[c[:, 0] == t]
+        need = n - len(low)
+        if len(tie) > need:
+            tie = tie[tie[:, 1] <= np.partition(tie[:, 1], need - 1)[need - 1]]
+        c = np.concatenate([low, tie])
+    return c[np.lexsort(c.T[::-1])][:n]
