@@ -1,5 +1,12 @@
 """The multiplexing plan (pure numpy): every encoder output token reaches every device holding its
-LLM position exactly once, capacities hold, plans are deterministic, and balancing spreads work."""
+LLM position exactly once, capacities hold, plans are deterministic, and balancing spreads work.
+
+Expectations are derived here, not with the library's geometry: which devices hold an LLM position
+follows from the mesh written out by hand (row-major over pp, dp, fsdp, ep, cp, tp; a batch shard is
+(dp, fsdp, ep); cp rank i stores chunks i and 2cp-1-i of every row), and a few small cases are literal."""
+import itertools
+from collections import Counter
+
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
@@ -114,8 +121,9 @@ def test_coupled_splits_each_shards_segments_over_its_first_stage(seed, sizes, n
     batch = synthetic_batch(rng, B, L, n_segments)
     cost = lambda name, rows: float(rows)  # noqa: E731
     plan = routing.build_plan(batch, grid, RED, DIMS, cost, order=balanced_order, mode="coupled", long_short=False)
-    shard, cp, local = routing.llm_geometry(B, L, grid, balanced_order)
-    dev_shard, pp = grid.batch_shard(), grid.axis("pp")
+    devices = _devices(sizes)
+    dev_shard = np.array([_shard_of(c, sizes) for c in devices])
+    pp = np.array([c["pp"] for c in devices])
     owner, busy = [], np.zeros(grid.num_devices, bool)
     for name, r in RED.items():
         seg = plan.arrays[f"{name}_short_segment_ids"]
@@ -133,7 +141,7 @@ def test_coupled_splits_each_shards_segments_over_its_first_stage(seed, sizes, n
         assert len(holders) == n_segments
         for i, devs in holders.items():
             (d,) = devs  # exactly one device
-            owner.append(int(shard[first_dest.get(i, 0)]))
+            owner.append(_llm_block(first_dest.get(i, 0), B, L, sizes)[0])
             assert pp[d] == 0 and dev_shard[d] == owner[-1]
     # the shard's work is split: with at least as many segments as ranks, no stage-0 rank idles
     per_shard = np.bincount(owner, minlength=grid.batch_shards)
@@ -186,7 +194,8 @@ def test_balance_rows_keeps_every_token_and_its_encoder_destination(seed, shards
         live = old >= 0
         np.testing.assert_array_equal(batch["tokens"].reshape(-1)[old[live]], out["tokens"].reshape(-1)[new[live]])
     assert sorted(map(tuple, out["tokens"])) == sorted(map(tuple, batch["tokens"]))
-    rows = routing.llm_row_costs(out, (1.0, 0.1))
+    rows = np.array([sum(n + 0.1 * n * n for s, n in Counter(row.tolist()).items() if s > 0)
+                     for row in out["segment_ids"]])  # a row's cost: a*n + b*n^2 per document
     per_shard = rows.reshape(shards, -1).sum(axis=1)
     assert per_shard.max() <= rows.sum() / shards + rows.max() + 1e-9  # greedy bound: mean + one row
 
@@ -243,16 +252,89 @@ def _big_and_small_batch(rng, B=8, L=64):
     return batch
 
 
+def _devices(sizes):
+    """Every device's mesh coordinates by name, in flattened (row-major) order over the mesh axes."""
+    axes = ("pp", "dp", "fsdp", "ep", "cp", "tp")
+    return [dict(zip(axes, c)) for c in itertools.product(*(range(n) for n in sizes))]
+
+
+def _shard_of(c, sizes):
+    """A device's batch shard: its (dp, fsdp, ep) coordinates, row-major."""
+    return (c["dp"] * sizes[2] + c["fsdp"]) * sizes[3] + c["ep"]
+
+
+def _llm_block(f, B, L, sizes):
+    """Where global flat LLM position f is stored: (batch shard, cp rank, local flat index).
+
+    Rows split evenly over the batch shards; with cp ranks each row is cut into 2cp chunks and rank i
+    stores chunk i then chunk 2cp-1-i (the load-balanced causal layout)."""
+    shards, cp = sizes[1] * sizes[2] * sizes[3], sizes[4]
+    row, col = divmod(f, L)
+    rows_per_shard, per_rank = B // shards, L // cp
+    if cp == 1:
+        rank, at = 0, col
+    else:
+        chunk = L // (2 * cp)
+        k, within = divmod(col, chunk)
+        rank, at = (k, within) if k < cp else (2 * cp - 1 - k, chunk + within)
+    return row // rows_per_shard, rank, (row % rows_per_shard) * per_rank + at
+
+
 def _expected(batch, grid, B, L, first_stage_only=False):
-    shard, cp, local = routing.llm_geometry(B, L, grid, balanced_order)
-    expected = [dict() for _ in range(grid.num_devices)]
-    receivers = grid.receivers(first_stage_only)
+    """Per device: local LLM index -> (encoder, output token) for every routed token, on every device holding
+    its block (all pp and tp replicas, or the pp=0 ones only)."""
+    sizes = grid.sizes
+    devices = _devices(sizes)
+    expected = [dict() for _ in devices]
     for name in RED:
         for t, f in enumerate(batch[f"{name}_dest"]):
-            if f >= 0:
-                for d in receivers[(int(shard[f]), int(cp[f]))]:
-                    expected[d][int(local[f])] = (name, t)
+            if f < 0:
+                continue
+            shard, rank, local = _llm_block(int(f), B, L, sizes)
+            for d, c in enumerate(devices):
+                if _shard_of(c, sizes) == shard and c["cp"] == rank and (c["pp"] == 0 or not first_stage_only):
+                    expected[d][local] = (name, t)
     return expected
+
+
+def _one_segment_batch(B, L, dest):
+    """One vision segment of one output token per entry of `dest` (its LLM positions); no audio."""
+    r = RED["vision"]
+    n = r * len(dest)
+    batch = {"tokens": np.zeros((B, L), np.int32), "segment_ids": np.ones((B, L), np.int32)}
+    batch["vision_inputs"] = np.zeros((n, DIMS["vision"]), np.float32)
+    batch["vision_inputs"][:, 0] = np.arange(n)
+    batch["vision_segment_ids"] = np.ones(n, np.int32)
+    batch["vision_positions"] = np.zeros((n, 3), np.int32)
+    batch["vision_dest"] = np.asarray(dest, np.int32)
+    for name in RED:
+        if name != "vision":
+            batch[f"{name}_inputs"] = np.zeros((RED[name], DIMS[name]), np.float32)
+            batch[f"{name}_segment_ids"] = np.zeros(RED[name], np.int32)
+            batch[f"{name}_positions"] = np.zeros((RED[name], 3), np.int32)
+            batch[f"{name}_dest"] = -np.ones(1, np.int32)
+    return batch
+
+
+def test_small_layouts_deliver_to_the_devices_written_out_by_hand():
+    """Literal cases: cp2 over a row of 8 (rank 0 stores 0,1,6,7; rank 1 stores 2,3,4,5); pp2 x dp2 (both
+    stages of the row's shard receive; with first_stage_only only stage 0); tp2 (both replicas)."""
+    cost = lambda name, rows: float(rows)  # noqa: E731
+    cases = [  # sizes, B, L, LLM positions of the 3 output tokens, first_stage_only, {device: {local: token}}
+        ((1, 1, 1, 1, 2, 1), 1, 8, [6, 3, 0], False, {0: {2: 0, 0: 2}, 1: {1: 1}}),
+        ((1, 1, 1, 1, 2, 1), 2, 8, [9, 12, 15], False, {0: {5: 0, 7: 2}, 1: {6: 1}}),
+        ((2, 2, 1, 1, 1, 1), 4, 4, [1, 9, 14], False, {0: {1: 0}, 1: {1: 1, 6: 2}, 2: {1: 0}, 3: {1: 1, 6: 2}}),
+        ((2, 2, 1, 1, 1, 1), 4, 4, [1, 9, 14], True, {0: {1: 0}, 1: {1: 1, 6: 2}}),
+        ((1, 2, 1, 1, 1, 2), 2, 4, [7, 0, 2], False, {0: {0: 1, 2: 2}, 1: {0: 1, 2: 2}, 2: {3: 0}, 3: {3: 0}}),
+    ]
+    for sizes, B, L, dest, first, want in cases:
+        grid = routing.DeviceGrid(sizes)
+        batch = _one_segment_batch(B, L, dest)
+        plan = routing.build_plan(batch, grid, RED, DIMS, cost, order=balanced_order, mode="balanced",
+                                  long_short=False, first_stage_only=first)
+        got = simulate(plan, batch, grid, B, L)
+        assert got == [{k: ("vision", t) for k, t in want.get(d, {}).items()} for d in range(grid.num_devices)], sizes
+        assert got == _expected(batch, grid, B, L, first)  # the hand-derived layout agrees with the literals
 
 
 def test_short_segments_fill_the_room_of_long_buffers_and_still_arrive_once():
