@@ -126,15 +126,19 @@ class Flat:
 
 
 def _assemble(segments, where: str, mm_cfg: Any, specs: dict[str, EncoderSpec], placeholder: dict[str, int] | None,
-              text_of: Callable, media_of: Callable) -> Flat:
+              text_of: Callable | None, media_of: Callable) -> Flat:
     """The token run of a sample's segments: `text_of(k, seg)` gives a text segment's ids, `media_of(k, seg,
-    spec, cfg)` a media segment's (inputs, positions, rows) — arrays, or a `Payload` decoded later."""
+    spec, cfg)` a media segment's (inputs, positions, rows) — arrays, or a `Payload` decoded later.
+    `text_of` None: the run's geometry only (lengths from the metadata, no token arrays)."""
     placeholder = placeholder or tokenizer.PLACEHOLDER
     from omnijax.data.tokens import modality_configs
     typed = modality_configs(mm_cfg)
     toks, loss, enc = [], [], []
     n = 0
     for k, seg in enumerate(segments):
+        if seg.modality == "text" and text_of is None:
+            n += seg.length
+            continue
         if seg.modality == "text":
             ids, on = text_of(k, seg)
             toks.append(ids)
@@ -149,10 +153,13 @@ def _assemble(segments, where: str, mm_cfg: Any, specs: dict[str, EncoderSpec], 
         if rows % spec.group:
             raise BadSample(f"{where}: {rows} {name} rows are not a multiple of its grouping {spec.group}")
         t = rows // spec.group
-        toks.append(np.full(t, placeholder[seg.modality], np.int32))
-        loss.append(np.zeros(t, bool))
+        if text_of is not None:
+            toks.append(np.full(t, placeholder[seg.modality], np.int32))
+            loss.append(np.zeros(t, bool))
         enc.append((name, inputs, positions, n))  # its output tokens take LLM positions n .. n+t-1
         n += t
+    if text_of is None:
+        return Flat(None, None, enc, n)
     return Flat(np.concatenate(toks) if toks else np.zeros(0, np.int32),
                 np.concatenate(loss) if loss else np.zeros(0, bool), enc)
 
@@ -198,8 +205,7 @@ def flatten_meta(meta: SampleMeta, text: dict[int, np.ndarray] | None, fetch: Ca
         payload = Payload(rows, spec.dim, decode, f"{where} segment {k} ({seg.modality})", on_error, positions)
         return payload, positions, rows
 
-    flat = _assemble(meta.segments, where, mm_cfg, specs, placeholder, text_of, media)
-    return Flat(None, None, flat.enc, flat.size) if layout_only else flat
+    return _assemble(meta.segments, where, mm_cfg, specs, placeholder, None if layout_only else text_of, media)
 
 
 def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
