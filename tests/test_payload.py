@@ -21,18 +21,21 @@ def steps():
 
 
 def test_layout_from_metadata_equals_the_decoded_step(steps):
+    own = np.r_[4:6, 10:12]  # the rows of ranks 2 and 5 (2 rows each)
     for eager, lazy, part in steps:
         assert payload_bytes(part) == (0, payload_bytes(lazy)[1])  # nothing decoded before a slice asks
+        assert np.array_equal(part["rows"], own) and np.array_equal(lazy["rows"], np.arange(16))
+        seg = eager["segment_ids"]  # the step's rows from metadata, on every host: documents, tokens, sum n^2
+        docs = [np.bincount(r[r > 0])[1:] for r in seg]
+        assert np.array_equal(part["row_docs"], [[len(n), n.sum(), (n.astype(np.int64) ** 2).sum()] for n in docs])
         for k, v in eager.items():
             assert np.array_equal(np.asarray(lazy[k]), v), k  # np.asarray decodes everything
             if k.endswith("_inputs"):
                 assert isinstance(part[k], LazyRows) and part[k].shape == v.shape
-            elif k in ("tokens", "targets", "loss_mask"):  # text of ranks 2 and 5 only (2 rows each)
-                own = np.r_[4:6, 10:12]
-                assert np.array_equal(part[k][own], v[own]), k
-                assert not np.asarray(part["loss_mask"])[np.setdiff1d(np.arange(16), own)].any()
-            else:  # geometry: segment ids, positions, encoder destinations, identical on every host
-                assert np.array_equal(part[k], v), k
+            elif k in ("tokens", "targets", "loss_mask", "segment_ids", "positions"):  # only its own rows built
+                assert part[k].shape == (len(own), v.shape[1]) and np.array_equal(part[k], v[own]), k
+            else:  # geometry: encoder segment ids, positions, destinations, identical on every host
+                assert np.array_equal(np.asarray(part[k]), v), k
 
 
 def test_a_slice_decodes_only_the_segments_it_touches():

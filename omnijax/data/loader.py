@@ -125,9 +125,10 @@ class Loader:
                  cost_model: CostModel | None = None, world_cfg: Any = None, sources: list[Source] | None = None,
                  tokenizer: Any = None, lazy_media: bool = False, text_ranks: list[int] | None = None):
         """lazy_media: encoder inputs come as `payload.LazyRows`, decoded only where a slice asks (the
-        multiplexer slices the segments this host's devices encode). text_ranks: the ranks whose token
-        rows this host reads (the rows its devices hold); the other ranks' rows are laid out from
-        metadata only (needs lazy_media). None: every rank in `ranks`."""
+        multiplexer slices the segments this host's devices encode), with the step's geometry as a few
+        integers per segment (`packing.pack`'s step geometry). text_ranks: the ranks whose token rows
+        this host reads and builds (the rows its devices hold); the other ranks' rows are laid out from
+        metadata only and never built (needs lazy_media). None: every rank in `ranks`."""
         self.cfg = cfg.check()
         self.lazy_media = bool(lazy_media)
         self.text_ranks = None if text_ranks is None else {int(r) for r in text_ranks}
@@ -352,7 +353,8 @@ class Loader:
             return None
 
     def _load_lazy(self, entry: Entry, meta, read_text: bool):
-        """`_load` from metadata: text read only if `read_text`, media decoded later and only if sliced.
+        """`_load` from metadata: text read only if `read_text` (else the sample's geometry alone, no token
+        arrays: a row another host holds), media decoded later and only if sliced.
 
         A record whose text cannot be read keeps its layout (every host planned it) with no loss on it."""
         source = self.sources[entry.source]
@@ -374,6 +376,10 @@ class Loader:
                 log.warning("skipped bad record %s[%d]: %s (its rows carry no loss)", source.name, entry.record, exc)
                 text = None
         fetch = lambda k: source.media(entry.record, k)  # noqa: E731
+        if not read_text:
+            flat = packing.flatten_meta(meta, None, fetch, self.mm_cfg, self.specs, placeholder, on_error=skip,
+                                        layout_only=True)
+            return packing.text_piece(flat, entry.piece, self.cfg.row_len) if entry.piece >= 0 else flat
         try:
             flat = packing.flatten_meta(meta, text, fetch, self.mm_cfg, self.specs, placeholder, on_error=skip)
         except BadSample as exc:  # text lengths disagree with the metadata: lay the sample out blind
@@ -385,25 +391,35 @@ class Loader:
         return flat
 
     def host_batch(self, step: int) -> dict[str, Any]:
-        """This host's part of global batch `step`: one packed dict per microbatch (local ranks concatenated)."""
+        """This host's part of global batch `step`: one packed dict per microbatch (local ranks concatenated).
+
+        With `text_ranks`, the token arrays hold only those ranks' rows (`rows` names their global
+        indices); the other ranks' samples are laid out from metadata (the step's geometry: encoder
+        segments, destinations, `row_docs`) and never become arrays here, so a host's arrays grow
+        with its own ranks, not with the step."""
         cfg = self.cfg
         wp = self.window_plan(step // cfg.window)
         g = step % cfg.window
         layout = wp.layouts[g]
+        local = None if self.text_ranks is None else [i for i, r in enumerate(self.ranks) if r in self.text_ranks]
+        pad = [] if self.tokenizer is None else [self.tokenizer.pad]
         micro = []
         for m in range(cfg.microbatches):
-            bins = []
-            for r in self.ranks:
-                b = (g * cfg.dp + r) * cfg.microbatches + m
-                entries = []
-                read_text = self.text_ranks is None or r in self.text_ranks
-                for key, row in wp.plan.bins[b]:
-                    flat = (self._load_lazy(wp.entries[key], wp.metas[key], read_text) if self.lazy_media
-                            else self._load(wp.entries[key]))
-                    if flat is not None:
-                        entries.append((flat, row))
-                bins.append(entries)
-            batch = packing.pack(bins, layout, self.specs, *([] if self.tokenizer is None else [self.tokenizer.pad]))
+            def bins(m=m):  # one rank at a time: a remote rank's geometry is consumed, never kept
+                for r in self.ranks:
+                    b = (g * cfg.dp + r) * cfg.microbatches + m
+                    entries = []
+                    read_text = self.text_ranks is None or r in self.text_ranks
+                    for key, row in wp.plan.bins[b]:
+                        flat = (self._load_lazy(wp.entries[key], wp.metas[key], read_text) if self.lazy_media
+                                else self._load(wp.entries[key]))
+                        if flat is not None:
+                            entries.append((flat, row))
+                    yield entries
+            if self.lazy_media:
+                batch = packing.pack(bins(), layout, self.specs, *pad, local=local, lazy=True, n_bins=len(self.ranks))
+            else:
+                batch = packing.pack(list(bins()), layout, self.specs, *pad)
             with self._lock:
                 self.shapes.add(layout, batch)
             micro.append(batch)

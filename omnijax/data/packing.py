@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from omnijax.data import tokenizer
-from omnijax.data.payload import LazyRows, Payload
+from omnijax.data.payload import LazyRows, Payload, Runs
 from omnijax.data.sample import BadSample, Sample, SampleMeta
 
 ENCODER_ORDER = ("audio", "vision")
@@ -91,13 +91,19 @@ class ShapeCounter:
     real_enc: int = 0
     total_enc: int = 0
 
-    def add(self, layout: Layout, batch: dict[str, np.ndarray]) -> None:
+    def add(self, layout: Layout, batch: dict[str, Any]) -> None:
+        """Counts of a packed batch: the whole step's where it carries the step's geometry (`row_docs`)."""
         self.shapes.add(layout.key)
-        self.real_tokens += int((batch["segment_ids"] > 0).sum())
-        self.total_tokens += int(batch["segment_ids"].size)
+        if "row_docs" in batch:
+            self.real_tokens += int(batch["row_docs"][:, 1].sum())
+            self.total_tokens += len(batch["row_docs"]) * layout.row_len
+        else:
+            self.real_tokens += int((batch["segment_ids"] > 0).sum())
+            self.total_tokens += int(batch["segment_ids"].size)
         for name, _ in layout.enc:
-            self.real_enc += int((batch[f"{name}_segment_ids"] > 0).sum())
-            self.total_enc += int(batch[f"{name}_segment_ids"].size)
+            ids = batch[f"{name}_segment_ids"]
+            self.real_enc += ids.real if isinstance(ids, Runs) else int((ids > 0).sum())
+            self.total_enc += len(ids)
 
     @property
     def padded_fraction(self) -> float:
@@ -108,21 +114,31 @@ class ShapeCounter:
 # ------------------------------------------------------------------------------ flattening
 @dataclass
 class Flat:
-    tokens: np.ndarray                  # int32 [n]
-    loss: np.ndarray                    # bool [n]: token is a loss target
-    enc: list[tuple[str, Any, np.ndarray, np.ndarray]]  # (encoder, inputs or Payload, positions, llm offsets)
+    tokens: np.ndarray | None           # int32 [n]; None: a row another host holds (only its geometry here)
+    loss: np.ndarray | None             # bool [n]: token is a loss target
+    enc: list[tuple[str, Any, Any, int]]  # (encoder, inputs or Payload, positions or a () -> positions, llm offset)
+    length: int = -1                    # n when `tokens` is None
+
+    @property
+    def size(self) -> int:
+        """LLM tokens of the run."""
+        return self.length if self.tokens is None else int(self.tokens.size)
 
 
 def _assemble(segments, where: str, mm_cfg: Any, specs: dict[str, EncoderSpec], placeholder: dict[str, int] | None,
-              text_of: Callable, media_of: Callable) -> Flat:
+              text_of: Callable | None, media_of: Callable) -> Flat:
     """The token run of a sample's segments: `text_of(k, seg)` gives a text segment's ids, `media_of(k, seg,
-    spec, cfg)` a media segment's (inputs, positions, rows) — arrays, or a `Payload` decoded later."""
+    spec, cfg)` a media segment's (inputs, positions, rows) — arrays, or a `Payload` decoded later.
+    `text_of` None: the run's geometry only (lengths from the metadata, no token arrays)."""
     placeholder = placeholder or tokenizer.PLACEHOLDER
     from omnijax.data.tokens import modality_configs
     typed = modality_configs(mm_cfg)
     toks, loss, enc = [], [], []
     n = 0
     for k, seg in enumerate(segments):
+        if seg.modality == "text" and text_of is None:
+            n += seg.length
+            continue
         if seg.modality == "text":
             ids, on = text_of(k, seg)
             toks.append(ids)
@@ -137,10 +153,13 @@ def _assemble(segments, where: str, mm_cfg: Any, specs: dict[str, EncoderSpec], 
         if rows % spec.group:
             raise BadSample(f"{where}: {rows} {name} rows are not a multiple of its grouping {spec.group}")
         t = rows // spec.group
-        toks.append(np.full(t, placeholder[seg.modality], np.int32))
-        loss.append(np.zeros(t, bool))
-        enc.append((name, inputs, positions, np.arange(n, n + t)))
+        if text_of is not None:
+            toks.append(np.full(t, placeholder[seg.modality], np.int32))
+            loss.append(np.zeros(t, bool))
+        enc.append((name, inputs, positions, n))  # its output tokens take LLM positions n .. n+t-1
         n += t
+    if text_of is None:
+        return Flat(None, None, enc, n)
     return Flat(np.concatenate(toks) if toks else np.zeros(0, np.int32),
                 np.concatenate(loss) if loss else np.zeros(0, bool), enc)
 
@@ -162,12 +181,14 @@ def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec],
 
 def flatten_meta(meta: SampleMeta, text: dict[int, np.ndarray] | None, fetch: Callable[[int], np.ndarray],
                  mm_cfg: Any, specs: dict[str, EncoderSpec], placeholder: dict[str, int] | None = None,
-                 on_error: Callable[[str], None] | None = None) -> Flat:
+                 on_error: Callable[[str], None] | None = None, layout_only: bool = False) -> Flat:
     """`flatten` from metadata: the same token run and buffer layout, with each media segment a `Payload`
-    that `fetch(k)` decodes only if some slice of the packed buffer asks for it.
+    that `fetch(k)` decodes only if some slice of the packed buffer asks for it (its positions, too,
+    are computed only then).
 
     `text` holds the token ids of the text segments by position; None lays out the sample's rows from
-    its lengths alone (a row another host trains on: only its geometry matters here)."""
+    its lengths alone (zeros, no loss). `layout_only`: a row another host trains on, whose geometry
+    alone matters here: no token arrays are kept (`Flat.tokens` is None)."""
     from omnijax.data.features import encoder_tokens, segment_inputs, segment_positions
     where = f"{meta.source}[{meta.index}]"
 
@@ -180,10 +201,11 @@ def flatten_meta(meta: SampleMeta, text: dict[int, np.ndarray] | None, fetch: Ca
     def media(k, seg, spec, cfg):
         rows, _ = encoder_tokens(seg.modality, seg.shape, cfg)
         decode = lambda: segment_inputs(seg.modality, fetch(k), cfg)[0]  # noqa: E731
-        payload = Payload(rows, spec.dim, decode, f"{where} segment {k} ({seg.modality})", on_error)
-        return payload, segment_positions(seg.modality, seg.shape, cfg), rows
+        positions = lambda: segment_positions(seg.modality, seg.shape, cfg)  # noqa: E731
+        payload = Payload(rows, spec.dim, decode, f"{where} segment {k} ({seg.modality})", on_error, positions)
+        return payload, positions, rows
 
-    return _assemble(meta.segments, where, mm_cfg, specs, placeholder, text_of, media)
+    return _assemble(meta.segments, where, mm_cfg, specs, placeholder, None if layout_only else text_of, media)
 
 
 def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
@@ -191,6 +213,8 @@ def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
     if flat.enc:
         raise BadSample("only text-only samples can be split across rows")
     lo = piece * row_len
+    if flat.tokens is None:
+        return Flat(None, None, [], max(0, min(row_len, flat.size - lo)))
     return Flat(flat.tokens[lo: lo + row_len], flat.loss[lo: lo + row_len], [])
 
 
@@ -201,43 +225,72 @@ def pack_bin(entries: list[tuple[Flat, int]], layout: Layout, specs: dict[str, E
     return pack([entries], layout, specs, pad)
 
 
-def pack(bins: list[list[tuple[Flat, int]]], layout: Layout, specs: dict[str, EncoderSpec],
-         pad: int = tokenizer.PAD) -> dict[str, np.ndarray]:
+def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokenizer.PAD, *,
+         local: list[int] | None = None, lazy: bool | None = None, n_bins: int | None = None) -> dict[str, Any]:
     """Buffers of several bins (e.g. a host's ranks) written in place, bin b at rows [b*rows, (b+1)*rows)
     and encoder rows [b*N_E, (b+1)*N_E); dest indices are flat into the concatenated rows and encoder
-    segment ids are numbered across bins. Equal to `concat` of `pack_bin` per bin, without the copies."""
-    R, L, nb = layout.rows, layout.row_len, len(bins)
-    tokens = np.full((nb * R, L), pad, np.int32)
-    targets = np.full((nb * R, L), pad, np.int32)
-    loss_mask = np.zeros((nb * R, L), np.float32)
-    seg_ids = np.zeros((nb * R, L), np.int32)
-    positions = np.zeros((nb * R, L), np.int32)
+    segment ids are numbered across bins. Equal to `concat` of `pack_bin` per bin, without the copies.
+
+    Step geometry (`lazy`, default: some sample carries a `Payload`; always with `local`): encoder inputs
+    are `LazyRows`, positions `PositionRows`, segment ids and destinations `Runs` (a few integers per
+    segment), and `row_docs` [bins*rows, 3] gives every row's documents, real tokens and sum of squared
+    document lengths; `rows` the global index of each LLM row built. `local`: the bins whose LLM rows
+    are built (a host's own; the others' entries may be `Flat`s without tokens, laid out from metadata
+    only), in that order; their rows alone make the token arrays, so they grow with the host's bins,
+    not the step's. `bins` may be any iterable (read once) when `n_bins` is given."""
+    R, L = layout.rows, layout.row_len
+    if lazy is None or n_bins is None:
+        bins = list(bins)
+    nb = len(bins) if n_bins is None else int(n_bins)
+    if lazy is None:
+        lazy = any(isinstance(e[1], Payload) for entries in bins for flat, _ in entries for e in flat.enc)
+    lazy = bool(lazy) or local is not None
+    built = list(range(nb)) if local is None else [int(b) for b in local]
+    slot = {b: k for k, b in enumerate(built)}
+    if len(slot) != len(built) or any(not 0 <= b < nb for b in built):
+        raise ValueError(f"pack: local bins {local} must be distinct bins of {nb}")
+    nl = len(built)
+    tokens = np.full((nl * R, L), pad, np.int32)
+    targets = np.full((nl * R, L), pad, np.int32)
+    loss_mask = np.zeros((nl * R, L), np.float32)
+    seg_ids = np.zeros((nl * R, L), np.int32)
+    positions = np.zeros((nl * R, L), np.int32)
+    row_docs = np.zeros((nb * R, 3), np.int64) if lazy else None  # documents, tokens, sum of squared lengths
     caps = dict(layout.enc)
-    lazy = any(isinstance(e[1], Payload) for entries in bins for flat, _ in entries for e in flat.enc)
-    enc_out = {}
+    enc_out, runs = {}, {}
     for name, cap in caps.items():
         spec = specs[name]
-        buf = LazyRows(nb * cap, spec.dim) if lazy else np.zeros((nb * cap, spec.dim), np.float32)
-        enc_out[name] = (buf, np.zeros(nb * cap, np.int32),
-                         np.zeros((nb * cap, 3), np.int32), np.full(nb * cap // spec.group, -1, np.int32))
+        if lazy:
+            enc_out[name] = (LazyRows(nb * cap, spec.dim), None, None, None)
+            runs[name] = ([], [], [], [], [])  # segment starts, rows, ids; output-token start, first destination
+        else:
+            enc_out[name] = (np.zeros((nb * cap, spec.dim), np.float32), np.zeros(nb * cap, np.int32),
+                             np.zeros((nb * cap, 3), np.int32), np.full(nb * cap // spec.group, -1, np.int32))
     enc_seg = {name: 0 for name in caps}
     for b, entries in enumerate(bins):
+        k = slot.get(b)
         fill = np.zeros(R, np.int64)
         nseg = np.zeros(R, np.int32)
         used = {name: 0 for name in caps}
         for flat, row in entries:
-            n = flat.tokens.size
+            n = flat.size
             if row >= R or fill[row] + n > L:
                 raise BadSample(f"sample of {n} tokens does not fit row {row} of a {R}x{L} buffer")
             a, r = int(fill[row]), b * R + row
             nseg[row] += 1
-            tokens[r, a: a + n] = flat.tokens
-            targets[r, a: a + n - 1] = flat.tokens[1:]
-            loss_mask[r, a: a + n - 1] = flat.loss[1:]
-            seg_ids[r, a: a + n] = nseg[row]
-            positions[r, a: a + n] = np.arange(n)
+            if k is not None:
+                if flat.tokens is None:
+                    raise ValueError(f"pack: bin {b} is built here but its entries were laid out without tokens")
+                rr = k * R + row
+                tokens[rr, a: a + n] = flat.tokens
+                targets[rr, a: a + n - 1] = flat.tokens[1:]
+                loss_mask[rr, a: a + n - 1] = flat.loss[1:]
+                seg_ids[rr, a: a + n] = nseg[row]
+                positions[rr, a: a + n] = np.arange(n)
+            if row_docs is not None:
+                row_docs[r] += (1, n, n * n)
             fill[row] += n
-            for name, x, pos, offs in flat.enc:
+            for name, x, pos, off in flat.enc:
                 if name not in caps:
                     raise BadSample(f"layout has no buffer for encoder {name!r}")
                 cap, g = caps[name], specs[name].group
@@ -247,18 +300,34 @@ def pack(bins: list[list[tuple[Flat, int]]], layout: Layout, specs: dict[str, En
                 lo = b * cap + used[name]
                 inputs, eseg, epos, dest = enc_out[name]
                 enc_seg[name] += 1
+                first = r * L + a + int(off)
                 if lazy:
-                    inputs.put(lo, x if isinstance(x, Payload) else Payload(m, x.shape[1], lambda x=x: x))
+                    if not isinstance(x, Payload):
+                        x = Payload(m, x.shape[1], lambda x=x: x, positions=lambda pos=pos: pos)
+                    if m:
+                        inputs.put(lo, x)
+                        starts, lengths, ids, tok0, dest0 = runs[name]
+                        starts.append(lo), lengths.append(m), ids.append(enc_seg[name])
+                        tok0.append(lo // g), dest0.append(first)
                 else:
                     inputs[lo: lo + m] = x
-                eseg[lo: lo + m] = enc_seg[name]
-                epos[lo: lo + m] = pos
-                dest[lo // g: (lo + m) // g] = r * L + a + offs
+                    eseg[lo: lo + m] = enc_seg[name]
+                    epos[lo: lo + m] = pos() if callable(pos) else pos
+                    dest[lo // g: (lo + m) // g] = first + np.arange(m // g)
                 used[name] += m
     out = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "segment_ids": seg_ids, "positions": positions}
     for name, (inputs, eseg, epos, dest) in enc_out.items():
+        if lazy:
+            starts, lengths, ids, tok0, dest0 = runs[name]
+            g, n = specs[name].group, inputs.shape[0]
+            eseg = Runs(n, starts, lengths, ids)
+            epos = inputs.positions()
+            dest = Runs(n // g, tok0, np.asarray(lengths, np.int64) // g, dest0, step=1, fill=-1)
         out[f"{name}_inputs"], out[f"{name}_segment_ids"] = inputs, eseg
         out[f"{name}_positions"], out[f"{name}_dest"] = epos, dest
+    if lazy:
+        out["row_docs"] = row_docs
+        out["rows"] = (np.asarray(built, np.int64)[:, None] * R + np.arange(R)[None, :]).reshape(-1)
     return out
 
 

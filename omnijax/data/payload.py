@@ -1,10 +1,12 @@
 """Encoder payloads decoded where they are encoded, and only there.
 
 A step's plan needs only metadata (shapes, lengths); the pixels and waveforms of a segment are needed
-only on the device that encodes it. The loader therefore packs a step with `LazyRows` in place of each
-encoder's input buffer: rows are laid out from the metadata, and a segment is read and decoded the first
-time a slice touches it (the routing plan slices exactly the segments placed on this host's devices).
-Every decode is counted, so a host can report the payload bytes it decoded beside the step's total.
+only on the device that encodes it, and its token rows only on the devices that hold them. The loader
+therefore gives a host its own LLM rows plus the step's geometry in a few integers per segment (`Runs`
+for segment ids and destinations, `PositionRows` for encoder positions, `row_docs` per global row),
+with each encoder's input buffer a `LazyRows`: rows are laid out from the metadata, and a segment is
+read and decoded the first time a slice touches it (the routing plan slices exactly the segments
+placed on this host's devices). Every decode is counted, so a host can report the payload bytes it decoded beside the step's total.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Payload:
     fetch: Callable[[], np.ndarray]
     what: str = ""
     on_error: Callable[[str], None] | None = None
+    positions: Callable[[], np.ndarray] | None = None  # its encoder positions [rows, 3], from metadata
     _data: np.ndarray | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -135,13 +138,111 @@ class LazyRows:
         return sum(p.nbytes for p in self._pieces if p.decoded)
 
 
+    def positions(self) -> "PositionRows":
+        """The buffer's positions [n, 3] (int32), each segment's computed only when a slice touches it."""
+        return PositionRows(self)
+
+
+class PositionRows:
+    """Encoder positions [n, 3] of a `LazyRows` buffer: a segment's are a pure function of its metadata
+    (`Payload.positions`), computed when a slice asks, so no host holds the whole step's positions."""
+
+    def __init__(self, rows: LazyRows):
+        self._rows = rows
+        self.shape = (rows.shape[0], 3)
+        self.dtype = np.dtype(np.int32)
+        self.ndim = 2
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            return np.asarray(self)[key]
+        lo, hi, _ = key.indices(self.shape[0])
+        out = np.zeros((max(hi - lo, 0), 3), np.int32)
+        for s, p in self._rows._overlapping(lo, hi):
+            a, b = max(s, lo), min(s + p.rows, hi)
+            out[a - lo:b - lo] = np.asarray(p.positions(), np.int32)[a - s:b - s]
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[0:self.shape[0]]
+        return out if dtype is None else out.astype(dtype)
+
+
+class Runs:
+    """A per-row int buffer [n] given by runs instead of rows: rows ``starts[k] + i`` (``i < lengths[k]``)
+    hold ``values[k] + step * i``, every other row ``fill``.
+
+    The step's encoder segment ids (``step=0``) and output destinations (``step=1``: a segment's output
+    tokens land on consecutive LLM positions) take a few integers per segment this way, so every host
+    can hold the whole step's geometry (the plan needs it) without O(step rows) arrays. Slices and
+    ``np.asarray`` give the plain rows."""
+
+    def __init__(self, n: int, starts, lengths, values, step: int = 0, fill: int = 0, dtype=np.int32):
+        self.shape = (int(n),)
+        self.dtype = np.dtype(dtype)
+        self.ndim = 1
+        self.starts = np.asarray(starts, np.int64).reshape(-1)
+        self.lengths = np.asarray(lengths, np.int64).reshape(-1)
+        self.values = np.asarray(values, np.int64).reshape(-1)
+        self.step, self.fill = int(step), int(fill)
+        if not (len(self.starts) == len(self.lengths) == len(self.values)):
+            raise ValueError("Runs: starts, lengths and values must have one entry per run")
+        ends = self.starts + self.lengths
+        if np.any(self.lengths <= 0) or np.any(self.starts[1:] < ends[:-1]) or (ends.size and ends[-1] > n):
+            raise ValueError("Runs: runs must be non-empty, increasing, non-overlapping and inside the buffer")
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def real(self) -> int:
+        """Rows covered by a run (the buffer's non-padding rows)."""
+        return int(self.lengths.sum())
+
+    def __getitem__(self, key) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            return np.asarray(self)[key]
+        lo, hi, _ = key.indices(self.shape[0])
+        out = np.full(max(hi - lo, 0), self.fill, self.dtype)
+        k = max(int(np.searchsorted(self.starts, lo, side="right")) - 1, 0)
+        while k < len(self.starts) and self.starts[k] < hi:
+            s, n = int(self.starts[k]), int(self.lengths[k])
+            a, b = max(s, lo), min(s + n, hi)
+            if a < b:
+                out[a - lo:b - lo] = self.values[k] + self.step * np.arange(a - s, b - s)
+            k += 1
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.full(self.shape[0], self.fill, self.dtype)
+        if self.real:
+            first = np.repeat(self.starts, self.lengths)
+            within = np.arange(self.real) - np.repeat(np.cumsum(self.lengths) - self.lengths, self.lengths)
+            out[first + within] = np.repeat(self.values, self.lengths) + self.step * within
+        return out if dtype is None else out.astype(dtype)
+
+
 def payload_bytes(batch: dict) -> tuple[int, int]:
     """(decoded by this host, the step's total) over every lazy encoder buffer of a packed batch."""
-    lazy = [v for v in batch.values() if isinstance(v, LazyRows)]
+    lazy = [v for k, v in batch.items() if k.endswith("_inputs") and isinstance(v, LazyRows)]
     return sum(v.decoded_bytes for v in lazy), sum(v.total_bytes for v in lazy)
 
 
 def global_layout(batch: dict) -> bool:
-    """True if the batch holds the whole step's layout (every host's rows, laid out from metadata)
-    rather than only this host's rows: it then carries lazy encoder buffers."""
-    return any(isinstance(v, LazyRows) for v in batch.values())
+    """True if the batch carries the whole step's metadata (`row_docs`: documents, tokens and squared
+    lengths of every global LLM row, laid out from metadata) beside the token rows this host holds:
+    counts taken from it (samples, FLOPs) are the step's, not this host's share."""
+    return "row_docs" in batch
+
+
+def local_rows(batch: dict) -> np.ndarray | None:
+    """Global row index of each LLM row a host batch holds (None: a whole batch, rows 0..B-1)."""
+    return np.asarray(batch["rows"]) if "rows" in batch else None
+
+
+def step_rows(batch: dict) -> int:
+    """LLM rows of the whole step (a host batch may hold only its own)."""
+    return len(batch["row_docs"]) if "row_docs" in batch else int(np.shape(batch["tokens"])[0])

@@ -10,8 +10,8 @@ from typing import Callable
 
 import numpy as np
 
+from omnijax.data.payload import Runs
 from omnijax.errors import ConfigError
-
 from omnijax.parallel.device_grid import DeviceGrid
 
 
@@ -33,14 +33,26 @@ class Segment:
 
 
 def segments_of(batch: dict, reductions: dict[str, int], cost_fn: Callable[[str, int], float]) -> list[Segment]:
-    """Runs of equal non-zero `<enc>_segment_ids`, in buffer (arrival) order, encoders sorted by name."""
+    """Runs of equal non-zero `<enc>_segment_ids`, in buffer (arrival) order, encoders sorted by name.
+
+    Segment ids given as `data.payload.Runs` (a step laid out from metadata) are read run by run, their
+    destinations sliced per segment: nothing of the size of the step's buffers is built."""
     out = []
     for name in sorted(reductions):
         if f"{name}_segment_ids" not in batch:
             continue
-        seg = np.asarray(batch[f"{name}_segment_ids"])
-        dest = np.asarray(batch[f"{name}_dest"])
         r = reductions[name]
+        ids = batch[f"{name}_segment_ids"]
+        if isinstance(ids, Runs):
+            dest = batch[f"{name}_dest"]
+            for a, n in zip(ids.starts.tolist(), ids.lengths.tolist()):
+                if a % r or n % r:
+                    raise ValueError(f"{name} segment at row {a} with {n} rows is not aligned to its reduction {r}")
+                out.append(Segment(name, a, n, r, np.asarray(dest[a // r:(a + n) // r], np.int64),
+                                   float(cost_fn(name, n))))
+            continue
+        seg = np.asarray(ids)
+        dest = np.asarray(batch[f"{name}_dest"])
         idx = np.flatnonzero(seg > 0)
         if idx.size == 0:
             continue

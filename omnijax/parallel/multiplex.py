@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from omnijax.data.payload import LazyRows
+from omnijax.data.payload import LazyRows, global_layout, local_rows, step_rows
 from omnijax.errors import ConfigError
 from omnijax.layers import attention as attention_lib, remat as remat_lib, sequence
 from omnijax.models.encoder_layers import compute_dtype
@@ -74,10 +74,16 @@ def microbatch_views(batch: dict, microbatches: int, encoders: tuple[str, ...]) 
     `pipeline.split_microbatches` gives it) with only the encoder segments whose outputs land there,
     their destinations renumbered into the sub-batch. Pure host function."""
     M = microbatches
-    B, L = np.asarray(batch["tokens"]).shape
+    B, L = step_rows(batch), int(np.shape(batch["tokens"])[1])
     if B % M:
         raise ConfigError(f"batch of {B} rows is not divisible by parallel.microbatches={M}")
-    views = [{k: np.asarray(batch[k])[m::M] for k in LLM_KEYS if k in batch} for m in range(M)]
+    rows = local_rows(batch)
+    if rows is None:
+        views = [{k: np.asarray(batch[k])[m::M] for k in LLM_KEYS if k in batch} for m in range(M)]
+    else:  # the host's own rows of each microbatch, renumbered into it, and the step's row geometry
+        views = [{**{k: np.asarray(batch[k])[rows % M == m] for k in LLM_KEYS if k in batch},
+                  "rows": rows[rows % M == m] // M, "row_docs": np.asarray(batch["row_docs"])[m::M]}
+                 for m in range(M)]
     for name in encoders:
         if f"{name}_segment_ids" not in batch:
             continue
@@ -95,7 +101,7 @@ def microbatch_views(batch: dict, microbatches: int, encoders: tuple[str, ...]) 
             keep = (seg > 0) & (owner == m)
             keep_tok = (dest >= 0) & (tok_owner == m)
             view[f"{name}_inputs"] = batch[f"{name}_inputs"]  # possibly lazy: sliced, never copied whole
-            view[f"{name}_positions"] = np.asarray(batch[f"{name}_positions"])
+            view[f"{name}_positions"] = batch[f"{name}_positions"]  # sliced per placed segment
             view[f"{name}_segment_ids"] = np.where(keep, seg, 0).astype(seg.dtype)
             view[f"{name}_dest"] = np.where(keep_tok, (dest // L) // M * L + dest % L, -1).astype(np.int32)
     return views
@@ -300,13 +306,14 @@ class Multiplexer:
     def put_batch(self, host_batch: dict) -> dict:
         """LLM arrays in the LLM layout; encoder buffers and routing tables one row per device.
 
-        `host_batch` is the whole global batch, the same on every host: the plan's routing tables
-        index global LLM rows and every device's encoder buffer, so each host plans the whole step
-        (deterministically, identically) and then places only the blocks its own devices hold, by
-        global index (any device order). With `balance_rows`, packed rows are first spread over the
+        `host_batch` is the whole global batch, the same on every host, or (from the data plane) this
+        host's own LLM rows plus the step's geometry from metadata (`rows`, `row_docs`, encoder
+        segments as `Runs`): the plan's routing tables index global LLM rows and every device's encoder
+        buffer, so each host plans the whole step (deterministically, identically) and then builds and
+        places only the blocks its own devices hold, by global index (any device order). With `balance_rows`, packed rows are first spread over the
         batch shards by LLM cost (independently of where their encoder work runs)."""
         lazy = [v for k, v in host_batch.items() if k.endswith("_inputs") and isinstance(v, LazyRows)]
-        if lazy and self.balance_rows:
+        if (lazy or global_layout(host_batch)) and self.balance_rows:
             raise ConfigError("a batch laid out from metadata (lazy encoder payloads, rows read per host) cannot "
                               "have its rows moved again: build the Multiplexer with balance_rows=False (the data "
                               "plane balanced its rows already)")
@@ -315,13 +322,27 @@ class Multiplexer:
             plan.stats["payload_bytes_decoded"] = float(sum(v.decoded_bytes for v in lazy))
             plan.stats["payload_bytes_step"] = float(sum(v.total_bytes for v in lazy))
         self.last_plan = plan
-        out = self.engine.put_global_batch({k: host_batch[k] for k in LLM_KEYS})
+        out = self._put_rows(host_batch)
         sharding = NamedSharding(self.mesh, P(ALL))
         D = self.grid.num_devices
         rows = np.arange(D) if plan.devices is None else np.asarray(plan.devices)
         for k, v in plan.arrays.items():  # this host's devices' rows only
             out[k] = hosts.put_host_rows(sharding, v, rows, (D, *v.shape[1:]))
         return out
+
+    def _put_rows(self, host_batch: dict) -> dict:
+        """The LLM arrays placed: a whole batch by taking this host's rows, a host batch of its own rows
+        (`rows`: their global indices, laid out by the data plane) as they are."""
+        llm = {k: host_batch[k] for k in LLM_KEYS}
+        rows, B = local_rows(host_batch), step_rows(host_batch)
+        if rows is None or len(rows) == B:
+            return self.engine.put_global_batch(llm)
+        want = self.host_rows(B)
+        if not np.array_equal(rows, want):
+            raise ConfigError(f"this host's batch holds global rows {rows[:4].tolist()}... but its devices hold rows "
+                              f"{want[:4].tolist()}... of the {B}-row step: build the loader with the ranks of the "
+                              "rows Multiplexer.host_rows names (data.loader.Loader(text_ranks=...))")
+        return self.engine.put_batch(llm, global_rows=B)
 
     def metrics(self) -> dict[str, float]:
         """The last step's plan figures for the trainer's log (imbalance, padding, long segments)."""

@@ -31,6 +31,7 @@ from typing import Callable, Collection, Literal
 
 import numpy as np
 
+from omnijax.data.payload import step_rows
 from omnijax.errors import ConfigError
 from omnijax.parallel import placement_meta
 # the planner's parts, re-exported: callers name them as routing.X
@@ -58,9 +59,21 @@ class Plan:
     devices: tuple[int, ...] | None = None
 
 
+class FlatIndexMap:
+    """A function of global flat LLM indices that reads like the array of its values (`m[f]`), computed
+    only for the indices asked: no host builds an array of the step's B x L positions."""
+
+    def __init__(self, fn: Callable[[np.ndarray], np.ndarray]):
+        self._fn = fn
+
+    def __getitem__(self, f) -> np.ndarray:
+        return self._fn(np.asarray(f, np.int64))
+
+
 def llm_geometry(batch_rows: int, row_len: int, grid: DeviceGrid,
-                 order: Callable[[int, int], np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For every global flat LLM index: (batch shard, cp rank, local flat index in that block).
+                 order: Callable[[int, int], np.ndarray]) -> tuple[FlatIndexMap, FlatIndexMap, FlatIndexMap]:
+    """For global flat LLM indices: (batch shard, cp rank, local flat index in that block), as maps
+    indexed like arrays (`shard[f]`).
 
     `order(row_len, cp)` is the stored order of a row under context parallelism (the LLM's
     load-balanced layout), so a position's cp rank and local index follow where it is stored."""
@@ -72,9 +85,9 @@ def llm_geometry(batch_rows: int, row_len: int, grid: DeviceGrid,
     b_loc, l_loc = batch_rows // S, row_len // C
     stored_at = np.empty(row_len, np.int64)
     stored_at[order(row_len, C)] = np.arange(row_len)
-    b = np.repeat(np.arange(batch_rows), row_len)
-    l = stored_at[np.tile(np.arange(row_len), batch_rows)]
-    return b // b_loc, l // l_loc, (b % b_loc) * l_loc + (l % l_loc)
+    return (FlatIndexMap(lambda f: f // row_len // b_loc),
+            FlatIndexMap(lambda f: stored_at[f % row_len] // l_loc),
+            FlatIndexMap(lambda f: (f // row_len % b_loc) * l_loc + stored_at[f % row_len] % l_loc))
 
 
 def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: dict[str, int],
@@ -102,8 +115,7 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
     the long buffers, cost balanced per device. "arrival" and "coupled" keep their placement and
     size the buffers to it.
     """
-    tokens = np.asarray(batch["tokens"])
-    B, L = tokens.shape
+    B, L = step_rows(batch), int(np.shape(batch["tokens"])[1])  # the host's token rows may be only its own
     shard_of, cp_of, local_of = llm_geometry(B, L, grid, order)
     receivers = grid.receivers(first_stage_only)
     segments = segments_of(batch, reductions, cost_fn)
@@ -153,7 +165,7 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
     """Buffers and routing tables of an assignment; capacities not in `caps` are bucketed to the need."""
     D = grid.num_devices
     shard_of, cp_of, local_of, receivers = geometry
-    B, L = np.asarray(batch["tokens"]).shape
+    B, L = step_rows(batch), int(np.shape(batch["tokens"])[1])
     # --- encoder buffers: rows per device and encoder
     seg_rows = {n: [[] for _ in range(D)] for n in names}       # short
     long_rows = {n: [[] for _ in range(D)] for n in names}      # (segment, chunk lo, chunk hi)
@@ -192,7 +204,7 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
     for n in names:
         r = reductions[n]
         x = batch[f"{n}_inputs"]  # sliced per segment: only the filled devices' segments are read
-        pos = np.asarray(batch[f"{n}_positions"])
+        pos = batch[f"{n}_positions"]  # sliced per segment too (a step's geometry computes them on demand)
         if hasattr(x, "load"):  # lazy payloads: decode this host's segments together, in parallel
             spans = [(segments[i].start + lo, segments[i].start + hi) for rows_of in (seg_rows[n], long_rows[n])
                      for d in sorted(fill) for item in rows_of[d]
@@ -299,8 +311,11 @@ def _stats(segments, assignment, grid, caps, names, reductions, batch, pairs) ->
     cost = assignment.device_cost
     real_rows = sum(s.rows for s in segments)
     computed = sum(D * (caps[f"{n}_short"] + caps[f"{n}_long"]) for n in names)
-    seg = np.asarray(batch["segment_ids"])
-    llm_real, llm_total = int((seg > 0).sum()), int(seg.size)
+    if "row_docs" in batch:  # the step's rows from metadata (this host may hold only its own)
+        llm_real, llm_total = int(batch["row_docs"][:, 1].sum()), step_rows(batch) * int(np.shape(batch["tokens"])[1])
+    else:
+        seg = np.asarray(batch["segment_ids"])
+        llm_real, llm_total = int((seg > 0).sum()), int(seg.size)
     mean = cost.mean() if cost.size else 0.0
     per_encoder = {}
     for n in names:

@@ -10,8 +10,12 @@ from omnijax.errors import ConfigError
 
 # ------------------------------------------------------------------------- LLM-side balancing
 def llm_row_costs(batch: dict, coeffs: tuple[float, float]) -> np.ndarray:
-    """LLM cost of each packed row: sum over its documents of a·n + b·n² (attention stays inside one)."""
+    """LLM cost of each packed row: sum over its documents of a·n + b·n² (attention stays inside one);
+    every row of the step where the batch carries its geometry (`row_docs`: tokens, squared lengths)."""
     a, b = coeffs
+    if "row_docs" in batch:
+        docs = np.asarray(batch["row_docs"], np.float64)
+        return a * docs[:, 1] + b * docs[:, 2]
     seg = np.asarray(batch["segment_ids"])
     out = np.zeros(seg.shape[0])
     for r, row in enumerate(seg):
@@ -23,7 +27,11 @@ def llm_row_costs(batch: dict, coeffs: tuple[float, float]) -> np.ndarray:
 
 def balance_rows(batch: dict, shards: int, coeffs: tuple[float, float], encoders: tuple[str, ...]) -> dict:
     """Permute the packed rows so every batch shard gets about the same LLM cost (independently of
-    where their encoder work runs); each shard keeps B/shards rows. Encoder destinations follow."""
+    where their encoder work runs); each shard keeps B/shards rows. Encoder destinations follow.
+    Needs the whole batch's rows (a host batch of its own rows only cannot have rows moved to it)."""
+    if "rows" in batch:
+        raise ConfigError("balance_rows: this batch was laid out from metadata (rows read per host, already "
+                          "balanced by the data plane); its rows cannot be moved again: balance_rows=False")
     seg = np.asarray(batch["segment_ids"])
     B, L = seg.shape
     if B % shards:

@@ -257,7 +257,8 @@ class Trainer:
                         _compile_together(self._step, "train_step", self.state, item.batch)
                     host_batch, self._consumed, self._placed = item.host_batch, item.loader_state, item.placement_state
                     window_wait += prefetch.wait_s
-                    window_samples += int(np.asarray(host_batch["segment_ids"]).max(axis=-1).sum())
+                    window_samples += (int(np.asarray(host_batch["row_docs"])[:, 0].sum()) if global_layout(host_batch)
+                                       else int(np.asarray(host_batch["segment_ids"]).max(axis=-1).sum()))
                     self.state, step_metrics = self._step(self.state, item.batch)
                     if pending is not None:  # read the previous step's scalars: keeps one step in flight
                         self._check_finite(*pending)
@@ -274,8 +275,8 @@ class Trainer:
                         steps_in_window = step - (history[-1]["step"] if history else start)
                         total_tokens = float(np.sum(jax.device_get(global_tokens)))
                         tok_s = total_tokens / max(elapsed, 1e-9)
-                        # this host's share of the global batch (1 where every host holds it all, or lays
-                        # the whole step out from metadata: then its FLOPs and samples are already global)
+                        # this host's share of the global batch (1 where every host holds it all, or carries
+                        # the whole step's geometry from metadata: then its FLOPs and samples are already global)
                         share = 1.0 if global_layout(host_batch) else window_tokens / max(total_tokens, 1.0)
                         flops_s = window_flops / max(share, 1e-9) / max(elapsed, 1e-9)
                         row = {

@@ -58,7 +58,11 @@ def llm_flops_per_token(cfg: LLMConfig, seq_len: int) -> float:
 
 
 def _segment_sq_sum(segment_ids: np.ndarray) -> tuple[int, int]:
-    """(tokens, sum over segments of length^2) of a packed buffer; ids are per row (2-D) or per buffer (1-D)."""
+    """(tokens, sum over segments of length^2) of a packed buffer; ids are per row (2-D) or per buffer (1-D),
+    or runs (`data.payload.Runs`: one per segment)."""
+    if hasattr(segment_ids, "lengths") and hasattr(segment_ids, "starts"):
+        n = np.asarray(segment_ids.lengths, np.int64)
+        return int(n.sum()), int(np.square(n).sum())
     ids = np.asarray(segment_ids)
     if ids.ndim == 1:
         ids = ids[None]
@@ -97,7 +101,12 @@ class FlopCounter:
                    tuple(sorted((k, int(v)) for k, v in projector_params.items())))
 
     def __call__(self, batch: dict) -> float:
-        tokens, sq = _segment_sq_sum(batch["segment_ids"])
+        """FLOPs of the batch; of the whole step where it carries the step's geometry (`row_docs`, encoder
+        segment ids as runs) beside this host's own rows."""
+        if "row_docs" in batch:
+            tokens, sq = (int(x) for x in np.asarray(batch["row_docs"])[:, 1:].sum(axis=0))
+        else:
+            tokens, sq = _segment_sq_sum(batch["segment_ids"])
         flops = 6.0 * self.llm_params * tokens + 12.0 * self.llm_layers * self.llm_width * sq
         proj = dict(self.projectors)
         for name, params, layers, width, group in self.encoders:

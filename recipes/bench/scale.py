@@ -31,7 +31,9 @@ def _options(overrides: list[str]) -> dict:
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 3, "cal_batch_size": 32,
             "cal_rounds": 5, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
             "plot": "1", "long_factor": 0.25, "refine": "1",
-            "balance_target": 1.05, "bucket_growth": 1.25}
+            "balance_target": 1.05, "bucket_growth": 1.25,
+            "host_devices": 16384, "host_tokens": 16777216, "host_layout": "omni_8b", "host_process": "0,1000",
+            "host_steps": 1}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.")
@@ -242,6 +244,102 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+# The host path: what one host builds per step. Samples of the built-in world at the sizes of real
+# media (images 224-896 px, clips of 4-64 frames of 224-448 px, 8-64 spoken items, 32-1,024 words).
+HOST_WORLD = {"image_side": (224, 896, 1.3), "video_side": (224, 448, 1.5), "video_frames": (4, 64, 1.2),
+              "text_words": (32, 1024, 1.0), "audio_items": (8, 64, 1.0)}
+
+
+def host_path(opts: dict) -> Iterator[dict]:
+    """The data plane's host path at `host_devices` devices and a `host_tokens` global batch, for the
+    processes `host_process` of that layout (hosts of 8 devices in mesh order; none of the devices is
+    needed: the plan is global metadata, the arrays are one host's).
+
+    Per step: `plan_s` is the window plan (identical on every host, metadata only), `build_s` the
+    host's `Loader.host_batch` plus the LLM rows it places (what `Multiplexer.put_batch` hands to the
+    devices: a whole batch's rows taken with `hosts.take_rows`, or the host's own rows as they are),
+    `peak_mb` the tracemalloc peak of that build (a second, traced run of the same step: tracing slows
+    it), `array_mb` the bytes of the arrays the batch holds (numpy arrays and the integer runs of the
+    step's geometry; lazy payloads, decoded later and only for local devices, excluded)."""
+    import tracemalloc
+
+    from omnijax.data.loader import Loader, LoaderConfig, data_bounds, step_capacities
+    from omnijax.data.sources import SourceSpec, WorldSource
+    from omnijax.data.world import Tail, WorldConfig
+    from omnijax.parallel import hosts
+    from omnijax.parallel.device_grid import MESH_AXES
+
+    devices, tokens = int(opts["host_devices"]), int(opts["host_tokens"])
+    layout, mm = recipe_layout(opts["host_layout"], check=False)
+    grid = layout.grid(devices)
+    row_len = layout.row_len
+    shards = grid.batch_shards
+    rows = tokens // row_len
+    if rows % shards or rows == 0:
+        from omnijax.errors import ConfigError
+
+        raise ConfigError(f"bench scale: host_tokens={tokens} makes {rows} rows of {row_len}, which do not split over "
+                          f"the {shards} batch shards of {opts['host_layout']} at {devices} devices; use a multiple "
+                          f"of {shards * row_len}")
+    owner = (np.arange(devices) // 8).reshape(grid.sizes)  # hosts of 8 consecutive devices in mesh order
+    world = WorldConfig(**{k: Tail(*v) for k, v in HOST_WORLD.items()})
+    sources = [WorldSource(cfg=world)]
+    caps = step_capacities(data_bounds(sources, mm), rows, row_len, mm)
+    mean_tokens = data_bounds(sources, mm).mean_tokens
+    cfg = LoaderConfig(sources=[SourceSpec(name="world", kind="world")], dp=shards, microbatches=1, window=1,
+                       row_len=row_len, max_rows=rows // shards, fixed_shapes=True, encoder_rows=caps, seed=0,
+                       samples_per_step=int(1.2 * tokens / mean_tokens))
+    llm_keys = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+
+    def array_bytes(batch: dict) -> int:
+        n = 0
+        for v in batch.values():
+            if isinstance(v, np.ndarray):
+                n += v.nbytes
+            elif all(hasattr(v, a) for a in ("starts", "lengths", "values")):  # the geometry's integer runs
+                n += v.starts.nbytes + v.lengths.nbytes + v.values.nbytes
+        return n
+
+    loader = Loader(cfg, mm_cfg=mm, sources=sources, lazy_media=True, text_ranks=[0])
+    plan_s = {}
+    for p in [int(x) for x in str(opts["host_process"]).split(",") if x != ""]:
+        own = hosts.host_rows(owner, MESH_AXES, ("dp", "fsdp", "ep"), rows, p)
+        ranks = sorted({int(r) // (rows // shards) for r in own})
+        loader.text_ranks = set(ranks)  # process p's loader: the plan (identical on every host) is made once
+
+        def build(step: int) -> tuple[dict, dict]:
+            batch = loader.host_batch(step)["microbatches"][0]
+            if "rows" in batch and len(batch["rows"]) < rows:   # the host's own rows, as the data plane built them
+                placed = {k: batch[k] for k in llm_keys}
+            else:                                                # the whole step's rows: take the host's
+                placed = hosts.take_rows({k: batch[k] for k in llm_keys}, own)
+            return batch, placed
+
+        for step in range(int(opts["host_steps"])):
+            if step not in plan_s:
+                t0 = time.perf_counter()
+                loader.window_plan(step)
+                plan_s[step] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            batch, placed = build(step)
+            build_s = time.perf_counter() - t0
+            held, llm_rows = array_bytes(batch), sum(v.nbytes for v in placed.values())
+            real = int((np.asarray(batch["segment_ids"]) > 0).sum())
+            del batch, placed
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            batch, placed = build(step)
+            peak = tracemalloc.get_traced_memory()[1] - base
+            tracemalloc.stop()
+            del batch, placed
+            yield {"bench": "host_path", "layout": opts["host_layout"], "devices": devices, "hosts": devices // 8,
+                   "process": p, "step": step, "global_rows": rows, "row_len": row_len,
+                   "global_tokens": rows * row_len, "host_rows": int(len(own)), "host_ranks": len(ranks),
+                   "host_real_tokens": real, "capacity": caps, "plan_s": round(plan_s[step], 3),
+                   "build_s": round(build_s, 3), "peak_mb": round(peak / 2 ** 20, 1),
+                   "array_mb": round(held / 2 ** 20, 2), "placed_llm_mb": round(llm_rows / 2 ** 20, 3)}
+
+
 def run(overrides: list[str]) -> Iterator[dict]:
     opts = _options(overrides)
     calibrate = opts["calibrate"] in ("1", "true")
@@ -280,6 +378,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
                 row["bench_s"] = round(time.perf_counter() - t0, 1)
                 rows.append(row)
                 yield row
+    if int(opts["host_devices"]) > 0:
+        yield from host_path(opts)
     if opts["plot"] in ("1", "true") and rows:
         out = Path(os.environ.get("OMNIJAX_RUNS", "runs")) / "bench"
         out.mkdir(parents=True, exist_ok=True)
