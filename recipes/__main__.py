@@ -73,6 +73,10 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0 if argv else 2
     try:
+        if argv[0] != "list":  # before jax starts: an allocator is chosen at process start or never
+            from omnijax.allocator import reexec_under_tcmalloc
+
+            reexec_under_tcmalloc()
         from omnijax.train.launch import pop_launch_flags
 
         argv = pop_launch_flags(argv)

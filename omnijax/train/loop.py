@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax import allocator
 from omnijax.config import Config, to_dict
 from omnijax.errors import UserError
 from omnijax.train import metrics as metrics_lib
@@ -99,6 +100,9 @@ class Trainer:
                  hooks: tuple[Callable, ...] = (), run_dir: Path | None = None,
                  eval_data: Callable[[], Any] | None = None, step_flops: Callable[[dict], float] | None = None):
         self.cfg = cfg
+        if jax.process_index() == 0:
+            print(f"omnijax: {cfg.trainer.run_name} on {jax.device_count()} {jax.devices()[0].platform} device(s) in "
+                  f"{jax.process_count()} process(es), {allocator.describe()}", file=sys.stderr)
         self.loader = loader
         self.eval_fn = eval_fn
         self.eval_data = eval_data  # () -> iterable of held-out host batches: `eval_loss` in the metrics

@@ -1,11 +1,12 @@
 """Attention implementations side by side: compiled temporary memory, fwd+bwd time and error vs the reference."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
+
+from omnijax import allocator
 
 DESCRIPTION = ("attention impls (reference, blockwise, cudnn on GPUs): temp bytes, fwd+bwd s, max error, "
                "by length (1k-16k causal) and on an encoder buffer of 16 segments x 256")
@@ -24,10 +25,6 @@ class AttentionBench:
     repeats: int = 3                   # timed runs up to 2048 rows; one fewer to 8192, one above (median)
     segments: int = 16
     segment_len: int = 256
-
-
-def _allocator() -> str:
-    return "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc"
 
 
 def run(overrides: list[str]) -> Iterator[dict]:
@@ -52,7 +49,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     impls = ["reference", "blockwise"] + (["cudnn"] if on_gpu else [])
     common = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "batch": 1,
               "dtype": jnp.dtype(dtype).name, "block_q": cfg.block_q, "block_k": cfg.block_k,
-              "device": jax.devices()[0].device_kind, "allocator": _allocator()}
+              "device": jax.devices()[0].device_kind, "allocator": allocator.in_use()}
 
     def inputs(n: int, seed: int = 0):
         ks = jax.random.split(jax.random.key(seed), 4)

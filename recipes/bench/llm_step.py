@@ -14,9 +14,10 @@ median CPU time of one step, the work a layout costs whatever the load). ``colle
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Iterator
+
+from omnijax import allocator
 
 DESCRIPTION = ("LLM train-step throughput on 1 device and under parallel.llm (side by side): tokens/s, "
                "FLOPs/token (6N + 12·L·H·Dh·T), MFU, per-device state bytes")
@@ -39,11 +40,6 @@ def _cpu_s() -> float:
 
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def allocator() -> str:
-    preload = os.environ.get("LD_PRELOAD", "")
-    return "tcmalloc" if "tcmalloc" in preload else "jemalloc" if "jemalloc" in preload else "glibc malloc"
 
 
 def run(overrides: list[str]) -> Iterator[dict]:
@@ -139,7 +135,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
                "all_reduce_then_slice": run_["all_reduce_then_slice"],
                "flops_per_token": fpt, "mfu": mfu(tok_s, fpt, n_dev, peak), "device": kind,
                "peak_flops_per_device": peak, "params": total, "active_params": active, "seq_len": cfg.data.seq_len,
-               "batch_size": cfg.data.batch_size, "loss": float(np.asarray(run_["m"]["loss"])), "allocator": allocator(),
+               "batch_size": cfg.data.batch_size, "loss": float(np.asarray(run_["m"]["loss"])), "allocator": allocator.in_use(),
                "flops_formula": "6*N_active + 12*layers*heads*head_dim*seq_len",
                **({} if peak else {"mfu_note": f"no datasheet peak FLOP/s for device kind '{kind}'; MFU not computed"})}
         if run_ is not runs[0]:
