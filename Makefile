@@ -1,15 +1,26 @@
 # `make run` and `make test` set up a local virtual environment on first use, then reuse it.
-PYTHON ?= python3.11
-VENV   := .venv
+# The Python is the newest one the whole stack is tested on (3.12, else 3.11), found on PATH or under pyenv;
+# `make PYTHON=/path/to/python VENV=.venv-other test` picks another.
+TESTED_PYTHONS := 3.12 3.11
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell for v in $(TESTED_PYTHONS); do \
+	  for c in python$$v $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v*/bin/python$$v 2>/dev/null | sort -rV); do \
+	    $$c -c 'import venv, ensurepip' >/dev/null 2>&1 && { command -v $$c; exit 0; }; \
+	  done; done)
+endif
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RECIPE ?= tiny_omni
+# tests: 2 workers (this project's machines have 2 cores); the slowest 20 are listed after every run
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=20
 
 .PHONY: run test bench setup clean
 
 $(STAMP): pyproject.toml
-	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
+	@test -n "$(PYTHON)" || { echo "error: no Python $(TESTED_PYTHONS) found (on PATH or under pyenv); install one, or run 'make PYTHON=python3 ...'"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setup: $(VENV) on $$($(PY) --version)"
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
@@ -20,7 +31,7 @@ run: $(STAMP)
 	$(PY) -m recipes $(RECIPE)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=20 tests
+	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) runs
