@@ -19,7 +19,7 @@ from omnijax.models.objective import cast_floating
 from omnijax.parallel.engine import LLMParallel
 from omnijax.parallel.multiplex import Multiplexer
 from omnijax.train.step import loss_and_grads
-from recipes.tiny_omni import Packer
+from omnijax.data.packing import SamplePacker as Packer
 
 MM = {"llm": {"vocab_size": 512, "embed_dim": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "head_dim": 16,
               "mlp_dim": 64, "max_seq_len": 64},

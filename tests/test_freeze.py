@@ -79,7 +79,7 @@ def test_trainable_gradient_only_and_per_part_learning_rate():
     """The gradient w.r.t. the trainable leaves equals the full gradient's, frozen leaves get zeros, the frozen
     encoders' backward pass is not traced at all, and lr_scale scales exactly one part's SGD update."""
     from omnijax.data.world import World
-    from recipes.tiny_omni import Packer
+    from omnijax.data.packing import SamplePacker as Packer
 
     cfg = from_dict(MMConfig, MM)
     batch, _ = Packer(cfg, 4, 96, {"vision": 256, "audio": 256}).pack(World(WORLD).sample(i) for i in range(40))

@@ -17,7 +17,7 @@ from omnijax.models import mllm
 from omnijax.mm_config import MMConfig
 from omnijax.train.state import init_state
 from omnijax.train.step import make_train_step
-from recipes.tiny_omni import Packer
+from omnijax.data.packing import SamplePacker as Packer
 
 MM = {"llm": {"vocab_size": 512, "embed_dim": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
               "mlp_dim": 64, "max_seq_len": 96},

@@ -86,7 +86,7 @@ def test_window_capacities_hold_every_microbatch_plan():
     of them afterwards never grows a capacity (one compiled program for the window), every microbatch's
     plan is stacked, and capacities that already hold the window stay as they are."""
     from omnijax.data.world import World
-    from recipes.tiny_omni import Packer
+    from omnijax.data.packing import SamplePacker as Packer
     from test_multiplex_step import WORLD
 
     cfg, mx = _multiplexer("pp2xdp2xtp2", interleave=True)

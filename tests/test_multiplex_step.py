@@ -13,7 +13,7 @@ from omnijax.mm_config import MMConfig
 from omnijax.parallel.engine import LLMParallel, unstack_params
 from omnijax.parallel.multiplex import EncoderPart, Multiplexer
 from omnijax.train.step import loss_and_grads
-from recipes.tiny_omni import Packer
+from omnijax.data.packing import SamplePacker as Packer
 from numerics import assert_grads_close
 
 ENCODERS = {"vision": {"kind": "vit", "patch": 4, "temporal_patch": 2, "merge": 2, "max_side": 32, "embed_dim": 32,

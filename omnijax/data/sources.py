@@ -27,7 +27,7 @@ import numpy as np
 from omnijax.data import formats, media, records
 from omnijax.data import tokenizer as tokenizer_mod
 from omnijax.data.sample import BadSample, Sample, SampleMeta, Segment, SegmentMeta
-from omnijax.errors import UserError
+from omnijax.errors import ConfigError, UserError
 
 
 class Source(ABC):
@@ -414,6 +414,42 @@ class SourceSpec:
     path: str = ""
     split: str = "train"   # world only
     size: int = 1_000_000  # world only: number of virtual samples
+
+
+WORLD = "world"  # the built-in world's name among a recipe's data paths (`data.sources=[world]`)
+
+
+def check_source_path(key: str, path: str) -> None:
+    """One clear line for a data path (under config key `key`) that cannot be read, before anything is loaded."""
+    if path == WORLD:
+        return
+    if any(ch in path for ch in "*?["):
+        if not glob.glob(path):
+            raise ConfigError(f"{key}: {path} matches no files")
+    elif not os.path.exists(path):
+        raise ConfigError(f"{key}: {path}: no such folder; write it first with "
+                          f"`python -m recipes convert input=YOUR.jsonl output={path}`")
+
+
+def source_specs(key: str, paths: list[str], split: str) -> list[SourceSpec]:
+    """Sources of `paths`: the built-in world by name (its `split`), otherwise folders/globs of converted shards.
+
+    A source is named after its folder (the names `data.mix` uses), so two paths in one folder are an error."""
+    specs = []
+    for path in paths:
+        if path == WORLD:
+            specs.append(SourceSpec(name=WORLD, kind="world", split=split))
+            continue
+        p = Path(path.rstrip("/"))
+        while any(ch in p.name for ch in "*?[") and p.parent != p:
+            p = p.parent
+        specs.append(SourceSpec(name=p.name or path, kind="arrayrecord", path=path))
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{key}: two sources are named {dup[0]!r} (a source is named after its folder); "
+                          "give each source its own folder")
+    return specs
 
 
 def _kind(spec: SourceSpec) -> str:

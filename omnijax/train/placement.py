@@ -46,3 +46,22 @@ class DataParallel:
 
         shardings = self.batch_sharding(batch)
         return {k: hosts.put_local(shardings[k], v, global_rows) for k, v in batch.items()}
+
+
+def multimodal_placement(parallel: Any, mm_cfg: Any) -> Any:
+    """The joint-step placement (`Multiplexer`) of a multimodal model for `parallel.llm`/`parallel.encoder`
+    layouts (`parallel`: a ParallelConfig); None: plain DP on one process.
+
+    Several processes always take the joint step (all devices on dp/edp when no layout is named): its
+    placement is fed the global batch every host plans identically, where plain DP expects host rows."""
+    p = parallel
+    if not (p.llm or p.encoder) and jax.process_count() == 1:
+        return None
+    from omnijax.parallel.engine import LLMParallel
+    from omnijax.parallel.multiplex import Multiplexer
+
+    engine = LLMParallel(p.llm, mm_cfg.llm, rules=p.rules, microbatches=p.microbatches,
+                         schedule=p.pipeline_schedule, remat=p.remat)
+    # the data plane balanced its rows over the ranks already (and laid them out per host): not again
+    return Multiplexer(engine, mm_cfg, encoder_layout=p.encoder, encoder_rules=p.encoder_rules,
+                       interleave=p.interleave_encoders, balance_rows=False)
