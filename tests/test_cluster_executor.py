@@ -86,8 +86,10 @@ def test_executor_resizes_a_ps_job_in_place(tmp_path):
     from omnijax.cluster.executor import PSRunner
 
     steps, chunk = 160, 5
-    ex = Executor(_Scripted(), PSRunner(max_servers=2, chunk=chunk), devices=4, run_root=tmp_path, backend="local",
-                  slot_s=0.3, log=lambda s: None)
+    # lockstep: the job waits at each chunk for the executor to read it, so the resizes land at the chunks the
+    # script names however loaded the machine is
+    ex = Executor(_Scripted(), PSRunner(max_servers=2, chunk=chunk, lockstep=True), devices=4, run_root=tmp_path,
+                  backend="local", slot_s=0.05, log=lambda s: None)
     result = ex.run([ExecJob("ps", steps=steps)])
     kinds = [e["event"] for e in result.events]
     assert kinds.count("start") == 1 and "stop" not in kinds and result.jobs[0]["restarts"] == 0
@@ -97,7 +99,8 @@ def test_executor_resizes_a_ps_job_in_place(tmp_path):
     assert [r["step"] for r in rows] == list(range(chunk, steps + 1, chunk))   # step count continues
     assert len({r["pid"] for r in rows}) == 1                                  # one process throughout
     shapes = [(r["devices"], r["servers"]) for r in rows]
-    assert (2, 1) in shapes and (4, 2) in shapes and shapes[-1] == (1, 1)
+    # the decision at step s applies from the chunk after s: exactly the script's boundaries
+    assert shapes == [(2, 1)] * (40 // chunk) + [(4, 2)] * (60 // chunk) + [(1, 1)] * ((steps - 100) // chunk), shapes
     applied = [json.loads(r) for r in (tmp_path / "ps" / "resizes.jsonl").read_text().splitlines()]
     assert len(applied) >= 2 and {a["pid"] for a in applied} == {rows[0]["pid"]}
     # loss keeps its trajectory: per-chunk losses equal the one-process reference (float reassociation only)

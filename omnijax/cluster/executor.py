@@ -78,6 +78,8 @@ class PSRunner:
     chunk: int = 5
     resize_penalty_s: float = 2.0   # the fitted model's cost of an in-place resize: the hand-over took
                                     # 0.06-0.6 s here, plus the wait for the next chunk boundary
+    lockstep: bool = False          # the job waits at each chunk for the executor's ack (`ack`): resizes land
+                                    # at the chunk their decision was made at, whatever the machine's load
     in_place = True
 
     def shape(self, devices: int) -> tuple[int, int]:
@@ -88,7 +90,7 @@ class PSRunner:
         workers, servers = self.shape(devices)
         return [sys.executable, "-m", "omnijax.cluster.ps_job", f"trainer.steps={steps}", f"trainer.run_name={name}",
                 f"trainer.chunk={self.chunk}", f"ps.workers={workers}", f"ps.servers={servers}",
-                f"ps.max_servers={self.max_servers}"]
+                f"ps.max_servers={self.max_servers}", *(["trainer.lockstep=true"] if self.lockstep else [])]
 
     def resize(self, run_dir: Path, devices: int, seq: int) -> dict:
         workers, servers = self.shape(devices)
@@ -97,6 +99,13 @@ class PSRunner:
         tmp.write_text(json.dumps(req))
         os.replace(tmp, run_dir / "control.json")   # atomic: the job never reads half a request
         return req
+
+    def ack(self, run_dir: Path, step: int) -> None:
+        """Tells a lockstep job that its progress up to `step` has been read and decided on."""
+        if self.lockstep:
+            tmp = run_dir / "ack.json.tmp"
+            tmp.write_text(json.dumps({"step": step}))
+            os.replace(tmp, run_dir / "ack.json")
 
 
 class ProcessOwner:
@@ -323,6 +332,9 @@ class Executor:
                         self._event(time.monotonic() - t0, "start", j.name, devices=n, pid=pid, step=int(j.progress))
                     j.allocation, j.placement = n, ((n,) if n else ())
                     j.timeline.append((time.monotonic() - t0, n, 1 if n else 0))
+                for j in active:   # after this slot's resize requests: a lockstep job may go on
+                    if j.name in running and hasattr(runners[j.name], "ack"):
+                        runners[j.name].ack(self.run_root / j.name, int(j.progress))
                 if active:
                     time.sleep(self.slot_s)
                 elif pending:

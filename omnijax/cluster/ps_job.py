@@ -17,6 +17,10 @@ is the same full-batch gradient for any worker count: a resize changes the speed
 and the loss keeps its trajectory. Each chunk appends a metrics.jsonl row (step, loss, step_time_s,
 devices = workers, servers); each applied resize appends a resizes.jsonl row. SIGTERM checkpoints
 (orbax, runs/X/checkpoints/) and exits; a start with a checkpoint resumes from it (a preemption).
+
+`trainer.lockstep=true`: after each chunk the job waits until runs/X/ack.json says the executor has read
+that step (`{"step": s}`, s >= the job's step), so every resize lands at the chunk boundary its decision
+was made at, however loaded the machine is (the executor's `PSRunner(lockstep=True)` writes the acks).
 """
 from __future__ import annotations
 
@@ -110,6 +114,17 @@ def _opts(argv: list[str]) -> dict[str, str]:
     return dict(a.split("=", 1) for a in argv)
 
 
+def _await_ack(path: Path, step: int, stop: dict) -> None:
+    """Blocks until the executor has acknowledged `step` (or SIGTERM arrives)."""
+    while not stop["flag"]:
+        try:
+            if json.loads(path.read_text()).get("step", -1) >= step:
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.005)
+
+
 def main(argv: list[str]) -> int:
     import functools
 
@@ -130,6 +145,7 @@ def main(argv: list[str]) -> int:
     max_servers = max(int(o.pop("ps.max_servers", 2)), servers)
     batch = int(o.pop("batch", DIGITS_BATCH))
     lr = float(o.pop("lr", 3e-3))
+    lockstep = str(o.pop("trainer.lockstep", "false")).lower() in ("1", "true", "yes")
     o.pop("parallel.cpu_devices", None)   # the executor's generic device count; ps.workers says it here
     if o:
         raise ConfigError(f"ps_job: unknown keys {sorted(o)}")
@@ -179,6 +195,8 @@ def main(argv: list[str]) -> int:
                                       "pid": os.getpid(), "warm": warm}) + "\n")
                 out.flush()
                 warm = True
+                if lockstep:
+                    _await_ack(run / "ack.json", trainer.step, stop)
         if stop["flag"] and trainer.step < steps:
             trainer.save_checkpoint(str(ckpts / f"step_{trainer.step:08d}"))
             print(f"preempted at step {trainer.step}", file=sys.stderr)
