@@ -73,10 +73,6 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0 if argv else 2
     try:
-        if argv[0] != "list":  # before jax starts: an allocator is chosen at process start or never
-            from omnijax.allocator import reexec_under_tcmalloc
-
-            reexec_under_tcmalloc()
         from omnijax.train.launch import pop_launch_flags
 
         argv = pop_launch_flags(argv)
@@ -98,4 +94,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] != ["list"]:  # before jax starts: an allocator is chosen at process start or never. Only
+        from omnijax.allocator import reexec_under_tcmalloc  # here: main() called in-process (tests, notebooks)
+        reexec_under_tcmalloc()                              # must never replace its caller's process
     sys.exit(main(sys.argv[1:]))

@@ -66,3 +66,22 @@ def test_a_named_library_that_is_missing_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv(allocator.PATH_ENV, str(tmp_path / "nope.so"))
     with pytest.raises(UserError, match="OMNIJAX_TCMALLOC=.*nope.so: no such file"):
         allocator.find_tcmalloc()
+
+
+def test_main_called_in_process_never_replaces_its_caller(tmp_path):
+    """Only `python -m recipes` re-executes: `recipes.__main__.main` called from a test or a notebook keeps the
+    caller's process (an exec there replaced pytest workers mid-suite)."""
+    libm = next(p for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/lib/aarch64-linux-gnu/libm.so.6",
+                            "/usr/lib64/libm.so.6", "/lib64/libm.so.6") if os.path.exists(p))
+    fake = tmp_path / "libtcmalloc_minimal.so.4"
+    shutil.copy(libm, fake)
+    code = ("import os; print('start', flush=True); from recipes.__main__ import main; "
+            "rc = main(['no_such_recipe']); print('back', rc, os.environ.get('LD_PRELOAD'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
+    env.update({allocator.PATH_ENV: str(fake), "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.count("start") == 1 and "back 2 None" in out.stdout, (out.stdout, out.stderr[-2000:])
+    # the module run as a program does re-execute (same command, the library preloaded)
+    out = subprocess.run([sys.executable, "-m", "recipes", "no_such_recipe"], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=str(ROOT))
+    assert out.returncode == 2 and "no_such_recipe" in out.stderr, out.stderr[-2000:]
