@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -271,9 +272,33 @@ def test_xla_flag_presets_exist_in_this_jaxlib():
     assert len(every) >= 8 and xla_flags.verify(every) == []
     assert xla_flags.verify({"xla_gpu_no_such_flag_anywhere": True}) == ["xla_gpu_no_such_flag_anywhere"]
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in xla_flags.to_xla_flags(xla_flags.for_recipe("tiny_lm"))
-    assert xla_flags.for_recipe("tiny_omni", "dp2xfsdp4")["xla_gpu_enable_pipelined_all_gather"] is True
+    fsdp = xla_flags.for_recipe("tiny_omni", "dp2xfsdp4")
+    assert fsdp[xla_flags.PIPELINE_ALL_GATHER] == xla_flags.PIPELINED[xla_flags.PIPELINE_ALL_GATHER]
     with pytest.raises(ConfigError):
         xla_flags.preset("nope")
+    # the renaming in jaxlib 0.11.1, spelled for either side of it
+    assert set(xla_flags.pipelined_flags((0, 10, 2))) == {
+        "xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_pipelined_reduce_scatter",
+        "xla_gpu_enable_pipelined_all_reduce"}
+    assert xla_flags.pipelined_flags((0, 12, 0))["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"
+    assert "--xla_gpu_pipeline_all_reduce=on" in xla_flags.to_xla_flags(xla_flags.pipelined_flags((0, 12, 0)))
+
+
+def test_xla_flag_presets_parse_as_xla_flags_in_a_fresh_process():
+    """XLA_FLAGS is parsed by a different parser than compile options (an unknown name or value aborts
+    the process at backend start), so every preset's text is tried where a user's launch puts it."""
+    import subprocess
+    import sys
+
+    from omnijax.parallel import xla_flags
+
+    every = {}
+    for flags in xla_flags.PRESETS.values():
+        every.update(flags)
+    env = {**os.environ, "XLA_FLAGS": xla_flags.to_xla_flags(every), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; print(float(jnp.ones(2).sum()))"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "2.0", done.stderr[-2000:]
 
 
 def test_load_tuned_settings(tmp_path):

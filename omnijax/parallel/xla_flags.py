@@ -1,19 +1,48 @@
 """Per-recipe XLA:GPU flag presets for communication overlap (latency-hiding scheduler, combine
 thresholds, pipelined collectives).
 
-Every flag here was checked against the installed jaxlib (0.10.2): it is a field of XLA's
-DebugOptions (`compile(compiler_options=...)` accepts it) and a registered XLA_FLAGS flag (an
+Every flag here was checked against the installed jaxlibs (0.10.2 and 0.12.0.1): it is a field of
+XLA's DebugOptions (`compile(compiler_options=...)` accepts it) and a registered XLA_FLAGS flag (an
 unknown one aborts the process). `verify` re-checks any set on the running jaxlib, so a version
 bump that drops a flag fails a test instead of a GPU job.
+
+XLA renamed the collective-pipelining switches in jaxlib 0.11.1: the booleans
+`xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}` became the modes
+`xla_gpu_pipeline_{...}` (OFF/ON/DEFAULT/EXPLICIT) and were removed in 0.12. The presets name the
+intent once and `PIPELINED` spells it for the jaxlib that is installed, read from its package
+metadata so that nothing initialises a backend before XLA_FLAGS is set.
 """
 from __future__ import annotations
 
 import os
+from importlib import metadata
 from typing import Any
 
 from omnijax.errors import ConfigError
 
 MiB = 1 << 20
+PIPELINE_ON = "COLLECTIVE_PIPELINING_MODE_ON"   # the enum value compile options take; XLA_FLAGS takes "on"
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    try:
+        text = metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return (0,)
+    return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+
+
+def pipelined_flags(version: tuple[int, ...]) -> dict[str, Any]:
+    """The names and 'on' values that pipeline all-gather, reduce-scatter and all-reduce across a
+    loop's iterations on jaxlib `version`."""
+    ops = ("all_gather", "reduce_scatter", "all_reduce")
+    if version >= (0, 11, 1):
+        return {f"xla_gpu_pipeline_{op}": PIPELINE_ON for op in ops}
+    return {f"xla_gpu_enable_pipelined_{op}": True for op in ops}
+
+
+PIPELINED = pipelined_flags(_jaxlib_version())
+PIPELINE_ALL_GATHER, PIPELINE_REDUCE_SCATTER, PIPELINE_ALL_REDUCE = PIPELINED
 
 _LHS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,     # schedule async collectives around compute
@@ -30,8 +59,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "xla_gpu_experimental_parallel_collective_overlap_limit": 2},
     # FSDP/ZeRO-3: prefetch next layer's all-gather and pipeline reduce-scatters across the layer loop.
     "fsdp": {**_LHS,
-             "xla_gpu_enable_pipelined_all_gather": True,
-             "xla_gpu_enable_pipelined_reduce_scatter": True,
+             PIPELINE_ALL_GATHER: PIPELINED[PIPELINE_ALL_GATHER],
+             PIPELINE_REDUCE_SCATTER: PIPELINED[PIPELINE_REDUCE_SCATTER],
              "xla_gpu_all_gather_combine_threshold_bytes": 64 * MiB,
              "xla_gpu_reduce_scatter_combine_threshold_bytes": 64 * MiB,
              "xla_gpu_experimental_parallel_collective_overlap_limit": 2},
@@ -42,7 +71,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Pipeline parallel: pipelined point-to-point transfers between stages.
     "pipeline": {**_LHS,
                  "xla_gpu_enable_pipelined_p2p": True,
-                 "xla_gpu_enable_pipelined_all_reduce": True},
+                 PIPELINE_ALL_REDUCE: PIPELINED[PIPELINE_ALL_REDUCE]},
 }
 
 RECIPE_PRESETS = {"tiny_lm": "dp_overlap", "tiny_omni": "fsdp", "llm_7b": "fsdp"}
@@ -71,7 +100,11 @@ def for_recipe(recipe: str, layout: str = "") -> dict[str, Any]:
 
 
 def _text(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str) and value.startswith("COLLECTIVE_PIPELINING_MODE_"):
+        return value.removeprefix("COLLECTIVE_PIPELINING_MODE_").lower()   # the flag parser's spelling
+    return str(value)
 
 
 def to_xla_flags(flags: dict[str, Any]) -> str:
