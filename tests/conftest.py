@@ -6,6 +6,13 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMNIJAX_RUNS", os.path.join(os.path.dirname(__file__), "..", "runs", "tests"))
+# One persistent compilation cache for the run: both xdist workers and every process the tests start
+# (multi-host pairs, launch restarts, recipe subprocesses) read what another already compiled. The
+# size cap turns on jax's file lock, so concurrent writers never expose a half-written entry.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["OMNIJAX_RUNS"], "jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 
 import pathlib  # noqa: E402
