@@ -28,3 +28,9 @@ def synthetic_cluster_data():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMNIJAX_SHARED_DATA", str(CLUSTER_FIXTURES))
         yield CLUSTER_FIXTURES
+
+
+def pytest_collection_modifyitems(items):
+    """The slow tests first (stable otherwise): xdist hands out work in collection order, so a long test
+    collected last keeps one worker busy after the other has finished everything else."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

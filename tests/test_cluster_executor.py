@@ -80,6 +80,7 @@ def _reference_chunk_losses(steps, chunk, lr=3e-3):
     return [float(sum(losses[i:i + chunk]) / chunk) for i in range(0, steps, chunk)]
 
 
+@pytest.mark.slow
 def test_executor_resizes_a_ps_job_in_place(tmp_path):
     """A PS job changes 2 -> 4 -> 1 workers (1 -> 2 -> 1 servers) inside one process: no stop, no second
     start, every step once, and the loss follows the undisturbed full-batch trajectory step for step."""

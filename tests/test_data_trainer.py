@@ -5,6 +5,8 @@ import os
 import shutil
 import signal
 
+import pytest
+
 from flax import nnx
 
 from omnijax.config import Config, from_dict
@@ -33,6 +35,7 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_loader_state_checkpointed_and_resumed_exactly(tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     trainer, _ = _fit(ref_dir)
@@ -68,6 +71,7 @@ def _fit_multiplexed(run_dir, window: int):
     return trainer, trainer.fit(), placement
 
 
+@pytest.mark.slow
 def test_multiplexed_run_one_program_per_window_and_exact_resume_mid_window(tmp_path):
     """The trainer reserves the encoder buffers of a whole data-plane window before placing its first
     step (one compiled program for the window), and checkpoints the capacities it reached: a run

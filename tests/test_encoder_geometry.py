@@ -166,6 +166,7 @@ def single_device(recipe_batches):
 
 # one layout: each compile costs about a minute here (the suite's budget); esp4 groups are covered by the
 # unit tests above and tests/test_multiplex_plan.py, pipelines by tests/test_multiplex_step.py and test_multihost.py
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,encoder", [("dp4xtp2", "edp4xesp2")])
 def test_recipe_layouts_train_like_one_device(recipe_batches, single_device, layout, encoder):
     cfg, batches = recipe_batches

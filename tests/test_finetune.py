@@ -54,6 +54,7 @@ def _hf_state(folder: Path, cls) -> dict:
     return {k: v.detach().numpy() for k, v in cls.from_pretrained(folder, dtype=torch.float32).state_dict().items()}
 
 
+@pytest.mark.slow
 def test_two_stages_export_and_transformers_load(world, capsys, monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM, SiglipVisionModel
     from safetensors.numpy import load_file

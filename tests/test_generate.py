@@ -198,6 +198,7 @@ def _run_folder(root: Path, cfg: MMConfig, model) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_generate_recipe_end_to_end_and_bad_input(mm_model, tmp_path):
     from PIL import Image
 

@@ -66,6 +66,7 @@ def _check(setup, layout, encoder_layout, mode="balanced", interleave=False, **e
     return mx.last_plan
 
 
+@pytest.mark.slow
 def test_pp2_dp2_tp2_with_long_short_encoders(dense):
     """Pipelined LLM: encoders run inside the pipeline loop, one microbatch ahead (interleaved)."""
     plan = _check(dense, "pp2xdp2xtp2", "edp4xesp2", interleave=True, microbatches=2)

@@ -248,6 +248,7 @@ def test_siglip_parity_load_and_export(folders):
     assert sorted(back) == sorted(orig) and all(torch.equal(back[k], orig[k]) for k in orig)
 
 
+@pytest.mark.slow
 def test_whisper_parity_packing_and_export(folders):
     from safetensors.numpy import load_file
 

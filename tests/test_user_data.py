@@ -49,6 +49,7 @@ def test_convert_counts_the_corrupt_entries(dataset):
     assert dataset["convert"]["llava"]["records"] > 0
 
 
+@pytest.mark.slow
 def test_train_on_user_data_with_held_out_loss(dataset, tmp_path, monkeypatch):
     from recipes import tiny_omni
 
