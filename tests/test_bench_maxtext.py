@@ -15,7 +15,8 @@ def test_options_defaults_and_lists():
                           "mt.scan_layers=False"])
     assert o["layouts"] == ["1dev", "dp8"] and o["rounds"] == 5 and o["steps"] == 12
     assert o["oj"] == ["parallel.rules=llm_5d"] and o["mt"] == ["scan_layers=False"]
-    assert bm.parse_options(["shape=large"])["steps"] == 4
+    large = bm.parse_options(["shape=large"])
+    assert large["steps"] == 3 and large["oj_warmup"] == 1 and o["oj_warmup"] == 2
 
 
 @pytest.mark.parametrize("bad", [["shape=huge"], ["layouts=[tp8]"], ["rounds=0"], ["remat=dots"], ["colour=red"],
