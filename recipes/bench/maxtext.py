@@ -58,9 +58,10 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout the child omnijax run
 # vocab, d_model, layers, query heads, kv heads, head dim, MLP, seq, global batch, compute dtype, remat
 TINY = dict(vocab=32000, d=256, layers=2, heads=4, kv_heads=4, head_dim=64, mlp=1024, seq=256, batch=8,
             dtype="float32", remat="none")
-# the largest llama shape whose step stayed near 20 s on the 2-core machine this was written on (d512 with 8 heads
-# and MLP 1536 took 60 s there under load): GQA, seq 1024, bf16 compute over fp32 weights, every layer recomputed
-LARGE = dict(vocab=32000, d=256, layers=4, heads=4, kv_heads=2, head_dim=64, mlp=1024, seq=1024, batch=8,
+# the largest llama-architecture shape whose step stayed near 20 s on the loaded 2-core machine this was written on
+# (omnijax, one device: 22.6 s; with Llama 2's 32000-token vocabulary the [8192 x 32000] logits alone made it 56 s, and
+# d512 x 8 heads x MLP 1536 60 s): GQA, seq 1024, bf16 compute over fp32 weights, every layer recomputed
+LARGE = dict(vocab=8192, d=256, layers=4, heads=4, kv_heads=2, head_dim=64, mlp=1024, seq=1024, batch=8,
              dtype="bfloat16", remat="full")
 SHAPES = {"tiny": TINY, "large": LARGE}
 LAYOUTS = ("1dev", "fsdp8", "dp8")
@@ -237,12 +238,17 @@ def _run(cmd: list[str], env: dict, cwd: str, timeout: int) -> tuple[int, str, f
     """(returncode, stdout+stderr, wall seconds, child CPU seconds) of one process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        p = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=timeout)
-        rc, out = p.returncode, p.stdout
-    except subprocess.TimeoutExpired as exc:
-        rc, out = 124, (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        out, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        rc = 124
+    except BaseException:  # interrupted: no trainer left running behind
+        p.kill()
+        raise
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -308,7 +314,15 @@ def run_maxtext(shape: dict, layout: str, opts: dict, remat: str, base_yml: str,
 
 
 def run(overrides: list[str]) -> Iterator[dict]:
+    import signal
     import tempfile
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: the running child is killed on the way out
+        raise KeyboardInterrupt
+    try:
+        signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        pass
 
     opts = parse_options(overrides)
     base_yml = maxtext_base_yml(opts["mt_python"])
