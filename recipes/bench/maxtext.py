@@ -313,27 +313,8 @@ def run_maxtext(shape: dict, layout: str, opts: dict, remat: str, base_yml: str,
                                  *args[:-2]])}
 
 
-def run(overrides: list[str]) -> Iterator[dict]:
-    import signal
-    import tempfile
-
-    def stop(signum, frame):  # SIGTERM as Ctrl-C: the running child is killed on the way out
-        raise KeyboardInterrupt
-    try:
-        signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread
-        pass
-
-    opts = parse_options(overrides)
-    base_yml = maxtext_base_yml(opts["mt_python"])
-    shape = SHAPES[opts["shape"]]
-    remat = opts["remat"] or shape["remat"]
-    # the same allocator for both: the one this process runs under (python -m recipes chose tcmalloc when installed)
-    preload = os.environ.get("LD_PRELOAD") or None
-    if preload is None and allocator.choice() != "system":
-        found = allocator.find_tcmalloc()
-        preload = found
-    scratch = tempfile.mkdtemp(prefix="bench_maxtext_")
+def _measure(opts: dict, shape: dict, remat: str, base_yml: str, preload: str | None, scratch: str) -> tuple[dict, dict]:
+    """Every round: each layout as omnijax then MaxText (MaxText first in odd rounds)."""
     results: dict = {lay: {"omnijax": [], "maxtext": []} for lay in opts["layouts"]}
     profiles: dict = {lay: {} for lay in opts["layouts"]}
     for r in range(opts["rounds"]):
@@ -352,6 +333,33 @@ def run(overrides: list[str]) -> Iterator[dict]:
                     found = train_step_hlo(dump)
                     if found:
                         profiles[lay][who] = {"module": found[0], **hlo_summary(found[1])}
+    return results, profiles
+
+
+def run(overrides: list[str]) -> Iterator[dict]:
+    import signal
+    import tempfile
+    import threading
+
+    opts = parse_options(overrides)
+    base_yml = maxtext_base_yml(opts["mt_python"])
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    shape = SHAPES[opts["shape"]]
+    remat = opts["remat"] or shape["remat"]
+    # the same allocator for both: the one this process runs under (python -m recipes chose tcmalloc when installed)
+    preload = os.environ.get("LD_PRELOAD") or None
+    if preload is None and allocator.choice() != "system":
+        preload = allocator.find_tcmalloc()
+    scratch = tempfile.mkdtemp(prefix="bench_maxtext_")
+    old = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
+    try:  # SIGTERM as Ctrl-C while children run (the running trainer is killed on the way out), then as before
+        results, profiles = _measure(opts, shape, remat, base_yml, preload, scratch)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
     for lay in opts["layouts"]:
         oj, mt = results[lay]["omnijax"], results[lay]["maxtext"]
         ratios = [m["step_s"] / o["step_s"] for o, m in zip(oj, mt)]
