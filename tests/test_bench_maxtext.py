@@ -83,6 +83,8 @@ ENTRY %main (a: f32[4], b: f32[4]) -> f32[4] {
   %b = f32[4]{0} parameter(1)
   %c = f32[4]{0} copy(f32[4]{0} %a)
   %f = f32[4]{0} fusion(f32[4]{0} %c, f32[4]{0} %b), kind=kLoop, calls=%fused_add
+  %w = (s32[], f32[4]{0}, /*index=2*/f32[4]{0}) tuple(s32[] %i, f32[4]{0} %a, f32[4]{0} %b)
+  %l = (s32[], f32[4]{0}, /*index=2*/f32[4]{0}) while((s32[], f32[4]{0}, /*index=2*/f32[4]{0}) %w), condition=%c, body=%b
   ROOT %r = f32[4]{0} all-reduce(f32[4]{0} %f), replica_groups={}, to_apply=%sum
 }
 """
@@ -90,7 +92,7 @@ ENTRY %main (a: f32[4], b: f32[4]) -> f32[4] {
 
 def test_hlo_summary_counts_top_level_and_fused_ops():
     s = bm.hlo_summary(HLO)
-    assert s["top_level"] == {"fusion": 1, "copy": 1, "all-reduce": 1}
+    assert s["top_level"] == {"fusion": 1, "copy": 1, "while": 1, "all-reduce": 1}  # a tuple-typed op counts too
     assert s["fusion_kinds"] == {"kLoop": 1}
     assert s["inside_fusions"] == {"transpose": 1} and s["inside_fusion_ops"] == 2  # the reducer's add not counted
 

@@ -170,7 +170,7 @@ def maxtext_step_times(log: str, warmup: int) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------- HLO profile
-_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\([^=]*?\)|[^ ]+) ([a-z][a-z0-9-]*)\(")
+_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) ([a-z][a-z0-9-]*)\(")  # tuple types hold /*index=5*/
 
 
 def _computations(text: str) -> dict[str, list[str]]:
