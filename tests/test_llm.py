@@ -288,3 +288,28 @@ def test_bf16_compute_and_logical_axes(dense):
                                                                        is_leaf=lambda v: isinstance(v, nnx.Variable))}
     assert ("vocab", "embed") in names and ("embed", "vocab") in names and ("embed", "heads", "head_dim") in names
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(dense, nnx.Param)))
+
+
+def test_one_device_forward_follows_parallel_remat():
+    """`parallel.remat` reaches the LLM's layers on one device and plain DP too: the trainer enters
+    `use_remat(mode)` and `forward_embeddings` (remat not given) takes that mode; an explicit argument wins."""
+    import re
+
+    from omnijax.layers.remat import use_remat
+    model = LLM(CFG, rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+
+    def checkpoints(mode=None, explicit=None):
+        def loss(m):
+            kw = {} if explicit is None else {"remat": explicit}
+            return jnp.sum(m.forward_embeddings(m.embed(tokens), **kw)[0])
+        if mode is None:
+            jaxpr = jax.make_jaxpr(lambda m: nnx.grad(loss)(m))(model)
+        else:
+            with use_remat(mode):
+                jaxpr = jax.make_jaxpr(lambda m: nnx.grad(loss)(m))(model)
+        return len(re.findall(r"\b(?:remat2?|checkpoint)\[", str(jaxpr)))
+
+    assert checkpoints() == 0
+    assert checkpoints("full") == CFG.num_layers
+    assert checkpoints("full", explicit="none") == 0

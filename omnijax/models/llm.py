@@ -21,6 +21,7 @@ from flax import nnx
 
 from omnijax.config import LLMConfig
 from omnijax.layers.remat import REMAT_MODES, parse_remat as remat_mode, remat_policy  # noqa: F401 (re-exported)
+from omnijax.layers.remat import remat_mode as remat_in_force
 from omnijax.layers.attention import Attention
 from omnijax.layers.mlp import MLP
 from omnijax.layers.moe import MoE
@@ -136,16 +137,19 @@ class LLM(nnx.Module):
         return jnp.einsum("bld,dv->blv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
 
     def forward_embeddings(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                           positions: jax.Array | None = None, remat: Any = "none") -> tuple[jax.Array, dict]:
+                           positions: jax.Array | None = None, remat: Any = None) -> tuple[jax.Array, dict]:
         """x [B, L, D] -> (logits [B, L, V] float32, aux scalars summed over layers).
 
-        ``remat`` (``parallel.remat``): none | full | save_dots, per layer (see ``run_block``).
+        ``remat`` (``parallel.remat``): none | full | save_dots, per layer (see ``run_block``); None (the
+        default) takes the mode in force (``omnijax.layers.remat.use_remat``, which the trainer enters with
+        ``parallel.remat``), so one device and plain data parallelism recompute layers as every layout does.
 
         aux["moe_aux_loss"] is already multiplied by cfg.moe.aux_loss_weight (add it to the loss as
         is); aux["moe_lb_loss"] is the unweighted sum; aux["moe_dropped_tokens"] counts (token, expert)
         assignments that overflowed capacity. All are 0 for a dense model.
         """
         segment_ids, positions = default_packing(x.shape, segment_ids, positions)
+        remat = remat_in_force() if remat is None else remat
         aux = zero_aux()
         for block in self.blocks:
             x, block_aux = run_block(lambda b, *a: b(*a), block, x, segment_ids, positions, remat=remat)

@@ -11,6 +11,7 @@ per-round ratios (``step_time_ratio_per_round``), and ``process_cpu_s_per_wall_s
 the process actually got in each round (a shared machine gives fewer than it has; ``cpu_s_per_step`` is the
 median CPU time of one step, the work a layout costs whatever the load). ``collectives`` and
 ``all_reduce_then_slice`` are read from the compiled step (gradients reduced whole and then sliced).
+``bench.only=parallel`` times the ``parallel.llm`` row alone (no 1dev row; what ``bench maxtext`` runs per layout).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 from typing import Iterator
 
 from omnijax import allocator
+from omnijax.errors import UserError
 
 DESCRIPTION = ("LLM train-step throughput on 1 device and under parallel.llm (side by side): tokens/s, "
                "FLOPs/token (6N + 12·L·H·Dh·T), MFU, per-device state bytes")
@@ -46,9 +48,13 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from recipes.common import load_config, setup_devices
 
     setup_devices(overrides)
-    extra = [o for o in overrides if o.split("=")[0] in {"bench.warmup", "bench.steps", "bench.repeats"}]
+    extra = [o for o in overrides if o.split("=")[0] in {"bench.warmup", "bench.steps", "bench.repeats", "bench.only"}]
     overrides = [o for o in overrides if o not in extra]
-    opts = {k.split(".")[1]: int(v) for k, v in (o.split("=") for o in extra)}
+    opts = {k.split(".")[1]: v for k, v in (o.split("=", 1) for o in extra)}
+    only = opts.pop("only", "all").strip()
+    if only not in ("all", "parallel"):
+        raise UserError(f"bench.only={only!r}: use all (1dev and parallel.llm side by side) or parallel")
+    opts = {k: int(v) for k, v in opts.items()}
     cfg = load_config("tiny_lm", overrides)
 
     import jax
@@ -82,6 +88,10 @@ def run(overrides: list[str]) -> Iterator[dict]:
     elif jax.device_count() > 1:
         variants.append((f"dp{jax.device_count()}", f"dp{jax.device_count()} (parameters replicated)",
                          DataParallel(), lm_loss))
+    if only == "parallel":
+        if len(variants) == 1:
+            raise UserError("bench.only=parallel needs parallel.llm=LAYOUT (or several devices)")
+        variants = variants[1:]
 
     # Every variant built and compiled first; then `repeats` rounds, each timing every variant for `steps`
     # steps in a rotated order, so load from other processes falls on all variants alike. Rows carry the
@@ -138,7 +148,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
                "batch_size": cfg.data.batch_size, "loss": float(np.asarray(run_["m"]["loss"])), "allocator": allocator.in_use(),
                "flops_formula": "6*N_active + 12*layers*heads*head_dim*seq_len",
                **({} if peak else {"mfu_note": f"no datasheet peak FLOP/s for device kind '{kind}'; MFU not computed"})}
-        if run_ is not runs[0]:
+        if run_ is not runs[0] and runs[0]["name"] == "1dev":
             ratios = [t / b for t, b in zip(run_["times"], base)]
             row.update({"vs": "1dev", "step_time_ratio": round(float(np.median(ratios)), 3),
                         "step_time_ratio_per_round": [round(x, 3) for x in ratios]})
