@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from omnijax.cluster.simulator import SimConfig
 from omnijax.errors import ConfigError
 
-SCHEDULERS = ("fifo", "drf", "tiresias", "fitted", "fitted_rt", "fitted_oracle", "learned", "learned_ac")
+SCHEDULERS = ("fifo", "drf", "tiresias", "fitted", "fitted_rt", "fitted_oracle", "fitted_aware", "learned", "learned_ac")
 
 
 @dataclass
@@ -68,7 +68,9 @@ def validate(cfg: ClusterConfig) -> ClusterConfig:
 @dataclass
 class BenchConfig:
     """`python -m recipes bench cluster` options; each row averages workload-1..files of a set."""
-    schedulers: list[str] = field(default_factory=lambda: list(SCHEDULERS[:-1]))   # learned_ac on request
+    schedulers: list[str] = field(default_factory=lambda: [s for s in SCHEDULERS[:-1] if s != "fitted_aware"])
+    # (learned_ac and fitted_aware on request)
+    seeds: int = 1                 # runs per file, sim.seed, sim.seed + 1, ... (noise, loss curves, the families' draws)
     workloads: list[str] = field(default_factory=lambda: ["workloads", "workloads-realistic"])   # sets, CSVs, folders
     files: int = 1                 # workload-1..N of a set, the first N CSVs of a folder (0: all)
     limit: int = 0                 # the first N jobs (of `applications`, where given) of each file (0: all)
