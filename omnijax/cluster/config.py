@@ -35,6 +35,10 @@ class LearnedConfig:
     es_validation: int = 8         # generated workloads the trained policy must beat fitted on (0: no check)
     es_confidence: float = 2.0     # ... by this many standard errors of the paired mean (residual.accept)
     hidden_es: int = 16
+    train_families: list[str] = field(default_factory=list)   # each generated workload (training and validation)
+                                   # runs under none or one of these families (sim.families), drawn uniformly
+    save: str = ""                 # write the trained policy (.npz) here
+    load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
 
 
 @dataclass
@@ -55,6 +59,12 @@ def validate(cfg: ClusterConfig) -> ClusterConfig:
         raise ConfigError(f"learned.teacher={cfg.learned.teacher!r}: must be one of {', '.join(SCHEDULERS[:-2])}")
     if cfg.limit < 0:
         raise ConfigError(f"limit={cfg.limit}: must be >= 0")
+    from omnijax.cluster.families import FAMILIES, check
+    check(cfg.sim)
+    bad = [f for f in cfg.learned.train_families if f not in FAMILIES]
+    if bad:
+        raise ConfigError(f"learned.train_families: unknown famil{'y' if len(bad) == 1 else 'ies'} {bad}; choose from "
+                          f"{', '.join(FAMILIES)}")
     s = cfg.sim
     if (min(s.num_nodes, s.gpus_per_node, s.cpus_per_node) <= 0 or s.slot_s <= 0 or s.restart_s < 0
             or (s.resize_restart_s or 0.0) < 0):
@@ -99,6 +109,10 @@ class HindsightConfig:
     es_sigma: float = 0.3
     es_lr: float = 0.3
     hidden_es: int = 16
+    train_families: list[str] = field(default_factory=list)   # each generated workload (training and validation)
+                                   # runs under none or one of these families (sim.families), drawn uniformly
+    save: str = ""                 # write the trained policy (.npz) here
+    load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
     seed: int = 0
     sim: SimConfig = field(default_factory=SimConfig)
 
@@ -117,4 +131,5 @@ class ExecConfig:
     arrivals_s: list[float] = field(default_factory=lambda: [0.0, 60.0, 120.0])
     slot_s: float = 15.0
     resize_penalty_s: float = 20.0   # the fitted model's resize cost: about one restart of a tiny job here
+    policy: str = ""               # scheduler=learned: a saved policy (.npz, `bench cluster learned.save=PATH`)
     plot: bool = True
