@@ -280,13 +280,16 @@ def accept(scores: Sequence[float], z: float = 2.0) -> bool:
 
 
 def episode_configs(sim_cfg, families: Sequence[str], count: int, rng: np.random.Generator) -> list:
-    """`count` simulator configs: each under no family or one of `families` (uniformly), with its own seed."""
+    """`count` simulator configs, each with its own seed, under no family or one of `families`: round robin in a
+    fresh random order per round, so every family gets its share of a short training run."""
     from dataclasses import replace
     options = [()] + [(f,) for f in families]
     if not families:
         return [sim_cfg] * count
-    return [replace(sim_cfg, families=options[int(rng.integers(len(options)))], seed=int(rng.integers(1 << 30)))
-            for _ in range(count)]
+    order: list[tuple[str, ...]] = []
+    while len(order) < count:
+        order += [options[int(i)] for i in rng.permutation(len(options))]
+    return [replace(sim_cfg, families=order[i], seed=int(rng.integers(1 << 30))) for i in range(count)]
 
 
 def save_policy(path: str, sched: "ResidualScheduler") -> None:
