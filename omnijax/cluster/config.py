@@ -37,6 +37,8 @@ class LearnedConfig:
     hidden_es: int = 16
     train_families: list[str] = field(default_factory=list)   # each generated workload (training and validation)
                                    # runs under none or one of these families (sim.families), drawn uniformly
+    supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
+                                   # the warm start is the fitted scheduler exactly)
     save: str = ""                 # write the trained policy (.npz) here
     load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
 
@@ -111,6 +113,8 @@ class HindsightConfig:
     hidden_es: int = 16
     train_families: list[str] = field(default_factory=list)   # each generated workload (training and validation)
                                    # runs under none or one of these families (sim.families), drawn uniformly
+    supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
+                                   # the warm start is the fitted scheduler exactly)
     save: str = ""                 # write the trained policy (.npz) here
     load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
     seed: int = 0

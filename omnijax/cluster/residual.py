@@ -279,6 +279,57 @@ def accept(scores: Sequence[float], z: float = 2.0) -> bool:
     return float(s.mean()) + z * se < 1.0
 
 
+class _Recorder(ResidualScheduler):
+    """The warm-start policy (the fitted scheduler's decisions) that records, every slot, each planned job's
+    features and the fitted model's remaining steps, for `length_correction`."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.rows: list[tuple[str, float, float, np.ndarray]] = []   # (job, progress, fitted remaining, features)
+
+    def _adjust(self, now, all_jobs, jobs, table, work):
+        if jobs:
+            x = self.features(now, all_jobs, jobs, work, max(int(self._gpus), 1))
+            self.rows += [(j.name, j.progress, self.remaining_steps(j), x[i]) for i, j in enumerate(jobs)]
+        return super()._adjust(now, all_jobs, jobs, table, work)
+
+
+def length_correction(workloads: Sequence[Sequence[JobSpec]], sims: Sequence, hidden: int = 16, seed: int = 0,
+                      ridge: float = 1.0, clip: float = 3.0) -> tuple[np.ndarray, dict]:
+    """Supervised step of the warm start, from observed outcomes: run the fitted scheduler's decisions on the
+    training workloads, and once every job has finished (its length is then known, as to any real scheduler)
+    regress log(true remaining / fitted remaining) at every slot it was planned on the policy's features
+    (ridge, with an intercept). The fit becomes the linear path of the ranking output, so the policy ranks
+    by the remaining work its observations predict rather than by the fitted loss form's. Returns the
+    parameters (the rest of the policy at its warm start) and the fit's statistics."""
+    from omnijax.cluster.simulator import jobs_from_specs, simulate, comm_share_fn
+    X, y = [], []
+    for specs, sim in zip(workloads, sims):
+        rec = _Recorder(hidden=hidden, seed=seed)
+        jobs, step_time = jobs_from_specs(specs, sim)
+        simulate(jobs, step_time, rec, sim, comm_share=comm_share_fn(specs) if sim.families else None)
+        total = {j.name: j.total_steps for j in jobs}
+        for name, progress, rem_fit, x in rec.rows:
+            X.append(x)
+            y.append(float(np.clip(math.log(max(total[name] - progress, 1.0) / max(rem_fit, 1.0)), -clip, clip)))
+    mlp = MLP(hidden=hidden)
+    theta = mlp.init(seed)
+    if not X:
+        return theta, {"rows": 0}
+    X, y = np.array(X), np.array(y)
+    A = np.concatenate([X, np.ones((len(X), 1))], 1)
+    reg = ridge * np.eye(A.shape[1])
+    reg[-1, -1] = 0.0
+    w = np.linalg.solve(A.T @ A + reg, A.T @ y)
+    W1, b1, L, nodew, W2, b2 = mlp._split(theta)       # views into theta
+    L[:, 0] = w[:-1]
+    b2[0] = w[-1]
+    pred = A @ w
+    stats = {"rows": int(len(y)), "target_sd": round(float(y.std()), 4),
+             "residual_sd": round(float((y - pred).std()), 4), "r2": round(1.0 - float(np.var(y - pred) / max(np.var(y), 1e-12)), 4)}
+    return theta, stats
+
+
 def episode_configs(sim_cfg, families: Sequence[str], count: int, rng: np.random.Generator) -> list:
     """`count` simulator configs, each with its own seed, under no family or one of `families`: round robin in a
     fresh random order per round, so every family gets its share of a short training run."""
@@ -327,7 +378,14 @@ def train_residual(cfg) -> ResidualScheduler:
     frng = np.random.default_rng([lc.seed, 1])
     sims = episode_configs(cfg.sim, lc.train_families, lc.es_iterations, frng)
     mlp = MLP(hidden=lc.hidden_es)
-    theta, hist = evolve(mlp.init(lc.seed), episodes, cfg.sim, hidden=lc.hidden_es, pairs=lc.es_pairs,
+    start = mlp.init(lc.seed)
+    if lc.supervised_workloads:   # the warm start's supervised step: a length correction from observed outcomes
+        srng = np.random.default_rng([lc.seed, 2])
+        sup = [generate_workload(pool, srng, window_s=lc.window_s) for _ in range(lc.supervised_workloads)]
+        start, stats = length_correction(sup, episode_configs(cfg.sim, lc.train_families, len(sup), srng),
+                                         hidden=lc.hidden_es, seed=lc.seed)
+        print(f"# learned supervised: length correction on {len(sup)} generated workloads: {stats}", file=sys.stderr)
+    theta, hist = evolve(start, episodes, cfg.sim, hidden=lc.hidden_es, pairs=lc.es_pairs,
                          sigma=lc.es_sigma, lr=lc.es_lr, seed=lc.seed, sims=sims,
                          log=lambda r: print(f"# learned es: {r}", file=sys.stderr))
     # validation on fresh generated workloads (same distribution, none trained on): keep the trained
