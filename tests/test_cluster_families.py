@@ -187,15 +187,14 @@ def test_training_episodes_draw_families_and_seeds():
 
 def test_supervised_length_correction_learns_from_finished_jobs():
     """The warm start's supervised step fits log(true / fitted remaining) on the features of the slots the fitted
-    decisions visited; only the ranking output's linear path and bias change, and the fit explains part of the
-    fitted form's error under step-decay losses."""
-    from omnijax.cluster.residual import MLP, length_correction
+    decisions visited; only the ranking output's linear path on the misfit features changes, and the fit explains
+    part of the fitted form's error under step-decay losses."""
+    from omnijax.cluster.residual import MISFIT_COLUMNS, MLP, length_correction
     specs = [load_workload("workloads/workload-1", 12), load_workload("workloads/workload-2", 12)]
     sims = [SimConfig(num_nodes=2, slot_s=60.0, families=("stepdecay",), seed=s) for s in (0, 1)]
     theta, stats = length_correction(specs, sims, hidden=4, seed=0)
     mlp = MLP(hidden=4)
     base = mlp.init(0)
     changed = np.flatnonzero(theta != base)
-    _, _, L, _, _, b2 = mlp._split(theta)
-    assert stats["rows"] > 50 and stats["r2"] > 0.1 and stats["residual_sd"] < stats["target_sd"]
-    assert set(changed) <= set(range(mlp.head, mlp.head + L.size, 2)) | {len(theta) - 2} and b2[0] != 0.0
+    assert stats["rows"] > 50 and stats["r2"] > 0.05 and stats["residual_sd"] < stats["target_sd"]
+    assert changed.size and set(changed) <= {mlp.head + 2 * c for c in MISFIT_COLUMNS}   # L[c, 0]: the rank output
