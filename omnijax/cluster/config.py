@@ -39,6 +39,7 @@ class LearnedConfig:
                                    # runs under none or one of these families (sim.families), drawn uniformly
     supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
                                    # the warm start is the fitted scheduler exactly)
+    supervised_window_s: float = 0.0   # ... their window (0: window_s)
     save: str = ""                 # write the trained policy (.npz) here
     load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
 
@@ -115,6 +116,7 @@ class HindsightConfig:
                                    # runs under none or one of these families (sim.families), drawn uniformly
     supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
                                    # the warm start is the fitted scheduler exactly)
+    supervised_window_s: float = 0.0   # ... their window (0: window_s)
     save: str = ""                 # write the trained policy (.npz) here
     load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
     seed: int = 0

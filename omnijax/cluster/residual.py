@@ -102,10 +102,12 @@ class ResidualScheduler(FittedModel):
         self._node_slow: np.ndarray | None = None
         self._node_features: np.ndarray | None = None
         self._loads: dict[str, float] = {}
+        self._first_drop: dict[str, float] = {}     # steps done when a loss drop was first seen
 
     def reset(self):
         super().reset()
         self._arrivals = {}
+        self._first_drop = {}
         self.nodes = NodeSpeeds()
         self._node_slow = None
         self._node_features = None
@@ -115,8 +117,9 @@ class ResidualScheduler(FittedModel):
                  gpus: int) -> np.ndarray:
         """[len(jobs), NUM_FEATURES]: the job's own state and what the fitted model does not see: the queue,
         the mix, arrivals; measured slowdown at its placement, its neighbours' communication and its nodes'
-        estimated speed (straggler, interference); how its loss history agrees with the fitted curve (loss
-        drops seen, the fit's length against its application's finished jobs)."""
+        estimated speed (straggler, interference); how its loss history agrees with the fitted curve (whether
+        a sudden loss drop was seen and at which step, whether the fit says it has converged, the fit's length
+        against its application's finished jobs)."""
         for j in all_jobs:
             self._arrivals.setdefault(j.name, j.arrival)
         n = len(all_jobs)
@@ -141,15 +144,20 @@ class ResidualScheduler(FittedModel):
             same = self._finished_by_app.get(j.application)
             prior = _geometric_mean(np.maximum(same, 1.0)) if same else None
             rem_prior = (max(prior, 1.25 * j.progress) - j.progress) if prior else rem_fit
-            drops = loss_drops(j.loss_model.losses)
+            if j.name not in self._first_drop and loss_drops(j.loss_model.losses):
+                self._first_drop[j.name] = max(j.progress, 1.0)
+            k_drop = self._first_drop.get(j.name)
+            dropped = float(k_drop is not None)
             plateau = float(fit_total is not None and math.isfinite(fit_total) and fit_total < 1.1 * max(j.progress, 1.0))
             disagree = float(np.clip(math.log(max(rem_prior, 1.0) / max(rem_fit, 1.0)), -4, 4)) / 4
+            since = math.log(max(j.progress, 1.0) / k_drop) if k_drop else 0.0
+            scale = math.log(k_drop / max(rem_fit, 1.0)) if k_drop else 0.0
             x[i] = [math.log1p(max(work[j.name], 0.0) / 3600.0) / 3, rank[i], j.allocation / gpus * 4,
                     float(j.allocation > 0), math.log1p(max(now - j.arrival, 0.0) / 3600.0),
                     waiting, n / gpus, recent, math.sin(day), math.cos(day),
                     apps[j.application] / max(n, 1), max(work[j.name], 0.0) / total,
                     math.log(max(r, 1e-3)) if r else 0.0, loads.get(j.name, 0.0) / 2, math.log(worst),
-                    min(drops, 3) / 3, plateau, disagree, disagree * plateau, disagree * float(drops > 0)]
+                    dropped, plateau, disagree, scale, since]
         return x
 
     def observe(self, all_jobs: Sequence[Job], cluster: Cluster) -> None:
@@ -294,7 +302,8 @@ class _Recorder(ResidualScheduler):
         return super()._adjust(now, all_jobs, jobs, table, work)
 
 
-MISFIT_COLUMNS = (15, 16, 18, 19)   # loss drops seen, fit says converged, and the prior/fit disagreement then
+MISFIT_COLUMNS = (15, 16, 18, 19)   # a loss drop seen, the fit says converged, log(steps at the first drop / fitted
+                                    # remaining) and log(steps now / steps at the first drop) after a drop
 
 
 def length_correction(workloads: Sequence[Sequence[JobSpec]], sims: Sequence, hidden: int = 16, seed: int = 0,
@@ -387,7 +396,8 @@ def train_residual(cfg) -> ResidualScheduler:
     start = mlp.init(lc.seed)
     if lc.supervised_workloads:   # the warm start's supervised step: a length correction from observed outcomes
         srng = np.random.default_rng([lc.seed, 2])
-        sup = [generate_workload(pool, srng, window_s=lc.window_s) for _ in range(lc.supervised_workloads)]
+        sup = [generate_workload(pool, srng, window_s=lc.supervised_window_s or lc.window_s)
+               for _ in range(lc.supervised_workloads)]
         start, stats = length_correction(sup, episode_configs(cfg.sim, lc.train_families, len(sup), srng),
                                          hidden=lc.hidden_es, seed=lc.seed)
         print(f"# learned supervised: length correction on {len(sup)} generated workloads: {stats}", file=sys.stderr)
