@@ -198,3 +198,27 @@ def test_supervised_length_correction_learns_from_finished_jobs():
     changed = np.flatnonzero(theta != base)
     assert stats["rows"] > 50 and stats["r2"] > 0.05 and stats["residual_sd"] < stats["target_sd"]
     assert changed.size and set(changed) <= {mlp.head + 2 * c for c in MISFIT_COLUMNS}   # L[c, 0]: the rank output
+
+
+def test_executor_learned_needs_a_saved_policy_and_bench_needs_seeds(tmp_path, monkeypatch):
+    from recipes import cluster_exec
+    from recipes.bench import cluster as bench_cluster
+    monkeypatch.setenv("OMNIJAX_RUNS", str(tmp_path))
+    with pytest.raises(ConfigError, match="policy=PATH"):
+        cluster_exec.main(["scheduler=learned", "runner=toy", "jobs=1", "steps=[5]", "arrivals_s=[0]"])
+    with pytest.raises(ConfigError, match="seeds"):
+        list(bench_cluster.run(["schedulers=[fitted]", "seeds=0"]))
+    with pytest.raises(ConfigError, match="unknown family"):
+        list(bench_cluster.run(["schedulers=[fitted]", "sim.families=[gremlins]"]))
+
+
+def test_bench_seeds_rows_average_every_seed(tmp_path, monkeypatch):
+    from recipes.bench import cluster as bench_cluster
+    rows = list(bench_cluster.run(["schedulers=[fitted,fitted_aware]", "workloads=[workloads]", "files=1", "limit=6",
+                                   "seeds=2", "lp_interval_s=0", "lagrange_interval_s=0", "sim.num_nodes=2",
+                                   "sim.slot_s=300", "sim.families=[straggler]", "sim.straggler_frac=0.5"]))
+    fitted, aware = rows[0], rows[1]
+    assert fitted["families"] == ["straggler"] and len(fitted["per_seed"][0]) == 2
+    assert fitted["avg_jct_s"] == pytest.approx(np.mean(fitted["per_seed"]), abs=0.1)
+    assert aware["vs"] == "fitted" and aware["ratio_per_run_range"][0] <= aware["ratio_per_run_mean"] <= \
+        aware["ratio_per_run_range"][1]
