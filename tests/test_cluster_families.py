@@ -121,6 +121,8 @@ def test_bad_family_settings_are_one_line_config_errors(sim, match):
 def test_unknown_training_family_is_a_config_error():
     with pytest.raises(ConfigError, match="train_families"):
         validate(ClusterConfig(learned=LearnedConfig(train_families=["stepdecay", "solar flares"])))
+    with pytest.raises(ConfigError, match="supervised_columns"):
+        validate(ClusterConfig(learned=LearnedConfig(supervised_columns=[15, 99])))
 
 
 def test_node_order_breaks_ties_only():

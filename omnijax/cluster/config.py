@@ -40,6 +40,8 @@ class LearnedConfig:
     supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
                                    # the warm start is the fitted scheduler exactly)
     supervised_window_s: float = 0.0   # ... their window (0: window_s)
+    supervised_columns: list[int] = field(default_factory=lambda: [15, 16, 18, 19])   # the features it regresses on
+                                   # (residual.MISFIT_COLUMNS; [15, 18, 19]: only after a loss drop was seen)
     save: str = ""                 # write the trained policy (.npz) here
     load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
 
@@ -64,6 +66,9 @@ def validate(cfg: ClusterConfig) -> ClusterConfig:
         raise ConfigError(f"limit={cfg.limit}: must be >= 0")
     from omnijax.cluster.families import FAMILIES, check
     check(cfg.sim)
+    if any(not 0 <= c < 20 for c in cfg.learned.supervised_columns) or cfg.learned.supervised_workloads < 0:
+        raise ConfigError(f"learned.supervised_columns={cfg.learned.supervised_columns} must be feature indices in "
+                          f"[0, 20) and learned.supervised_workloads={cfg.learned.supervised_workloads} >= 0")
     bad = [f for f in cfg.learned.train_families if f not in FAMILIES]
     if bad:
         raise ConfigError(f"learned.train_families: unknown famil{'y' if len(bad) == 1 else 'ies'} {bad}; choose from "
@@ -117,6 +122,8 @@ class HindsightConfig:
     supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
                                    # the warm start is the fitted scheduler exactly)
     supervised_window_s: float = 0.0   # ... their window (0: window_s)
+    supervised_columns: list[int] = field(default_factory=lambda: [15, 16, 18, 19])   # the features it regresses on
+                                   # (residual.MISFIT_COLUMNS; [15, 18, 19]: only after a loss drop was seen)
     save: str = ""                 # write the trained policy (.npz) here
     load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
     seed: int = 0

@@ -399,7 +399,7 @@ def train_residual(cfg) -> ResidualScheduler:
         sup = [generate_workload(pool, srng, window_s=lc.supervised_window_s or lc.window_s)
                for _ in range(lc.supervised_workloads)]
         start, stats = length_correction(sup, episode_configs(cfg.sim, lc.train_families, len(sup), srng),
-                                         hidden=lc.hidden_es, seed=lc.seed)
+                                         hidden=lc.hidden_es, seed=lc.seed, columns=lc.supervised_columns)
         print(f"# learned supervised: length correction on {len(sup)} generated workloads: {stats}", file=sys.stderr)
     theta, hist = evolve(start, episodes, cfg.sim, hidden=lc.hidden_es, pairs=lc.es_pairs,
                          sigma=lc.es_sigma, lr=lc.es_lr, seed=lc.seed, sims=sims,
