@@ -45,7 +45,10 @@ def main(argv: list[str]) -> int:
     else:
         scheduler = make_scheduler(cfg.scheduler)
     runner = kinds[cfg.runner]()
+    if any(m < 1 for m in cfg.max_devices):
+        raise ConfigError(f"max_devices={cfg.max_devices}: each must be >= 1")
     specs = [ExecJob(f"{cfg.run_name}-job{i}", cfg.steps[i], cfg.arrivals_s[i],
+                     max_devices=cfg.max_devices[i] if i < len(cfg.max_devices) else 1 << 30,
                      runner=kinds[cfg.runners[i]]() if i < len(cfg.runners) else None) for i in range(cfg.jobs)]
     ex = Executor(scheduler, runner, cfg.devices, run_root=out / "jobs", backend=cfg.backend, slot_s=cfg.slot_s)
     result = ex.run(specs)

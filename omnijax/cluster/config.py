@@ -145,4 +145,6 @@ class ExecConfig:
     slot_s: float = 15.0
     resize_penalty_s: float = 20.0   # the fitted model's resize cost: about one restart of a tiny job here
     policy: str = ""               # scheduler=learned: a saved policy (.npz, `bench cluster learned.save=PATH`)
+    max_devices: list[int] = field(default_factory=list)   # per job, the most devices it may hold (jobs then share
+                                   # the machine at once: co-located); missing entries: no cap
     plot: bool = True
