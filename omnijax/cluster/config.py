@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from omnijax.cluster.simulator import SimConfig
 from omnijax.errors import ConfigError
 
-SCHEDULERS = ("fifo", "drf", "tiresias", "fitted", "fitted_rt", "fitted_oracle", "learned", "learned_ac")
+SCHEDULERS = ("fifo", "drf", "tiresias", "fitted", "fitted_rt", "fitted_oracle", "fitted_aware", "learned", "learned_ac")
 
 
 @dataclass
@@ -35,6 +35,15 @@ class LearnedConfig:
     es_validation: int = 8         # generated workloads the trained policy must beat fitted on (0: no check)
     es_confidence: float = 2.0     # ... by this many standard errors of the paired mean (residual.accept)
     hidden_es: int = 16
+    train_families: list[str] = field(default_factory=list)   # each generated workload (training and validation)
+                                   # runs under none or one of these families (sim.families), drawn uniformly
+    supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
+                                   # the warm start is the fitted scheduler exactly)
+    supervised_window_s: float = 0.0   # ... their window (0: window_s)
+    supervised_columns: list[int] = field(default_factory=lambda: [15, 16, 18, 19])   # the features it regresses on
+                                   # (residual.MISFIT_COLUMNS; [15, 18, 19]: only after a loss drop was seen)
+    save: str = ""                 # write the trained policy (.npz) here
+    load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
 
 
 @dataclass
@@ -55,6 +64,15 @@ def validate(cfg: ClusterConfig) -> ClusterConfig:
         raise ConfigError(f"learned.teacher={cfg.learned.teacher!r}: must be one of {', '.join(SCHEDULERS[:-2])}")
     if cfg.limit < 0:
         raise ConfigError(f"limit={cfg.limit}: must be >= 0")
+    from omnijax.cluster.families import FAMILIES, check
+    check(cfg.sim)
+    if any(not 0 <= c < 20 for c in cfg.learned.supervised_columns) or cfg.learned.supervised_workloads < 0:
+        raise ConfigError(f"learned.supervised_columns={cfg.learned.supervised_columns} must be feature indices in "
+                          f"[0, 20) and learned.supervised_workloads={cfg.learned.supervised_workloads} >= 0")
+    bad = [f for f in cfg.learned.train_families if f not in FAMILIES]
+    if bad:
+        raise ConfigError(f"learned.train_families: unknown famil{'y' if len(bad) == 1 else 'ies'} {bad}; choose from "
+                          f"{', '.join(FAMILIES)}")
     s = cfg.sim
     if (min(s.num_nodes, s.gpus_per_node, s.cpus_per_node) <= 0 or s.slot_s <= 0 or s.restart_s < 0
             or (s.resize_restart_s or 0.0) < 0):
@@ -68,7 +86,9 @@ def validate(cfg: ClusterConfig) -> ClusterConfig:
 @dataclass
 class BenchConfig:
     """`python -m recipes bench cluster` options; each row averages workload-1..files of a set."""
-    schedulers: list[str] = field(default_factory=lambda: list(SCHEDULERS[:-1]))   # learned_ac on request
+    schedulers: list[str] = field(default_factory=lambda: [s for s in SCHEDULERS[:-1] if s != "fitted_aware"])
+    # (learned_ac and fitted_aware on request)
+    seeds: int = 1                 # runs per file, sim.seed, sim.seed + 1, ... (noise, loss curves, the families' draws)
     workloads: list[str] = field(default_factory=lambda: ["workloads", "workloads-realistic"])   # sets, CSVs, folders
     files: int = 1                 # workload-1..N of a set, the first N CSVs of a folder (0: all)
     limit: int = 0                 # the first N jobs (of `applications`, where given) of each file (0: all)
@@ -97,6 +117,15 @@ class HindsightConfig:
     es_sigma: float = 0.3
     es_lr: float = 0.3
     hidden_es: int = 16
+    train_families: list[str] = field(default_factory=list)   # each generated workload (training and validation)
+                                   # runs under none or one of these families (sim.families), drawn uniformly
+    supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
+                                   # the warm start is the fitted scheduler exactly)
+    supervised_window_s: float = 0.0   # ... their window (0: window_s)
+    supervised_columns: list[int] = field(default_factory=lambda: [15, 16, 18, 19])   # the features it regresses on
+                                   # (residual.MISFIT_COLUMNS; [15, 18, 19]: only after a loss drop was seen)
+    save: str = ""                 # write the trained policy (.npz) here
+    load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
     seed: int = 0
     sim: SimConfig = field(default_factory=SimConfig)
 
@@ -115,4 +144,7 @@ class ExecConfig:
     arrivals_s: list[float] = field(default_factory=lambda: [0.0, 60.0, 120.0])
     slot_s: float = 15.0
     resize_penalty_s: float = 20.0   # the fitted model's resize cost: about one restart of a tiny job here
+    policy: str = ""               # scheduler=learned: a saved policy (.npz, `bench cluster learned.save=PATH`)
+    max_devices: list[int] = field(default_factory=list)   # per job, the most devices it may hold (jobs then share
+                                   # the machine at once: co-located); missing entries: no cap
     plot: bool = True

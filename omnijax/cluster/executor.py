@@ -229,6 +229,7 @@ class Executor:
                 continue
             if row.get("step_time_s") and row.get("warm", True):
                 job.speed_model.observe(int(row.get("devices", run.devices)), 1, float(row["step_time_s"]))
+                job.observed_step_s = float(row["step_time_s"])
         run.rows_seen = len(rows)
 
     # ------------------------------------------------------------------ main loop

@@ -67,6 +67,7 @@ class Job:
     waiting_since: float = 0.0
     restarts: int = 0
     resize_penalty_s: float | None = None   # this job's resize cost for the fitted model (None: its default)
+    observed_step_s: float | None = None    # the last measured step time (at the placement it ran on)
     loss_model: LossModel = field(default_factory=LossModel)
     speed_model: SpeedModel = field(default_factory=SpeedModel)
     timeline: list[tuple[float, int, int]] = field(default_factory=list)   # (time, devices, nodes)
@@ -103,14 +104,16 @@ def check_allocation(alloc: Mapping[str, int], jobs: Mapping[str, Job], cluster:
 
 
 def place(alloc: Mapping[str, int], current: Mapping[str, tuple[int, ...]], cluster: Cluster,
-          pack: bool = True, cpus: Mapping[str, int] | None = None) -> dict[str, tuple[int, ...]]:
+          pack: bool = True, cpus: Mapping[str, int] | None = None,
+          order: Sequence[int] | None = None) -> dict[str, tuple[int, ...]]:
     """Per-node device counts for every job with a positive allocation.
 
     Jobs whose count did not change keep their placement (no restart). The others are placed largest
     first: `pack` puts each on as few nodes as possible (best fit: the fullest node that still holds it,
     else the emptiest nodes first); otherwise first fit in node order. Placement never fails when the
     allocation fits the cluster's GPUs in total. CPU demand (`cpus`, per replica) is checked only in
-    total (check_allocation); per-node CPU is not a placement constraint here.
+    total (check_allocation); per-node CPU is not a placement constraint here. `order`: node preference
+    among equally free nodes (a scheduler's, e.g. fast nodes first; None: node index).
     """
     free = [cluster.gpus_per_node] * cluster.num_nodes
     out: dict[str, tuple[int, ...]] = {}
@@ -124,7 +127,7 @@ def place(alloc: Mapping[str, int], current: Mapping[str, tuple[int, ...]], clus
         raise ValueError("kept placements overlap")
     todo = sorted(((n, name) for name, n in alloc.items() if n > 0 and name not in out), key=lambda x: (-x[0], x[1]))
     for n, name in todo:
-        counts = place_one(free, n, pack)
+        counts = place_one(free, n, pack, order)
         if counts is None:
             raise ValueError(f"cannot place {name} ({n} devices): allocation exceeds capacity")
         free = [f - c for f, c in zip(free, counts)]
@@ -132,20 +135,24 @@ def place(alloc: Mapping[str, int], current: Mapping[str, tuple[int, ...]], clus
     return out
 
 
-def place_one(free: Sequence[int], n: int, pack: bool = True) -> list[int] | None:
+def place_one(free: Sequence[int], n: int, pack: bool = True, order: Sequence[int] | None = None) -> list[int] | None:
     """Devices per node for one job of n devices on the free-per-node list `free`; None if they do not fit.
 
     `pack`: the tightest single node that holds all n, else the emptiest nodes first; otherwise first fit
     in node order. `place` uses it for every job it (re)places; schedulers use it to foresee placements."""
     if n > sum(free):
         return None
+    rank = list(range(len(free)))
+    if order is not None:
+        for r, i in enumerate(order):
+            rank[i] = r
     counts = [0] * len(free)
     fits = [i for i in range(len(free)) if free[i] >= n] if pack else []
     if fits:
-        counts[min(fits, key=lambda i: (free[i], i))] = n
+        counts[min(fits, key=lambda i: (free[i], rank[i]))] = n
         return counts
     left = n
-    for i in sorted(range(len(free)), key=lambda i: (-free[i], i)) if pack else range(len(free)):
+    for i in sorted(range(len(free)), key=lambda i: (-free[i], rank[i])) if pack else range(len(free)):
         take = min(free[i], left)
         counts[i] += take
         left -= take

@@ -21,6 +21,9 @@ def make_scheduler(name: str, cfg: ClusterConfig | None = None) -> Scheduler:
         return FittedModel(objective="remaining_time")
     if name == "fitted_oracle":
         return FittedOracle()
+    if name == "fitted_aware":
+        from omnijax.cluster.aware import FittedAware
+        return FittedAware()
     if name == "learned":
         from omnijax.cluster.residual import train_residual
         return train_residual(cfg)

@@ -31,46 +31,58 @@ from typing import Sequence
 
 import numpy as np
 
-from omnijax.cluster.jobs import Job
-from omnijax.cluster.schedulers import FittedModel
+from omnijax.cluster.aware import NodeSpeeds, neighbour_loads, slowdown, sync_share
+from omnijax.cluster.jobs import Cluster, Job
+from omnijax.cluster.schedulers import FittedModel, _geometric_mean
 from omnijax.cluster.traces import APPLICATIONS, JobSpec
 
-NUM_FEATURES = 12
+NUM_FEATURES = 20
 OUTPUTS = 2            # log-scale of the ranking key, log-scale of beta
-MAX_LOG_SCALE = 2.0
+NODE_FEATURES = 3      # per node: log slowdown estimate, jobs on it, their summed sync shares
+MAX_LOG_SCALE = 3.0
 
 
 @dataclass
 class MLP:
-    """x -> tanh(x W1 + b1) W2 + b2, parameters as one flat vector (what ES perturbs)."""
+    """x -> tanh(x W1 + b1) W2 + x L + b2, plus node-scoring weights w (node order: ascending features·w);
+    parameters as one flat vector [W1, b1, L, w, W2, b2] (ES perturbs everything from L on)."""
     features: int = NUM_FEATURES
     hidden: int = 16
 
     @property
     def head(self) -> int:
-        """Index where the output layer starts in the flat vector (ES trains from there on)."""
+        """Index where the trained part (L, w, W2, b2) starts in the flat vector."""
         return self.features * self.hidden + self.hidden
 
     @property
     def size(self) -> int:
-        return self.features * self.hidden + self.hidden + self.hidden * OUTPUTS + OUTPUTS
+        return self.head + self.features * OUTPUTS + NODE_FEATURES + self.hidden * OUTPUTS + OUTPUTS
 
     def init(self, seed: int = 0) -> np.ndarray:
-        """Random first layer, zero output layer (the policy starts as the fitted scheduler)."""
+        """Random first layer, zero trained part (the policy starts as the fitted scheduler)."""
         rng = np.random.default_rng(seed)
         theta = np.zeros(self.size)
         n1 = self.features * self.hidden
         theta[:n1] = rng.standard_normal(n1) / math.sqrt(self.features)
         return theta
 
-    def __call__(self, theta: np.ndarray, x: np.ndarray) -> np.ndarray:
+    def _split(self, theta: np.ndarray):
         F, H = self.features, self.hidden
         i = 0
         W1 = theta[i:i + F * H].reshape(F, H); i += F * H
         b1 = theta[i:i + H]; i += H
+        L = theta[i:i + F * OUTPUTS].reshape(F, OUTPUTS); i += F * OUTPUTS
+        w = theta[i:i + NODE_FEATURES]; i += NODE_FEATURES
         W2 = theta[i:i + H * OUTPUTS].reshape(H, OUTPUTS); i += H * OUTPUTS
         b2 = theta[i:i + OUTPUTS]
-        return np.tanh(x @ W1 + b1) @ W2 + b2
+        return W1, b1, L, w, W2, b2
+
+    def __call__(self, theta: np.ndarray, x: np.ndarray) -> np.ndarray:
+        W1, b1, L, _, W2, b2 = self._split(theta)
+        return np.tanh(x @ W1 + b1) @ W2 + x @ L + b2
+
+    def node_weights(self, theta: np.ndarray) -> np.ndarray:
+        return self._split(theta)[3]
 
 
 class ResidualScheduler(FittedModel):
@@ -86,14 +98,28 @@ class ResidualScheduler(FittedModel):
         self._arrivals: dict[str, float] = {}
         self._gpus = 1
         self.name = "learned"
+        self.nodes = NodeSpeeds()
+        self._node_slow: np.ndarray | None = None
+        self._node_features: np.ndarray | None = None
+        self._loads: dict[str, float] = {}
+        self._first_drop: dict[str, float] = {}     # steps done when a loss drop was first seen
 
     def reset(self):
         super().reset()
         self._arrivals = {}
+        self._first_drop = {}
+        self.nodes = NodeSpeeds()
+        self._node_slow = None
+        self._node_features = None
+        self._loads = {}
 
     def features(self, now: float, all_jobs: Sequence[Job], jobs: Sequence[Job], work: dict[str, float],
                  gpus: int) -> np.ndarray:
-        """[len(jobs), NUM_FEATURES]: the job's own state and what the fitted model does not see."""
+        """[len(jobs), NUM_FEATURES]: the job's own state and what the fitted model does not see: the queue,
+        the mix, arrivals; measured slowdown at its placement, its neighbours' communication and its nodes'
+        estimated speed (straggler, interference); how its loss history agrees with the fitted curve (whether
+        a sudden loss drop was seen and at which step, whether the fit says it has converged, the fit's length
+        against its application's finished jobs)."""
         for j in all_jobs:
             self._arrivals.setdefault(j.name, j.arrival)
         n = len(all_jobs)
@@ -106,13 +132,56 @@ class ResidualScheduler(FittedModel):
         keys = np.array([work[j.name] for j in jobs])
         rank = np.argsort(np.argsort(keys, kind="stable"), kind="stable") / max(len(jobs), 1)
         total = float(np.sum(np.maximum(keys, 0.0))) or 1.0
+        loads = self._loads
+        slow = self._node_slow
         x = np.zeros((len(jobs), NUM_FEATURES))
         for i, j in enumerate(jobs):
+            r = slowdown(j)
+            worst = max((slow[k] for k, c in enumerate(j.placement) if c), default=1.0) if slow is not None and \
+                len(j.placement) == len(slow) else 1.0
+            fit_total = j.loss_model.total_steps()
+            rem_fit = self.remaining_steps(j)
+            same = self._finished_by_app.get(j.application)
+            prior = _geometric_mean(np.maximum(same, 1.0)) if same else None
+            rem_prior = (max(prior, 1.25 * j.progress) - j.progress) if prior else rem_fit
+            if j.name not in self._first_drop and loss_drops(j.loss_model.losses):
+                self._first_drop[j.name] = max(j.progress, 1.0)
+            k_drop = self._first_drop.get(j.name)
+            dropped = float(k_drop is not None)
+            plateau = float(fit_total is not None and math.isfinite(fit_total) and fit_total < 1.1 * max(j.progress, 1.0))
+            disagree = float(np.clip(math.log(max(rem_prior, 1.0) / max(rem_fit, 1.0)), -4, 4)) / 4
+            since = math.log(max(j.progress, 1.0) / k_drop) if k_drop else 0.0
+            scale = math.log(k_drop / max(rem_fit, 1.0)) if k_drop else 0.0
             x[i] = [math.log1p(max(work[j.name], 0.0) / 3600.0) / 3, rank[i], j.allocation / gpus * 4,
                     float(j.allocation > 0), math.log1p(max(now - j.arrival, 0.0) / 3600.0),
                     waiting, n / gpus, recent, math.sin(day), math.cos(day),
-                    apps[j.application] / max(n, 1), max(work[j.name], 0.0) / total]
+                    apps[j.application] / max(n, 1), max(work[j.name], 0.0) / total,
+                    math.log(max(r, 1e-3)) if r else 0.0, loads.get(j.name, 0.0) / 2, math.log(worst),
+                    dropped, plateau, disagree, scale, since]
         return x
+
+    def observe(self, all_jobs: Sequence[Job], cluster: Cluster) -> None:
+        """Per slot: node speed estimates and neighbour loads from the measured step times and placements."""
+        self._node_slow = self.nodes.update(all_jobs, cluster)
+        self._loads = neighbour_loads(all_jobs, cluster)
+        shares = {j.name: sync_share(j) for j in all_jobs if j.allocation}
+        per_node = np.zeros((cluster.num_nodes, NODE_FEATURES))
+        per_node[:, 0] = np.log(np.maximum(self._node_slow, 1e-3))
+        for j in all_jobs:
+            if len(j.placement) == cluster.num_nodes:
+                for k, c in enumerate(j.placement):
+                    if c:
+                        per_node[k, 1] += 0.25
+                        per_node[k, 2] += shares.get(j.name, 0.0)
+        self._node_features = per_node
+
+    def node_order(self, cluster: Cluster) -> list[int] | None:
+        """Nodes by ascending learned score (zero weights: None, the default order)."""
+        w = self.mlp.node_weights(self.theta)
+        if not np.any(w) or self._node_features is None or len(self._node_features) != cluster.num_nodes:
+            return None
+        score = self._node_features @ w
+        return sorted(range(cluster.num_nodes), key=lambda k: (score[k], k))
 
     def _adjust(self, now, all_jobs, jobs, table, work):
         if not jobs:
@@ -128,7 +197,25 @@ class ResidualScheduler(FittedModel):
 
     def allocate(self, now, jobs, cluster):
         self._gpus = cluster.gpus
+        self.observe(jobs, cluster)
         return super().allocate(now, jobs, cluster)
+
+
+def loss_drops(losses: Sequence[float], block: int = 4, z: float = 4.0) -> int:
+    """Sudden drops in a loss history (a learning-rate decay after a plateau). A curve 1/(a·k + b) + c falls
+    ever more slowly, so its fall between consecutive block means never grows; a drop is a fall over twice
+    the previous one plus `z` noise standard errors (noise: the spread inside the blocks). Consecutive
+    growing blocks count once."""
+    v = np.asarray(losses[-800:], dtype=float)
+    nb = len(v) // block
+    if nb < 4:
+        return 0
+    blocks = v[len(v) - nb * block:].reshape(nb, block)
+    means = blocks.mean(1)
+    noise = float(np.median(blocks.std(1, ddof=1))) / math.sqrt(block)
+    fall = means[:-1] - means[1:]
+    hit = fall[1:] > 2.0 * np.maximum(fall[:-1], 0.0) + z * math.sqrt(2) * noise
+    return int(np.sum(hit[1:] & ~hit[:-1]) + hit[0])
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -156,7 +243,8 @@ def episode_score(theta: np.ndarray, specs: Sequence[JobSpec], sim_cfg, hidden: 
 
 
 def evolve(theta: np.ndarray, workloads: Sequence[Sequence[JobSpec]], sim_cfg, *, hidden: int = 16,
-           pairs: int = 4, sigma: float = 0.3, lr: float = 0.3, seed: int = 0, log=None) -> tuple[np.ndarray, list[dict]]:
+           pairs: int = 4, sigma: float = 0.3, lr: float = 0.3, seed: int = 0, log=None,
+           sims: Sequence | None = None) -> tuple[np.ndarray, list[dict]]:
     """Antithetic ES, one iteration per workload in `workloads`; returns (final parameters, history).
 
     Only the output layer is trained (the first layer stays a fixed random feature map): far fewer
@@ -170,15 +258,16 @@ def evolve(theta: np.ndarray, workloads: Sequence[Sequence[JobSpec]], sim_cfg, *
     head = MLP(hidden=hidden).head
     history = []
     for it, specs in enumerate(workloads):
-        ref = run_workload(specs, FittedModel(), sim_cfg).avg_jct_s
+        cfg_it = sims[it] if sims is not None else sim_cfg     # per iteration: its families and seed
+        ref = run_workload(specs, FittedModel(), cfg_it).avg_jct_s
         eps = np.zeros((pairs, len(theta)))
         eps[:, head:] = rng.standard_normal((pairs, len(theta) - head))
-        scores = np.array([[episode_score(theta + s * sigma * e, specs, sim_cfg, hidden, ref) for s in (1.0, -1.0)]
+        scores = np.array([[episode_score(theta + s * sigma * e, specs, cfg_it, hidden, ref) for s in (1.0, -1.0)]
                            for e in eps])
         ranks = np.argsort(np.argsort(scores.ravel())).reshape(scores.shape) / (scores.size - 1) - 0.5
         grad = ((ranks[:, 0] - ranks[:, 1])[:, None] * eps).sum(0) / (pairs * sigma)
         theta = theta - lr * sigma * grad
-        row = {"iteration": it, "jobs": len(specs), "perturbed_vs_fitted": round(float(scores.mean()), 4),
+        row = {"iteration": it, "jobs": len(specs), "families": list(cfg_it.families), "perturbed_vs_fitted": round(float(scores.mean()), 4),
                "best_vs_fitted": round(float(scores.min()), 4)}
         history.append(row)
         if log:
@@ -198,34 +287,143 @@ def accept(scores: Sequence[float], z: float = 2.0) -> bool:
     return float(s.mean()) + z * se < 1.0
 
 
+class _Recorder(ResidualScheduler):
+    """The warm-start policy (the fitted scheduler's decisions) that records, every slot, each planned job's
+    features and the fitted model's remaining steps, for `length_correction`."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.rows: list[tuple[str, float, float, np.ndarray]] = []   # (job, progress, fitted remaining, features)
+
+    def _adjust(self, now, all_jobs, jobs, table, work):
+        if jobs:
+            x = self.features(now, all_jobs, jobs, work, max(int(self._gpus), 1))
+            self.rows += [(j.name, j.progress, self.remaining_steps(j), x[i]) for i, j in enumerate(jobs)]
+        return super()._adjust(now, all_jobs, jobs, table, work)
+
+
+MISFIT_COLUMNS = (15, 16, 18, 19)   # a loss drop seen, the fit says converged, log(steps at the first drop / fitted
+                                    # remaining) and log(steps now / steps at the first drop) after a drop
+
+
+def length_correction(workloads: Sequence[Sequence[JobSpec]], sims: Sequence, hidden: int = 16, seed: int = 0,
+                      ridge: float = 1.0, clip: float = 3.0,
+                      columns: Sequence[int] = MISFIT_COLUMNS) -> tuple[np.ndarray, dict]:
+    """Supervised step of the warm start, from observed outcomes: run the fitted scheduler's decisions on the
+    training workloads, and once every job has finished (its length is then known, as to any real scheduler)
+    regress log(true remaining / fitted remaining) at every slot it was planned on the `columns` of the
+    policy's features (ridge, no intercept): the loss-history misfit signals, all zero while the loss follows
+    the fitted form, so the correction is silent there (a correction on every feature, with an intercept,
+    explained more of the error, r² 0.48, but re-ranked jobs whose fit was right and was worse than the
+    fitted scheduler on held-out generated workloads). The fit becomes the linear path of the ranking
+    output: the policy ranks by the remaining work its observations predict where the fitted loss form
+    is visibly wrong. Returns the parameters (the rest at the warm start) and the fit's statistics."""
+    from omnijax.cluster.simulator import jobs_from_specs, simulate, comm_share_fn
+    X, y = [], []
+    for specs, sim in zip(workloads, sims):
+        rec = _Recorder(hidden=hidden, seed=seed)
+        jobs, step_time = jobs_from_specs(specs, sim)
+        simulate(jobs, step_time, rec, sim, comm_share=comm_share_fn(specs) if sim.families else None)
+        total = {j.name: j.total_steps for j in jobs}
+        for name, progress, rem_fit, x in rec.rows:
+            X.append(x)
+            y.append(float(np.clip(math.log(max(total[name] - progress, 1.0) / max(rem_fit, 1.0)), -clip, clip)))
+    mlp = MLP(hidden=hidden)
+    theta = mlp.init(seed)
+    if not X:
+        return theta, {"rows": 0}
+    X, y = np.array(X), np.array(y)
+    cols = list(columns)
+    A = X[:, cols]
+    w = np.linalg.solve(A.T @ A + ridge * np.eye(len(cols)), A.T @ y)
+    W1, b1, L, nodew, W2, b2 = mlp._split(theta)       # views into theta
+    L[cols, 0] = w
+    pred = A @ w
+    stats = {"rows": int(len(y)), "target_sd": round(float(y.std()), 4),
+             "residual_sd": round(float((y - pred).std()), 4), "r2": round(1.0 - float(np.var(y - pred) / max(np.var(y), 1e-12)), 4),
+             "weights": [round(float(v), 3) for v in w]}
+    return theta, stats
+
+
+def episode_configs(sim_cfg, families: Sequence[str], count: int, rng: np.random.Generator) -> list:
+    """`count` simulator configs, each with its own seed, under no family or one of `families`: round robin in a
+    fresh random order per round, so every family gets its share of a short training run."""
+    from dataclasses import replace
+    options = [()] + [(f,) for f in families]
+    if not families:
+        return [sim_cfg] * count
+    order: list[tuple[str, ...]] = []
+    while len(order) < count:
+        order += [options[int(i)] for i in rng.permutation(len(options))]
+    return [replace(sim_cfg, families=order[i], seed=int(rng.integers(1 << 30))) for i in range(count)]
+
+
+def save_policy(path: str, sched: "ResidualScheduler") -> None:
+    np.savez(path, theta=sched.theta, hidden=sched.mlp.hidden, validation=getattr(sched, "validation_vs_fitted", np.nan),
+             accepted=getattr(sched, "accepted", False))
+
+
+def load_policy(path: str) -> "ResidualScheduler":
+    """A policy `save_policy` wrote; a UserError if the file is missing or of another shape."""
+    from omnijax.errors import UserError
+    try:
+        data = np.load(path)
+        sched = ResidualScheduler(theta=data["theta"], hidden=int(data["hidden"]))
+    except (OSError, KeyError, ValueError) as exc:
+        raise UserError(f"learned.load={path!r}: not a saved learned policy ({exc})") from None
+    sched.validation_vs_fitted = float(data["validation"])
+    sched.accepted = bool(data["accepted"])
+    return sched
+
+
 def train_residual(cfg) -> ResidualScheduler:
-    """Train on workloads generated from the `learned.train_sets` traces; returns the scheduler."""
+    """Train on workloads generated from the `learned.train_sets` traces (under `learned.train_families`);
+    returns the scheduler (or `learned.load`'s saved one)."""
     from omnijax.cluster.simulator import run_workload
     from omnijax.cluster.traces import load_workload, workload_files
     lc = cfg.learned
+    if lc.load:
+        return load_policy(lc.load)
     pool = [load_workload(w) for s in lc.train_sets for w in workload_files(s, 0)]
     eval_names = {"workloads", "workloads-realistic"}
     if any(s in eval_names for s in lc.train_sets):
         raise ValueError(f"learned.train_sets={lc.train_sets} overlaps the evaluation sets {sorted(eval_names)}")
     rng = np.random.default_rng(lc.seed)
     episodes = [generate_workload(pool, rng, window_s=lc.window_s) for _ in range(lc.es_iterations)]
+    frng = np.random.default_rng([lc.seed, 1])
+    sims = episode_configs(cfg.sim, lc.train_families, lc.es_iterations, frng)
     mlp = MLP(hidden=lc.hidden_es)
-    theta, hist = evolve(mlp.init(lc.seed), episodes, cfg.sim, hidden=lc.hidden_es, pairs=lc.es_pairs,
-                         sigma=lc.es_sigma, lr=lc.es_lr, seed=lc.seed,
+    start = mlp.init(lc.seed)
+    if lc.supervised_workloads:   # the warm start's supervised step: a length correction from observed outcomes
+        srng = np.random.default_rng([lc.seed, 2])
+        sup = [generate_workload(pool, srng, window_s=lc.supervised_window_s or lc.window_s)
+               for _ in range(lc.supervised_workloads)]
+        start, stats = length_correction(sup, episode_configs(cfg.sim, lc.train_families, len(sup), srng),
+                                         hidden=lc.hidden_es, seed=lc.seed, columns=lc.supervised_columns)
+        print(f"# learned supervised: length correction on {len(sup)} generated workloads: {stats}", file=sys.stderr)
+    theta, hist = evolve(start, episodes, cfg.sim, hidden=lc.hidden_es, pairs=lc.es_pairs,
+                         sigma=lc.es_sigma, lr=lc.es_lr, seed=lc.seed, sims=sims,
                          log=lambda r: print(f"# learned es: {r}", file=sys.stderr))
     # validation on fresh generated workloads (same distribution, none trained on): keep the trained
     # policy only if it beats its warm start (the fitted scheduler) there with confidence
     held = [generate_workload(pool, rng, window_s=lc.window_s) for _ in range(lc.es_validation)]
-    scores = [episode_score(theta, s, cfg.sim, lc.hidden_es, run_workload(s, FittedModel(), cfg.sim).avg_jct_s)
-              for s in held]
+    held_sims = episode_configs(cfg.sim, lc.train_families, lc.es_validation, frng)
+    scores = [episode_score(theta, s, c, lc.hidden_es, run_workload(s, FittedModel(), c).avg_jct_s)
+              for s, c in zip(held, held_sims)]
     score = float(np.mean(scores)) if scores else 0.0
     kept = accept(scores, lc.es_confidence)
     print(f"# learned es: validation on {len(held)} generated workloads: {score:.4f} x fitted "
-          f"(per workload {[round(x, 4) for x in scores]}); "
+          f"(per workload {[(c.families, round(x, 4)) for c, x in zip(held_sims, scores)]}); "
           f"{'keeping the trained policy' if kept else 'keeping the warm start (fitted)'}", file=sys.stderr)
+    trained = theta
     if not kept:
         theta = mlp.init(lc.seed)
     sched = ResidualScheduler(theta=theta, hidden=lc.hidden_es)
     sched.history = hist
     sched.validation_vs_fitted = score
+    sched.validation_scores = scores
+    sched.accepted = kept
+    sched.trained_theta = trained
+    if lc.save:
+        save_policy(lc.save, sched)
     return sched

@@ -15,10 +15,11 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from omnijax.cluster import families as fam
 from omnijax.cluster.jobs import CPUS_PER_REPLICA, Cluster, Job, check_allocation, nodes_for, place
 from omnijax.cluster.perf_model import LossCoeffs, LossModel, SpeedModel
 from omnijax.cluster.schedulers import Scheduler
@@ -42,6 +43,17 @@ class SimConfig:
     profile_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)   # trial runs on arrival (Optimus-style profiling)
     seed: int = 0
     max_time_s: float = 30 * 24 * 3600.0
+    # workload families where the fitted model forms break (omnijax/cluster/families.py); () = none, the default
+    families: tuple[str, ...] = ()
+    interference_alpha: float = 0.5     # step time × (1 + alpha · Σ neighbours' sync shares)
+    interference_cap: float = 2.0       # ... at most this factor
+    straggler_frac: float = 0.25        # share of slow nodes
+    straggler_slowdown: float = 1.5     # a slow node's step-time factor
+    decay_milestones: tuple[float, ...] = (1 / 3, 2 / 3, 8 / 9)   # learning-rate drops, fractions of the job
+    decay_factor: float = 0.3           # each plateau's gap to the final loss is this times the previous one
+    turnover_size: int = 8              # communication-bound applications' sync grows past this many devices
+    turnover_power: float = 1.0
+    turnover_share: float = 0.4         # ... where the measured sync share at 16 devices is at least this
 
     @property
     def cluster(self) -> Cluster:
@@ -104,16 +116,39 @@ def jobs_from_specs(specs: Sequence[JobSpec], cfg: SimConfig) -> tuple[list[Job]
             max_replicas=max(1, int(s.batch_size // prof.min_local_bsz)),
             loss_model=LossModel(eps=cfg.loss_eps), speed_model=SpeedModel("allreduce", s.batch_size)))
 
-    def step_time(job: Job, n: int, nodes: int) -> float:
-        return profiles[job.application].step_time(n, nodes, job.batch_size)
+    if "turnover" in cfg.families:
+        turned = {a: fam.turnover_step_time(p, cfg) for a, p in profiles.items()}
+
+        def step_time(job: Job, n: int, nodes: int) -> float:
+            return turned[job.application](n, nodes, job.batch_size)
+    else:
+        def step_time(job: Job, n: int, nodes: int) -> float:
+            return profiles[job.application].step_time(n, nodes, job.batch_size)
     return jobs, step_time
 
 
-def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, cfg: SimConfig) -> SimResult:
-    """Run all jobs to completion under `scheduler`; the jobs are modified in place."""
+CommShareFn = Callable[[Sequence[Job], Mapping[str, tuple[int, ...]], StepTimeFn], dict[str, float]]
+
+
+def comm_share_fn(specs: Sequence[JobSpec]) -> CommShareFn:
+    """Measured sync shares of placed jobs (what the "interference" family weighs neighbours by)."""
+    profiles = {a: load_profile(a) for a in sorted({s.application for s in specs})}
+    return lambda jobs, placements, step_time: fam.comm_shares(profiles, jobs, placements, step_time)
+
+
+def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, cfg: SimConfig,
+             comm_share: CommShareFn | None = None) -> SimResult:
+    """Run all jobs to completion under `scheduler`; the jobs are modified in place. `comm_share`: the
+    placed jobs' sync shares (the "interference" family; without it neighbours weigh nothing)."""
+    fam.check(cfg)
     cluster = cfg.cluster
     rng = np.random.default_rng(cfg.seed)
     truth = {j.name: hidden_loss(j.total_steps, cfg.loss_eps, rng) for j in jobs}
+    frng = fam.family_rng(cfg)
+    if "stepdecay" in cfg.families:
+        truth = {j.name: fam.stepdecay_loss(j.total_steps, cfg, frng) for j in jobs}
+    nodes_slow = fam.node_slowdowns(cfg, frng)
+    node_order = getattr(scheduler, "node_order", None)
     pending = sorted(jobs, key=lambda j: (j.arrival, j.name))
     if not pending:
         raise ValueError("simulate needs at least one job")
@@ -124,8 +159,10 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
     busy_total = 0.0
     util: list[tuple[float, float]] = []
 
-    def observe_speed(j: Job, n: int, nodes: int) -> None:
-        j.speed_model.observe(n, nodes, step_time(j, n, nodes) * float(np.exp(cfg.speed_noise * rng.standard_normal())))
+    def observe_speed(j: Job, n: int, nodes: int, factor: float = 1.0) -> None:
+        seen = step_time(j, n, nodes) * factor * float(np.exp(cfg.speed_noise * rng.standard_normal()))
+        j.speed_model.observe(n, nodes, seen)
+        j.observed_step_s = seen
 
     while pending or active:
         if t > cfg.max_time_s:
@@ -144,7 +181,13 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
         alloc = scheduler.allocate(t, active, cluster)
         alloc = {j.name: int(alloc.get(j.name, 0)) for j in active}
         check_allocation(alloc, {j.name: j for j in active}, cluster)
-        placements = place(alloc, {j.name: j.placement for j in active}, cluster, pack=scheduler.pack)
+        order = node_order(cluster) if node_order is not None else None
+        placements = place(alloc, {j.name: j.placement for j in active}, cluster, pack=scheduler.pack, order=order)
+        slow: dict[str, float] = {}
+        if cfg.families and placements:
+            shares = (comm_share(active, placements, step_time)
+                      if comm_share is not None and "interference" in cfg.families else {})
+            slow = fam.slowdowns(cfg, placements, shares, nodes_slow)
         busy = 0.0
         for j in list(active):
             new = placements.get(j.name, ())
@@ -166,7 +209,7 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
             j.placement, j.allocation = new, n
             if j.started is None:
                 j.started = t
-            st = step_time(j, n, j.nodes)
+            st = step_time(j, n, j.nodes) * slow.get(j.name, 1.0)
             run = max(0.0, slot - overhead)
             steps = run / st
             used = slot
@@ -180,7 +223,7 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
             j.last_run += used
             busy += n * used
             if run > 0:
-                observe_speed(j, n, j.nodes)
+                observe_speed(j, n, j.nodes, slow.get(j.name, 1.0))
                 loss = float(truth[j.name](j.progress)) * (1.0 + cfg.loss_noise * rng.standard_normal())
                 j.loss_model.observe(j.progress, loss)
             if j.done:
@@ -210,7 +253,7 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
 
 def run_workload(specs: Sequence[JobSpec], scheduler: Scheduler, cfg: SimConfig) -> SimResult:
     jobs, step_time = jobs_from_specs(specs, cfg)
-    return simulate(jobs, step_time, scheduler, cfg)
+    return simulate(jobs, step_time, scheduler, cfg, comm_share=comm_share_fn(specs) if cfg.families else None)
 
 
 def plot_result(result: SimResult, path: str | Path) -> Path:

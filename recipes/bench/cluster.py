@@ -22,8 +22,11 @@ def run(overrides: list[str]) -> Iterator[dict]:
     """Overrides: schedulers=[...], workloads=[sets, CSV files or folders of them], files=N (workload-1..N of
     each bundled set, the first N CSV files of a folder; 0: all), limit=N jobs,
     applications=[...] (only those jobs: for decomposing the average, or with `limit` for small workloads),
-    lp_interval_s=S (0: no LP bound), milp_time_s=S (the slot-exact bound, small workloads only), plus any
-    ClusterConfig key (sim.*, learned.*). Each row averages the set's files; `per_file` lists them."""
+    lp_interval_s=S (0: no LP bound), milp_time_s=S (the slot-exact bound, small workloads only), seeds=N (runs
+    per file at sim.seed, sim.seed + 1, ...), plus any ClusterConfig key (sim.* such as sim.families=[stepdecay],
+    learned.*). Each row averages the set's files and seeds; `per_file` lists the files (mean over seeds)."""
+    from dataclasses import replace
+
     import numpy as np
 
     from omnijax.cluster.config import SCHEDULERS, BenchConfig, ClusterConfig, validate
@@ -44,6 +47,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
     if cfg.lagrange_interval_s < 0 or cfg.lagrange_iterations < 1:
         raise ConfigError(f"lagrange_interval_s={cfg.lagrange_interval_s}, lagrange_iterations={cfg.lagrange_iterations}: "
                           f"need an interval > 0 (or 0 to skip the Lagrangian bound) and at least one iteration")
+    if cfg.seeds < 1:
+        raise ConfigError(f"seeds={cfg.seeds}: must be >= 1")
     if cfg.milp_time_s < 0:
         raise ConfigError(f"milp_time_s={cfg.milp_time_s}: must be > 0 (or 0 to skip the slot-exact bound)")
     if any(a not in APPLICATIONS for a in cfg.applications):
@@ -54,7 +59,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         t0 = time.perf_counter()
         schedulers[name] = (make_scheduler(name, ccfg), time.perf_counter() - t0)
     for wset in cfg.workloads:
-        rows, per_file = {}, {}
+        rows, per_file, runs = {}, {}, {}
         names = workload_files(wset, cfg.files)
         specs = {}
         for i, name in enumerate(names):    # the first `limit` jobs of the chosen applications
@@ -63,10 +68,12 @@ def run(overrides: list[str]) -> Iterator[dict]:
         nfiles = len(names)
         truth = {i: jobs_from_specs(specs[i], cfg.sim) for i in specs}     # the bounds read the true lengths
         bound = float(np.mean([alone_bound(*truth[i], cfg.sim.cluster) for i in specs]))
+        sims = [replace(cfg.sim, seed=cfg.sim.seed + k) for k in range(cfg.seeds)]
         for name in cfg.schedulers:
             proto, train_s = schedulers[name]
             t0 = time.perf_counter()
-            results = [run_workload(specs[i], proto.fresh(), cfg.sim) for i in specs]
+            results = [run_workload(specs[i], proto.fresh(), sim) for i in specs for sim in sims]   # file-major
+            jct = np.array([r.avg_jct_s for r in results]).reshape(nfiles, cfg.seeds)
             rows[name] = {
                 "variant": name, "workload": wset, "files": nfiles, "jobs": len(specs[0]),
                 "avg_jct_s": round(float(np.mean([r.avg_jct_s for r in results])), 1),
@@ -74,14 +81,29 @@ def run(overrides: list[str]) -> Iterator[dict]:
                 "utilization": round(float(np.mean([r.utilization for r in results])), 4),
                 "restarts_per_job": round(float(np.mean([np.mean([j["restarts"] for j in r.jobs]) for r in results])), 2),
                 "sim_s": round(time.perf_counter() - t0, 1),
-                "per_file": [round(r.avg_jct_s, 1) for r in results]}
-            per_file[name] = [r.avg_jct_s for r in results]
+                "per_file": [round(float(v), 1) for v in jct.mean(1)]}
+            if cfg.seeds > 1:
+                rows[name]["seeds"] = cfg.seeds
+                rows[name]["per_seed"] = [[round(float(v), 1) for v in row] for row in jct]
+            if cfg.sim.families:
+                rows[name]["families"] = list(cfg.sim.families)
+            per_file[name] = list(jct.mean(1))
+            runs[name] = jct
             if train_s > 1:
                 rows[name]["train_s"] = round(train_s, 1)
-            base = "drf" if name != "learned" or "fitted" not in rows else "fitted"
+            base = "drf" if name not in ("learned", "fitted_aware") or "fitted" not in rows else "fitted"
             if name != "drf" and base in rows:
                 rows[name]["vs"] = base
                 rows[name]["jct_ratio"] = round(rows[name]["avg_jct_s"] / rows[base]["avg_jct_s"], 4)
+                if base == "fitted":   # paired (same file, same seed): the spread of the per-run ratio
+                    ratios = (runs[name] / runs["fitted"]).ravel()
+                    rows[name]["ratio_per_run_mean"] = round(float(ratios.mean()), 4)
+                    rows[name]["ratio_per_run_range"] = [round(float(ratios.min()), 4), round(float(ratios.max()), 4)]
+            if name == "learned" and "fitted_aware" in rows:
+                rows[name]["vs_fitted_aware"] = round(rows[name]["avg_jct_s"] / rows["fitted_aware"]["avg_jct_s"], 4)
+            if name == "learned" and hasattr(proto, "accepted"):
+                rows[name]["policy_accepted"] = bool(proto.accepted)
+                rows[name]["policy_validation_vs_fitted"] = round(float(proto.validation_vs_fitted), 4)
             if name == "fitted_oracle":
                 rows[name]["note"] = "not online: told the true job lengths (a bound for the fitted allocation)"
             yield rows[name]

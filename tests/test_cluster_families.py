@@ -1,0 +1,226 @@
+"""Workload families where the fitted forms break (omnijax/cluster/families.py), the `fitted_aware` baseline and
+the learned scheduler's view of them: each family changes the hidden truth the way its docstring says, off means
+the simulator is unchanged, the fitted loss form misreads a step-decay plateau, bad names and parameters are
+one-line ConfigErrors, and the untrained learned policy is still the fitted scheduler under every family."""
+import math
+
+import numpy as np
+import pytest
+
+from omnijax.cluster import families as fam
+from omnijax.cluster.aware import FittedAware, NodeSpeeds, slowdown
+from omnijax.cluster.config import ClusterConfig, LearnedConfig, validate
+from omnijax.cluster.jobs import Cluster, Job, place, place_one
+from omnijax.cluster.perf_model import SpeedModel, fit_loss_curve
+from omnijax.cluster.residual import (ResidualScheduler, episode_configs, load_policy, loss_drops, save_policy)
+from omnijax.cluster.schedulers import DRF, FittedModel
+from omnijax.cluster.simulator import SimConfig, jobs_from_specs, run_workload
+from omnijax.cluster.traces import load_profile, load_workload
+from omnijax.errors import ConfigError, UserError
+
+pytestmark = pytest.mark.usefixtures("synthetic_cluster_data")
+
+CFG = SimConfig(num_nodes=2, slot_s=300.0)
+
+
+def _timelines(result):
+    return [(j["name"], j["timeline"]) for j in result.jobs]
+
+
+def test_families_off_is_the_unchanged_simulator_and_each_family_changes_it():
+    from omnijax.cluster.simulator import simulate
+    specs = load_workload("workloads/workload-1", 10)
+    base = run_workload(specs, FittedModel(), CFG)
+    assert _timelines(run_workload(specs, FittedModel(), SimConfig(num_nodes=2, slot_s=300.0, families=()))) == \
+        _timelines(base)
+
+    def losses(cfg):
+        jobs, step_time = jobs_from_specs(specs, cfg)
+        simulate(jobs, step_time, DRF(), cfg)
+        return [j.loss_model.losses for j in jobs]
+    assert losses(SimConfig(num_nodes=2, families=("stepdecay",))) != losses(SimConfig(num_nodes=2))
+    for f in ("straggler", "turnover"):
+        other = run_workload(specs, FittedModel(), SimConfig(num_nodes=2, slot_s=300.0, families=(f,),
+                                                             straggler_frac=1.0, turnover_size=2))
+        assert other.avg_jct_s > base.avg_jct_s, f
+
+
+def test_slowdowns_straggler_is_the_slowest_node_and_interference_weighs_neighbours():
+    cfg = SimConfig(num_nodes=3, families=("straggler", "interference"), interference_alpha=0.5, interference_cap=1.4)
+    slow = np.array([1.0, 1.5, 1.0])
+    placements = {"a": (2, 0, 0), "b": (2, 2, 0), "c": (0, 0, 4)}
+    shares = {"a": 0.2, "b": 0.6, "c": 0.9}
+    out = fam.slowdowns(cfg, placements, shares, slow)
+    assert out["a"] == pytest.approx(1.0 * (1 + 0.5 * 0.6))          # neighbour b on node 0
+    assert out["b"] == pytest.approx(1.5 * (1 + 0.5 * 0.2))          # node 1 is slow; neighbour a
+    assert out["c"] == pytest.approx(1.0)                            # alone on a normal node
+    capped = fam.slowdowns(cfg, {"a": (2, 0, 0), "b": (2, 0, 0)}, {"a": 1.0, "b": 1.0}, slow)
+    assert capped["a"] == pytest.approx(1.4)
+
+
+def test_straggler_nodes_slow_the_measured_step_times():
+    specs = load_workload("workloads/workload-1", 6)
+    cfg = SimConfig(num_nodes=2, slot_s=300.0, families=("straggler",), straggler_frac=1.0, straggler_slowdown=2.0,
+                    speed_noise=0.0)
+    jobs, step_time = jobs_from_specs(specs, cfg)
+    from omnijax.cluster.simulator import simulate
+    simulate(jobs, step_time, DRF(), cfg)
+    for j in jobs:      # every node is slow: every measurement after profiling is twice the profile
+        later = [v for vals in j.speed_model.points.values() for v in vals[1:]]
+        assert later and all(v == pytest.approx(2.0 * j.speed_model.points[k][0])
+                             for k, vals in j.speed_model.points.items() for v in vals[1:])
+
+
+def test_interference_slows_co_located_jobs_under_drf():
+    specs = load_workload("workloads/workload-1", 10)
+    plain = run_workload(specs, DRF(), CFG)
+    noisy = run_workload(specs, DRF(), SimConfig(num_nodes=2, slot_s=300.0, families=("interference",),
+                                                 interference_alpha=2.0))
+    assert noisy.avg_jct_s > plain.avg_jct_s
+
+
+def test_stepdecay_plateau_fools_the_fitted_loss_form():
+    """Before the first learning-rate drop the 1/(a·k + b) + c fit takes the plateau for convergence (too short);
+    once a drop is in the history it predicts a job several times longer than it is."""
+    curve = fam.StepDecayLoss(total_steps=3000.0, c=0.5, gap=1.0, milestones=(1 / 3, 2 / 3, 8 / 9), factor=0.3)
+    k = np.arange(20.0, 980.0, 20.0)
+    assert fit_loss_curve(k, curve(k)).steps_to_converge(0.05) < 0.8 * 3000.0
+    k = np.arange(20.0, 1500.0, 20.0)
+    assert fit_loss_curve(k, curve(k)).steps_to_converge(0.05) > 3 * 3000.0
+    before, after = float(curve(990.0)), float(curve(1100.0))
+    assert after < before - 0.1                                           # the learning-rate drop
+    smooth = 1.0 / (0.002 * k + 1.0) + 0.5
+    assert loss_drops(list(curve(np.arange(0.0, 2900.0, 20.0)))) >= 1 and loss_drops(list(smooth)) == 0
+
+
+def test_turnover_only_past_its_size_and_only_for_communication_bound_apps():
+    cfg = SimConfig(families=("turnover",), turnover_size=8)
+    bert, imagenet = load_profile("bert"), load_profile("imagenet")
+    f = fam.turnover_step_time(bert, cfg)
+    assert f(8, 2, 192) == bert.step_time(8, 2, 192)
+    assert f(16, 4, 192) > f(8, 2, 192) > bert.step_time(16, 4, 192)      # speed falls past 8
+    g = fam.turnover_step_time(imagenet, cfg)                               # compute-bound in the fixture
+    assert g(16, 4, 3200) == imagenet.step_time(16, 4, 3200)
+
+
+@pytest.mark.parametrize("sim, match", [
+    (dict(families=("gremlins",)), "unknown family"),
+    (dict(straggler_slowdown=0.5), "straggler"),
+    (dict(decay_milestones=(0.7, 0.3)), "decay_milestones"),
+    (dict(interference_alpha=-1.0), "interference"),
+    (dict(turnover_size=0), "turnover"),
+])
+def test_bad_family_settings_are_one_line_config_errors(sim, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        validate(ClusterConfig(sim=SimConfig(**sim)))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=match):
+        run_workload(load_workload("workloads/workload-1", 2), FittedModel(), SimConfig(**sim))
+
+
+def test_unknown_training_family_is_a_config_error():
+    with pytest.raises(ConfigError, match="train_families"):
+        validate(ClusterConfig(learned=LearnedConfig(train_families=["stepdecay", "solar flares"])))
+    with pytest.raises(ConfigError, match="supervised_columns"):
+        validate(ClusterConfig(learned=LearnedConfig(supervised_columns=[15, 99])))
+
+
+def test_node_order_breaks_ties_only():
+    assert place_one([4, 4, 4], 4, order=[2, 0, 1]) == [0, 0, 4]
+    assert place_one([4, 4, 4], 4) == [4, 0, 0]
+    assert place_one([2, 4, 4], 2, order=[2, 1, 0]) == [2, 0, 0]          # the tightest fit still wins
+    got = place({"a": 8}, {}, Cluster(3, 4, 32), order=[1, 2, 0])
+    assert got["a"] == (0, 4, 4)
+
+
+def _running(name, placement, observed, profiled=1.0):
+    speed = SpeedModel("allreduce", batch_size=64)
+    n, m = sum(placement), sum(1 for c in placement if c)
+    speed.observe(n, m, profiled)
+    j = Job(name=name, arrival=0.0, application="cifar10", batch_size=64, requested=n, total_steps=100.0,
+            allocation=n, placement=placement, speed_model=speed)
+    j.observed_step_s = observed
+    return j
+
+
+def test_fitted_aware_finds_the_slow_node_from_measured_step_times():
+    cluster = Cluster(3, 4, 32)
+    jobs = [_running("a", (4, 0, 0), 1.0), _running("b", (0, 4, 0), 1.8), _running("c", (0, 0, 4), 1.0)]
+    assert slowdown(jobs[1]) == pytest.approx(1.8)
+    slow = NodeSpeeds(memory=0.0).update(jobs, cluster)
+    assert slow.tolist() == pytest.approx([1.0, 1.8, 1.0])
+    sched = FittedAware()
+    sched.observe(jobs, cluster)
+    assert sched.node_order(cluster)[-1] == 1                              # the slow node last
+    # one slot seen: the estimate moved halfway from 1 to 1.8; a job of m nodes lands on m nodes drawn at random
+    assert sched.nodes.slow.tolist() == pytest.approx([1.0, 1.4, 1.0])
+    assert sched.expected_slowdown(np.array([1, 3])).tolist() == pytest.approx([1.0 + 0.4 / 3, 1.4 - 0.4 * (2 / 3) ** 3])
+
+
+def test_fitted_aware_and_untrained_learned_run_every_family():
+    specs = load_workload("workloads/workload-2", 10)
+    cfg = SimConfig(num_nodes=2, slot_s=300.0, families=fam.FAMILIES)
+    a = run_workload(specs, FittedModel(), cfg)
+    b = run_workload(specs, ResidualScheduler(hidden=4), cfg)
+    assert _timelines(a) == _timelines(b)          # the warm start is the fitted scheduler, families or not
+    c = run_workload(specs, FittedAware(), cfg)
+    assert len(c.jobs) == len(specs) and all(math.isfinite(j["jct"]) for j in c.jobs)
+
+
+def test_policy_round_trips_and_bad_files_are_user_errors(tmp_path):
+    sched = ResidualScheduler(hidden=4)
+    sched.theta = sched.theta + 0.01
+    sched.accepted, sched.validation_vs_fitted = True, 0.93
+    save_policy(str(tmp_path / "p.npz"), sched)
+    back = load_policy(str(tmp_path / "p.npz"))
+    assert np.array_equal(back.theta, sched.theta) and back.accepted and back.validation_vs_fitted == 0.93
+    (tmp_path / "bad.npz").write_text("not a policy")
+    with pytest.raises(UserError, match="not a saved learned policy"):
+        load_policy(str(tmp_path / "bad.npz"))
+
+
+def test_training_episodes_draw_families_and_seeds():
+    rng = np.random.default_rng(0)
+    sims = episode_configs(CFG, ["stepdecay", "straggler"], 30, rng)
+    assert {s.families for s in sims} == {(), ("stepdecay",), ("straggler",)}
+    assert len({s.seed for s in sims}) == 30
+    assert episode_configs(CFG, [], 3, rng) == [CFG] * 3
+
+
+def test_supervised_length_correction_learns_from_finished_jobs():
+    """The warm start's supervised step fits log(true / fitted remaining) on the features of the slots the fitted
+    decisions visited; only the ranking output's linear path on the misfit features changes, and the fit explains
+    part of the fitted form's error under step-decay losses."""
+    from omnijax.cluster.residual import MISFIT_COLUMNS, MLP, length_correction
+    specs = [load_workload("workloads/workload-1", 12), load_workload("workloads/workload-2", 12)]
+    sims = [SimConfig(num_nodes=2, slot_s=60.0, families=("stepdecay",), seed=s) for s in (0, 1)]
+    theta, stats = length_correction(specs, sims, hidden=4, seed=0)
+    mlp = MLP(hidden=4)
+    base = mlp.init(0)
+    changed = np.flatnonzero(theta != base)
+    assert stats["rows"] > 50 and stats["r2"] > 0.05 and stats["residual_sd"] < stats["target_sd"]
+    assert changed.size and set(changed) <= {mlp.head + 2 * c for c in MISFIT_COLUMNS}   # L[c, 0]: the rank output
+
+
+def test_executor_learned_needs_a_saved_policy_and_bench_needs_seeds(tmp_path, monkeypatch):
+    from recipes import cluster_exec
+    from recipes.bench import cluster as bench_cluster
+    monkeypatch.setenv("OMNIJAX_RUNS", str(tmp_path))
+    with pytest.raises(ConfigError, match="policy=PATH"):
+        cluster_exec.main(["scheduler=learned", "runner=toy", "jobs=1", "steps=[5]", "arrivals_s=[0]"])
+    with pytest.raises(ConfigError, match="seeds"):
+        list(bench_cluster.run(["schedulers=[fitted]", "seeds=0"]))
+    with pytest.raises(ConfigError, match="unknown family"):
+        list(bench_cluster.run(["schedulers=[fitted]", "sim.families=[gremlins]"]))
+
+
+def test_bench_seeds_rows_average_every_seed(tmp_path, monkeypatch):
+    from recipes.bench import cluster as bench_cluster
+    rows = list(bench_cluster.run(["schedulers=[fitted,fitted_aware]", "workloads=[workloads]", "files=1", "limit=6",
+                                   "seeds=2", "lp_interval_s=0", "lagrange_interval_s=0", "sim.num_nodes=2",
+                                   "sim.slot_s=300", "sim.families=[straggler]", "sim.straggler_frac=0.5"]))
+    fitted, aware = rows[0], rows[1]
+    assert fitted["families"] == ["straggler"] and len(fitted["per_seed"][0]) == 2
+    assert fitted["avg_jct_s"] == pytest.approx(np.mean(fitted["per_seed"]), abs=0.1)
+    assert aware["vs"] == "fitted" and aware["ratio_per_run_range"][0] <= aware["ratio_per_run_mean"] <= \
+        aware["ratio_per_run_range"][1]
