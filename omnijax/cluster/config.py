@@ -117,15 +117,6 @@ class HindsightConfig:
     es_sigma: float = 0.3
     es_lr: float = 0.3
     hidden_es: int = 16
-    train_families: list[str] = field(default_factory=list)   # each generated workload (training and validation)
-                                   # runs under none or one of these families (sim.families), drawn uniformly
-    supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
-                                   # the warm start is the fitted scheduler exactly)
-    supervised_window_s: float = 0.0   # ... their window (0: window_s)
-    supervised_columns: list[int] = field(default_factory=lambda: [15, 16, 18, 19])   # the features it regresses on
-                                   # (residual.MISFIT_COLUMNS; [15, 18, 19]: only after a loss drop was seen)
-    save: str = ""                 # write the trained policy (.npz) here
-    load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
     seed: int = 0
     sim: SimConfig = field(default_factory=SimConfig)
 
