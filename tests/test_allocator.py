@@ -48,7 +48,7 @@ def test_a_process_re_executes_itself_once_under_the_library(tmp_path):
             "reexec_under_tcmalloc(); print('running', os.getpid(), os.environ.get('LD_PRELOAD'))")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
     env.update({allocator.PATH_ENV: str(fake), "PYTHONPATH": str(ROOT)})
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split("\n")
     starts = [line for line in lines if line.startswith("start")]
@@ -58,7 +58,7 @@ def test_a_process_re_executes_itself_once_under_the_library(tmp_path):
     assert running[0][2] == str(fake)
     # OMNIJAX_ALLOCATOR=system keeps the process as it is
     out = subprocess.run([sys.executable, "-c", code], env={**env, allocator.ENV: "system"}, capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=600)
     assert out.stdout.count("start") == 1 and out.stdout.split("\n")[1].split()[2] == "None", out.stdout
 
 
@@ -79,9 +79,9 @@ def test_main_called_in_process_never_replaces_its_caller(tmp_path):
             "rc = main(['no_such_recipe']); print('back', rc, os.environ.get('LD_PRELOAD'))")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
     env.update({allocator.PATH_ENV: str(fake), "PYTHONPATH": str(ROOT)})
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.stdout.count("start") == 1 and "back 2 None" in out.stdout, (out.stdout, out.stderr[-2000:])
     # the module run as a program does re-execute (same command, the library preloaded)
     out = subprocess.run([sys.executable, "-m", "recipes", "no_such_recipe"], env=env, capture_output=True,
-                         text=True, timeout=120, cwd=str(ROOT))
+                         text=True, timeout=600, cwd=str(ROOT))
     assert out.returncode == 2 and "no_such_recipe" in out.stderr, out.stderr[-2000:]
