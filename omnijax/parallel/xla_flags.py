@@ -42,7 +42,10 @@ def pipelined_flags(version: tuple[int, ...]) -> dict[str, Any]:
 
 
 PIPELINED = pipelined_flags(_jaxlib_version())
-PIPELINE_ALL_GATHER, PIPELINE_REDUCE_SCATTER, PIPELINE_ALL_REDUCE = PIPELINED
+_PREFIX = "xla_gpu_pipeline_" if "xla_gpu_pipeline_all_gather" in PIPELINED else "xla_gpu_enable_pipelined_"
+PIPELINE_ALL_GATHER = _PREFIX + "all_gather"
+PIPELINE_REDUCE_SCATTER = _PREFIX + "reduce_scatter"
+PIPELINE_ALL_REDUCE = _PREFIX + "all_reduce"
 
 _LHS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,     # schedule async collectives around compute
