@@ -58,7 +58,10 @@ def test_train_on_user_data_with_held_out_loss(dataset, tmp_path, monkeypatch):
     argv = [f"data.sources=[{shards / 'train'},{shards / 'llava'}]", f"data.eval_sources=[{shards / 'eval'}]",
             f"tokenizer.path={dataset['tokenizer']}", "data.eval_batches=2",
             "trainer.steps=36", "trainer.log_every=6", "trainer.eval_every=12", "trainer.checkpoint_every=0",
-            "trainer.run_name=user_data", "trainer.progress=false", "optimizer.warmup_steps=5"]
+            "trainer.run_name=user_data", "trainer.progress=false", "optimizer.warmup_steps=5",
+            # room for every window's encoder rows: one training program instead of one per capacity bucket
+            # (a window planned at a larger bucket is tested in test_data_plane.py)
+            "capacity.vision=960", "capacity.audio=2048"]
     assert tiny_omni.main(argv) == 0
     run = tmp_path / "user_data"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

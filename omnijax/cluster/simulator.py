@@ -143,6 +143,8 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
     fam.check(cfg)
     cluster = cfg.cluster
     rng = np.random.default_rng(cfg.seed)
+    # drawn under every family, stepdecay too (which replaces them): the observation noise drawn from `rng`
+    # afterwards is then the same stream with and without a family, so the two runs stay paired
     truth = {j.name: hidden_loss(j.total_steps, cfg.loss_eps, rng) for j in jobs}
     frng = fam.family_rng(cfg)
     if "stepdecay" in cfg.families:

@@ -49,6 +49,7 @@ from typing import Iterator
 
 from omnijax import allocator
 from omnijax.errors import UserError
+from omnijax.perfmodel.step_model import parse_hlo
 
 DESCRIPTION = ("omnijax's LLM train step vs MaxText's (its own venv, mt_python=...) on the same llama shape, "
                "alternating rounds: median ratio with its spread, per layout (1dev, fsdp8, dp8)")
@@ -170,55 +171,37 @@ def maxtext_step_times(log: str, warmup: int) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------- HLO profile
-_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) ([a-z][a-z0-9-]*)\(")  # tuple types hold /*index=5*/
-
-
-def _computations(text: str) -> dict[str, list[str]]:
-    comps: dict[str, list[str]] = {}
-    current = None
-    for line in text.splitlines():
-        m = re.match(r"^(ENTRY )?%(\S+) .*\{\s*$", line)
-        if m:
-            current = comps.setdefault(("ENTRY " if m.group(1) else "") + m.group(2), [])
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            current.append(line)
-    return comps
+_SKIP = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
+_KEEP = ("fusion", "copy", "transpose", "dot", "convolution", "custom-call", "while", "conditional", "call",
+         "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "dynamic-slice",
+         "dynamic-update-slice", "reduce", "broadcast", "gather", "scatter", "sort", "convert")
 
 
 def hlo_summary(text: str) -> dict:
     """Op counts of an optimised HLO module: what runs at the top level (the entry and the bodies of its
     loops and conditionals, i.e. not inside fusions), fusions by kind, and the ops fused inside them."""
-    comps = _computations(text)
-    fusion_bodies = {m.group(1) for c in comps.values() for ln in c if " fusion(" in ln
-                     for m in [re.search(r"calls=%([^,\s)]+)", ln)] if m}
+    comps = parse_hlo(text)
+    instrs = [ins for c in comps.values() for ins in c.instrs]
+    fusion_bodies = {name for ins in instrs if ins.opcode == "fusion" for name in ins.called()}
     # reducers (to_apply of reduce, all-reduce, scatter, sort...) are counted nowhere; `call` bodies are top level
-    reducers = {m.group(1) for c in comps.values() for ln in c if " call(" not in ln
-                for m in [re.search(r"to_apply=%([^,\s)]+)", ln)] if m}
+    reducers = {m.group(1) for ins in instrs if ins.opcode != "call"
+                for m in [re.search(r"\bto_apply=%?([\w.\-]+)", ins.attrs)] if m}
     top: dict[str, int] = {}
     inside: dict[str, int] = {}
     kinds: dict[str, int] = {}
-    for name, body in comps.items():
+    for name, comp in comps.items():
         if name in reducers and name not in fusion_bodies:
             continue
         target = inside if name in fusion_bodies else top
-        for ln in body:
-            m = _OP.match(ln)
-            if not m:
+        for ins in comp.instrs:
+            if ins.opcode in _SKIP:
                 continue
-            op = m.group(1)
-            if op in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
-                continue
-            target[op] = target.get(op, 0) + 1
-            if op == "fusion" and target is top:
-                k = re.search(r"kind=(k\w+)", ln)
+            target[ins.opcode] = target.get(ins.opcode, 0) + 1
+            if ins.opcode == "fusion" and target is top:
+                k = re.search(r"kind=(k\w+)", ins.attrs)
                 kinds[k.group(1) if k else "?"] = kinds.get(k.group(1) if k else "?", 0) + 1
-    keep = ("fusion", "copy", "transpose", "dot", "convolution", "custom-call", "while", "conditional", "call",
-            "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "dynamic-slice",
-            "dynamic-update-slice", "reduce", "broadcast", "gather", "scatter", "sort", "convert")
-    return {"top_level_ops": sum(top.values()), "top_level": {k: top[k] for k in keep if k in top},
-            "fusion_kinds": dict(sorted(kinds.items())), "inside_fusions": {k: inside[k] for k in keep if k in inside},
+    return {"top_level_ops": sum(top.values()), "top_level": {k: top[k] for k in _KEEP if k in top},
+            "fusion_kinds": dict(sorted(kinds.items())), "inside_fusions": {k: inside[k] for k in _KEEP if k in inside},
             "inside_fusion_ops": sum(inside.values())}
 
 
