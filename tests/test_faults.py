@@ -122,9 +122,10 @@ def test_damaged_shards_are_named_or_skipped_and_counted(tmp_path):
 def _recipes(args, log: Path, env=None):
     """`python -m recipes ARGS`, its stderr (what a user's terminal shows) into `log` (files, not pipes: a
     full pipe would stall the process)."""
+    # the suite's XLA flags less its 8-device one (each run sets its devices), plus the run's own
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     e = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
-    if "XLA_FLAGS" not in (env or {}):
-        e.pop("XLA_FLAGS", None)
+    e["XLA_FLAGS"] = " ".join(flags + (env or {}).get("XLA_FLAGS", "").split())
     return subprocess.Popen([sys.executable, "-m", "recipes", *args], cwd=REPO, env=e, stdout=subprocess.DEVNULL,
                             stderr=open(log, "w"))
 
