@@ -122,10 +122,9 @@ def test_damaged_shards_are_named_or_skipped_and_counted(tmp_path):
 def _recipes(args, log: Path, env=None):
     """`python -m recipes ARGS`, its stderr (what a user's terminal shows) into `log` (files, not pipes: a
     full pipe would stall the process)."""
-    # the suite's XLA flags less its 8-device one (each run sets its devices), plus the run's own
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     e = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
-    e["XLA_FLAGS"] = " ".join(flags + (env or {}).get("XLA_FLAGS", "").split())
+    if "XLA_FLAGS" not in (env or {}):  # the user's default flags, not the suite's (conftest.py)
+        e.pop("XLA_FLAGS", None)
     return subprocess.Popen([sys.executable, "-m", "recipes", *args], cwd=REPO, env=e, stdout=subprocess.DEVNULL,
                             stderr=open(log, "w"))
 
@@ -158,6 +157,7 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
     reference = _losses(runs / "ref")
 
     # two processes started by hand, process 1 killed: process 0 stops within trainer.peer_timeout_s
+    # (at --xla_backend_optimization_level=0 it aborts with SIGABRT and no line instead: not yet understood)
     port = subprocess.check_output([sys.executable, "-c", "from recipes.launch import free_port; print(free_port())"],
                                    cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), text=True).strip()
     procs = [_recipes([*common, "trainer.run_name=pair", "trainer.peer_timeout_s=5", "--coordinator",
