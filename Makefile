@@ -12,9 +12,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RECIPE ?= tiny_omni
-# tests: 3 workers on these 2-core machines (a third fills the cores while a test waits on its subprocesses,
-# Ray or a checkpoint); the slowest 20 are listed after every run
-PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=20
+# tests: 2 workers (this project's machines have 2 cores); the slowest 20 are listed after every run
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=20
 
 .PHONY: run test bench setup clean
 
