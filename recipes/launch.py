@@ -28,6 +28,7 @@ from pathlib import Path
 DESCRIPTION = "start N processes of a recipe; restart the group from the last checkpoint when one dies"
 USER_ERROR = 2           # recipes' exit code for a UserError: not worth a restart
 GRACE_S = 10.0           # SIGTERM -> SIGKILL for the survivors of a failed attempt
+PEER_LOST = 75           # omnijax.train.launch.EXIT_PEER_LOST (not imported: the launcher starts without jax)
 
 
 def free_port() -> int:
@@ -72,6 +73,15 @@ def _last_checkpoint(folder: Path) -> str:
     return f"step {steps[-1]}" if steps else "step 0 (no checkpoint yet)"
 
 
+def first_cause(exits: list[tuple[int, int]]) -> tuple[int, int]:
+    """The failure to report among the processes that have exited non-zero, as (process, code), in process
+    order: one that did not merely react to a lost peer. A survivor exits 75, or aborts (SIGABRT) when its
+    collective breaks first; both follow the real cause (process 1 killed), which may sort after them."""
+    if not exits:
+        raise ValueError("first_cause needs at least one failed process")
+    return next(((i, rc) for i, rc in exits if rc not in (PEER_LOST, -signal.SIGABRT)), exits[0])
+
+
 def _why(i: int, rc: int) -> str:
     if rc < 0:
         try:
@@ -79,7 +89,7 @@ def _why(i: int, rc: int) -> str:
         except ValueError:
             sig = f"signal {-rc}"
         return f"process {i} was killed by {sig}"
-    if rc == 75:
+    if rc == PEER_LOST:
         return f"process {i} stopped: a peer stopped answering (exit 75)"
     return f"process {i} exited with code {rc}"
 
@@ -128,15 +138,16 @@ def run_local(args: argparse.Namespace) -> int:
                 for p in procs:
                     p.wait()
                 return max((p.returncode for p in procs), default=0) or 0
-            for i, p in enumerate(procs):
-                if p.poll() not in (None, 0):
-                    failed = (i, p.returncode)
-                    break
+            exits = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if exits:
+                failed = first_cause(exits)
+                break
             time.sleep(0.2)
         if failed is None:
-            failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
-            if failed is None:
+            exits = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
+            if not exits:
                 return 0
+            failed = first_cause(exits)
         _stop(procs)
         why = _why(*failed)
         if failed[1] == USER_ERROR:

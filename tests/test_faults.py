@@ -143,6 +143,22 @@ def _wait_for_checkpoint(run: Path, step: int, procs, timeout=600) -> None:
         time.sleep(0.05)
 
 
+def test_the_launcher_reports_the_lost_process_not_its_survivor():
+    """Process 1 killed: process 0 (polled first) exits 75 or aborts when its collective breaks first; the
+    line names process 1 whichever the survivor did (the race once named process 0's SIGABRT)."""
+    import signal as sig
+
+    from recipes.launch import first_cause
+
+    killed = -int(sig.SIGKILL)
+    assert first_cause([(0, -int(sig.SIGABRT)), (1, killed)]) == (1, killed)
+    assert first_cause([(0, 75), (1, killed)]) == (1, killed)
+    assert first_cause([(0, 1), (1, killed)]) == (0, 1)           # a real failure of its own comes first
+    assert first_cause([(0, -int(sig.SIGABRT))]) == (0, -int(sig.SIGABRT))  # nothing else to blame
+    with pytest.raises(ValueError):
+        first_cause([])
+
+
 @pytest.mark.slow
 def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_group(tmp_path):
     runs = tmp_path / "runs"
