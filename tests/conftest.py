@@ -5,7 +5,7 @@ import os
 # suite's CPU by a fifth (user 22.9 -> 18.3 min, all tests passing). What the tests check (layouts equal to
 # one device, exact resume, bitwise exports) holds at any level; programs run slower, which the tests'
 # few steps do not feel. The multi-host tests' processes inherit it. test_faults.py's run at the default
-# level, as users do (at level 0 its survivor of a lost peer aborts instead of exiting 75: see that test).
+# level, as users do (level 0 makes its lost-peer race certain: see that test).
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
