@@ -132,13 +132,12 @@ def _one_device(recipe: str, args: list[str], runs: Path, name: str, timeout: fl
 
 
 def _assert_same(ref: list[dict], got: list[dict]) -> None:
-    """Every step's loss and gradient norm equal the reference's to fp32 reduction-order noise (the layouts
-    sum in other orders than one device; a wrong row, shard or sample moves them by percents)."""
+    """Every step's loss and gradient norm equal the reference's to fp32 reduction-order noise (measured
+    <= 6e-7 relative; a wrong row, shard or sample moves them by percents)."""
     assert [r["step"] for r in ref] == [r["step"] for r in got] and ref
     for a, b in zip(ref, got):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), ("loss", a["step"], a["loss"], b["loss"])
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), ("grad_norm", a["step"], a["grad_norm"],
-                                                                          b["grad_norm"])
+        for k in ("loss", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5), (k, a["step"], a[k], b[k])
 
 
 TINY_LM = ["model.embed_dim=64", "model.num_layers=2", "model.head_dim=16", "model.mlp_dim=128", "data.seq_len=32",
