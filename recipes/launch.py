@@ -129,8 +129,7 @@ def run_local(args: argparse.Namespace) -> int:
                                    "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(args.processes),
                                    "--process-id", str(i)], env=env)
                  for i in range(args.processes)]
-        failed: tuple[int, int] | None = None
-        while failed is None and any(p.poll() is None for p in procs):
+        while any(p.poll() is None for p in procs):
             if stopping["signal"] is not None:  # SIGTERM (idempotent: a Ctrl-C already reached them too)
                 for p in procs:
                     if p.poll() is None:
@@ -138,16 +137,13 @@ def run_local(args: argparse.Namespace) -> int:
                 for p in procs:
                     p.wait()
                 return max((p.returncode for p in procs), default=0) or 0
-            exits = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if exits:
-                failed = first_cause(exits)
+            if any(p.poll() not in (None, 0) for p in procs):
                 break
             time.sleep(0.2)
-        if failed is None:
-            exits = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
-            if not exits:
-                return 0
-            failed = first_cause(exits)
+        exits = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if not exits:
+            return 0
+        failed = first_cause(exits)
         _stop(procs)
         why = _why(*failed)
         if failed[1] == USER_ERROR:
