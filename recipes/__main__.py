@@ -97,4 +97,13 @@ if __name__ == "__main__":
     if sys.argv[1:2] != ["list"]:  # before jax starts: an allocator is chosen at process start or never. Only
         from omnijax.allocator import reexec_under_tcmalloc  # here: main() called in-process (tests, notebooks)
         reexec_under_tcmalloc()                              # must never replace its caller's process
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    except Exception:  # noqa: BLE001 - printed as Python would, then the exit below
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    from omnijax.train.launch import exit_process
+
+    exit_process(code)

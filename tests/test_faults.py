@@ -159,6 +159,21 @@ def test_the_launcher_reports_the_lost_process_not_its_survivor():
         first_cause([])
 
 
+def test_a_save_broken_by_a_lost_peer_is_told_from_a_disk_fault(tmp_path):
+    """A save a lost process broke (gloo's all-gather under orbax) goes to the peer watch (one line, exit 75);
+    a disk fault or any other user error does not (CI once saw the survivor print the save error instead)."""
+    from omnijax.train.launch import peer_error
+
+    ck = Checkpointer(tmp_path / "checkpoints", async_save=False)
+    lost = ck._save_error(12, RuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer"))
+    full = ck._save_error(12, OSError(28, os.strerror(28), str(tmp_path / "x")))
+    assert isinstance(lost, CheckpointSaveError) and "saving step 12" in str(lost)
+    assert peer_error(lost) and not peer_error(full)
+    assert not peer_error(UserError("a peer path: /home/peer/data.jsonl closed"))  # a user error's own words
+    assert peer_error(RuntimeError("Gloo AllGather failed: Connection reset by peer"))
+    assert not peer_error(ValueError("shapes (3,) and (4,) differ"))
+
+
 @pytest.mark.slow
 def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_group(tmp_path):
     runs = tmp_path / "runs"

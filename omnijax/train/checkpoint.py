@@ -53,7 +53,12 @@ logging.getLogger("absl").addFilter(_DroppedWriteErrors())
 
 
 class CheckpointSaveError(UserError):
-    """A save failed (unwritable folder, disk full): the earlier checkpoints are intact."""
+    """A save failed (unwritable folder, disk full, a lost peer): the earlier checkpoints are intact.
+    `cause` keeps the underlying error's text, so a save broken by a lost process is told from a disk fault."""
+
+    def __init__(self, message: str, cause: str = ""):
+        super().__init__(message)
+        self.cause = cause
 
 
 class DamagedCheckpoint(Exception):
@@ -179,7 +184,8 @@ class Checkpointer:
         what = f"step {step}" if step is not None else "a checkpoint"
         keep = (f"checkpoints {', '.join(map(str, good))} are intact; fix it and run the same command to resume from "
                 f"step {good[-1]}") if good else "no earlier checkpoint exists"
-        return CheckpointSaveError(f"saving {what} to {self.directory} failed: {reason}; {keep}")
+        return CheckpointSaveError(f"saving {what} to {self.directory} failed: {reason}; {keep}",
+                                   cause=f"{type(exc).__name__}: {text}")
 
     def wait(self) -> None:
         try:

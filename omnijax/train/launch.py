@@ -218,10 +218,29 @@ class PeerWatch:
 
 
 def peer_error(exc: BaseException) -> bool:
-    """Whether an exception looks like a collective or the coordination service losing a peer."""
-    text = f"{type(exc).__name__}: {exc}"
+    """Whether an exception looks like a collective or the coordination service losing a peer. A user
+    error is judged by the error under it (`cause`: a checkpoint save a lost peer broke), else never."""
+    text = getattr(exc, "cause", None)
+    if text is None:
+        if isinstance(exc, UserError):
+            return False
+        text = f"{type(exc).__name__}: {exc}"
     return bool(re.search(r"gloo|Connection|connection|UNAVAILABLE|DEADLINE_EXCEEDED|barrier|heartbeat|"
                           r"coordination|Socket|socket|peer|closed", text))
+
+
+def exit_process(code: int) -> None:
+    """End the process with `code`. A failed process of a multi-process run skips the native teardown:
+    after a peer is lost, the distributed runtime's destructors can abort (SIGABRT), which would hide the
+    exit code the launcher and the user act on."""
+    if code and _initialized:
+        import jax
+
+        if jax.process_count() > 1:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    sys.exit(code)
 
 
 def peer_watch() -> "PeerWatch | None":

@@ -332,11 +332,7 @@ class Trainer:
                 self._check_finite(*pending)
         except Exception as exc:
             failed = True
-            if self.peer_watch is not None and not isinstance(exc, UserError):
-                from omnijax.train.launch import peer_error
-
-                if peer_error(exc):  # a collective failed: let the watch name the lost peer (it exits)
-                    self.peer_watch.verdict(tcfg.peer_timeout_s + 5)
+            self._peer_verdict(exc)
             raise
         finally:
             prefetch.close()
@@ -345,8 +341,9 @@ class Trainer:
             if self.checkpointer:
                 try:
                     self.checkpointer.wait()
-                except CheckpointSaveError:
+                except CheckpointSaveError as exc:
                     if not failed:  # else the first error (already on its way) names the failed step
+                        self._peer_verdict(exc)
                         raise
             if self.peer_watch is not None:
                 self.peer_watch.disarm()
@@ -354,6 +351,13 @@ class Trainer:
         if (self.eval_fn or self.eval_data) and result.status == "finished":
             result.eval = self.evaluate(self.state.params)
         return result
+
+    def _peer_verdict(self, exc: BaseException) -> None:
+        """A collective (or a save's) failure caused by a lost process: let the watch name it (it exits 75)."""
+        from omnijax.train.launch import peer_error
+
+        if self.peer_watch is not None and peer_error(exc):
+            self.peer_watch.verdict(self.cfg.trainer.peer_timeout_s + 5)
 
     def evaluate(self, params: Any) -> dict:
         """The recipe's own evaluation (eval_fn) and the held-out loss over `eval_data`."""
