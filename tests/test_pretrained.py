@@ -294,8 +294,8 @@ def test_whisper_parity_packing_and_export(folders):
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("esp",))
     state = jax.device_put(state, jax.sharding.NamedSharding(mesh, P()))
-    split = jax.shard_map(split_run, mesh=mesh, in_specs=(P(),) + (P("esp"),) * 3, out_specs=P("esp"),
-                          check_vma=False)(state, jnp.asarray(rows2), jnp.asarray(segs2), jnp.asarray(pos2))
+    split = jax.jit(jax.shard_map(split_run, mesh=mesh, in_specs=(P(),) + (P("esp"),) * 3, out_specs=P("esp"),
+                                  check_vma=False))(state, jnp.asarray(rows2), jnp.asarray(segs2), jnp.asarray(pos2))
     assert np.abs(np.asarray(split) - whole).max() < 1e-5 * np.abs(whole).max()
     for src, name in ((root / "whisper", "out_whisper"), (root / "whisper_gen", "out_whisper_gen")):
         pt.export_encoder(one, cfg, root / name, like=src)
