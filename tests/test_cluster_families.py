@@ -123,6 +123,8 @@ def test_unknown_training_family_is_a_config_error():
         validate(ClusterConfig(learned=LearnedConfig(train_families=["stepdecay", "solar flares"])))
     with pytest.raises(ConfigError, match="supervised_columns"):
         validate(ClusterConfig(learned=LearnedConfig(supervised_columns=[15, 99])))
+    with pytest.raises(ConfigError, match="anchor_workloads"):
+        validate(ClusterConfig(learned=LearnedConfig(anchor_workloads=-1)))
 
 
 def test_node_order_breaks_ties_only():
@@ -174,6 +176,9 @@ def test_policy_round_trips_and_bad_files_are_user_errors(tmp_path):
     save_policy(str(tmp_path / "p.npz"), sched)
     back = load_policy(str(tmp_path / "p.npz"))
     assert np.array_equal(back.theta, sched.theta) and back.accepted and back.validation_vs_fitted == 0.93
+    assert back.anchor.size == 0
+    save_policy(str(tmp_path / "a.npz"), ResidualScheduler(hidden=4, anchor=[2.9, 2.5]))
+    assert load_policy(str(tmp_path / "a.npz")).anchor.tolist() == [2.5, 2.9]
     (tmp_path / "bad.npz").write_text("not a policy")
     with pytest.raises(UserError, match="not a saved learned policy"):
         load_policy(str(tmp_path / "bad.npz"))
@@ -185,6 +190,51 @@ def test_training_episodes_draw_families_and_seeds():
     assert {s.families for s in sims} == {(), ("stepdecay",), ("straggler",)}
     assert len({s.seed for s in sims}) == 30
     assert episode_configs(CFG, [], 3, rng) == [CFG] * 3
+
+
+def _watch_curve(curve, steps, seed, noise=0.01):
+    """Feed a loss curve to a LossModel as the simulator does (1% relative noise); the first drop a DropWatch sees."""
+    from omnijax.cluster.perf_model import LossModel
+    from omnijax.cluster.residual import DropWatch
+    rng = np.random.default_rng(seed)
+    model, watch = LossModel(), DropWatch()
+    for k in steps:
+        model.observe(float(k), float(curve(k)) * (1.0 + noise * rng.standard_normal()))
+        if watch.update("job", model) is not None:
+            return watch.first["job"]
+    return None
+
+
+def test_a_drop_is_seen_within_a_few_observations_and_a_smooth_curve_gives_none():
+    """The drop watch flags a step-decay drop within a few observations of the milestone (the block test of
+    `loss_drops` needed several blocks), and never flags a noisy 1/(a·k + b) + c curve."""
+    total, dk = 3000.0, 30.0
+    steps = np.arange(dk, total, dk)
+    for seed in range(5):
+        c, gap = 0.2 + 0.4 * seed, 1.0
+        curve = fam.StepDecayLoss(total_steps=total, c=c, gap=gap, milestones=(1 / 3, 2 / 3, 8 / 9), factor=0.3)
+        at = _watch_curve(curve, steps, seed)
+        assert at is not None and total / 3 <= at <= total / 3 + 4 * dk, (seed, at)
+        smooth = lambda k, a=0.001 * (seed + 1), c=c: 1.0 / (a * k + 1.0) + c
+        assert _watch_curve(smooth, steps, seed) is None
+
+
+def test_drop_anchor_learns_where_drops_fall_and_is_silent_without_them():
+    """The anchor (lengths over the steps at the first seen drop) is learned from finished jobs: near 3 when the
+    schedule decays first at a third of the job, near 2 at half; with it on, no drop means fitted's decisions."""
+    from omnijax.cluster.residual import drop_anchor
+    specs = [load_workload("workloads/workload-1", 40), load_workload("workloads/workload-2", 40)]
+    med = {}
+    for first, rest in ((1 / 3, (2 / 3, 8 / 9)), (1 / 2, (3 / 4,))):
+        sims = [SimConfig(num_nodes=4, families=("stepdecay",), decay_milestones=(first, *rest), seed=s) for s in (0, 1)]
+        anchor, stats = drop_anchor(specs, sims, hidden=4)
+        assert stats["jobs"] >= 6 and len(anchor) == 10
+        med[first] = float(np.median(anchor))
+    assert 2.4 < med[1 / 3] < 3.05 and 1.6 < med[1 / 2] < 2.05, med
+    cfg = SimConfig(num_nodes=2, slot_s=300.0)
+    a = run_workload(specs[0], FittedModel(), cfg)
+    b = run_workload(specs[0], ResidualScheduler(hidden=4, anchor=[2.5, 2.9]), cfg)
+    assert _timelines(a) == _timelines(b)
 
 
 def test_supervised_length_correction_learns_from_finished_jobs():

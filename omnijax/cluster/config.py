@@ -37,6 +37,8 @@ class LearnedConfig:
     hidden_es: int = 16
     train_families: list[str] = field(default_factory=list)   # each generated workload (training and validation)
                                    # runs under none or one of these families (sim.families), drawn uniformly
+    anchor_workloads: int = 20     # generated workloads the warm start learns its lengths after a loss drop on
+                                   # (residual.drop_anchor; 0: none)
     supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
                                    # the warm start is the fitted scheduler exactly)
     supervised_window_s: float = 0.0   # ... their window (0: window_s)
@@ -66,6 +68,8 @@ def validate(cfg: ClusterConfig) -> ClusterConfig:
         raise ConfigError(f"limit={cfg.limit}: must be >= 0")
     from omnijax.cluster.families import FAMILIES, check
     check(cfg.sim)
+    if cfg.learned.anchor_workloads < 0:
+        raise ConfigError(f"learned.anchor_workloads={cfg.learned.anchor_workloads} must be >= 0 (0: no drop anchor)")
     if any(not 0 <= c < 20 for c in cfg.learned.supervised_columns) or cfg.learned.supervised_workloads < 0:
         raise ConfigError(f"learned.supervised_columns={cfg.learned.supervised_columns} must be feature indices in "
                           f"[0, 20) and learned.supervised_workloads={cfg.learned.supervised_workloads} >= 0")

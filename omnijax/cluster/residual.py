@@ -89,9 +89,12 @@ class ResidualScheduler(FittedModel):
     """The shadow-price plan with per-job ranking and beta scales from a policy (module docstring)."""
     name = "learned"
 
-    def __init__(self, theta: np.ndarray | None = None, hidden: int = 16, seed: int = 0, anchor: float = 0.0, **kw):
+    def __init__(self, theta: np.ndarray | None = None, hidden: int = 16, seed: int = 0,
+                 anchor: Sequence[float] = (), **kw):
         super().__init__(**kw)
-        self.anchor = float(anchor)     # learned length / steps at the first loss drop (0: off; `drop_anchor`)
+        # learned quantiles of a job's length over the steps done when its first loss drop was seen (`drop_anchor`;
+        # empty: off)
+        self.anchor = np.sort(np.asarray(anchor, dtype=float))
         self.mlp = MLP(hidden=hidden)
         self.theta = self.mlp.init(seed) if theta is None else np.asarray(theta, dtype=float)
         if self.theta.shape != (self.mlp.size,):
@@ -103,12 +106,12 @@ class ResidualScheduler(FittedModel):
         self._node_slow: np.ndarray | None = None
         self._node_features: np.ndarray | None = None
         self._loads: dict[str, float] = {}
-        self._first_drop: dict[str, float] = {}     # steps done when a loss drop was first seen
+        self.drops = DropWatch()
 
     def reset(self):
         super().reset()
         self._arrivals = {}
-        self._first_drop = {}
+        self.drops = DropWatch()
         self.nodes = NodeSpeeds()
         self._node_slow = None
         self._node_features = None
@@ -145,7 +148,7 @@ class ResidualScheduler(FittedModel):
             same = self._finished_by_app.get(j.application)
             prior = _geometric_mean(np.maximum(same, 1.0)) if same else None
             rem_prior = (max(prior, 1.25 * j.progress) - j.progress) if prior else rem_fit
-            k_drop = self._first_drop.get(j.name)
+            k_drop = self.drops.first.get(j.name)
             dropped = float(k_drop is not None)
             plateau = float(fit_total is not None and math.isfinite(fit_total) and fit_total < 1.1 * max(j.progress, 1.0))
             disagree = float(np.clip(math.log(max(rem_prior, 1.0) / max(rem_fit, 1.0)), -4, 4)) / 4
@@ -162,8 +165,7 @@ class ResidualScheduler(FittedModel):
     def observe(self, all_jobs: Sequence[Job], cluster: Cluster) -> None:
         """Per slot: node speed estimates and neighbour loads from the measured step times and placements."""
         for j in all_jobs:
-            if j.name not in self._first_drop and loss_drops(j.loss_model.losses):
-                self._first_drop[j.name] = max(j.progress, 1.0)
+            self.drops.update(j.name, j.loss_model)
         self._node_slow = self.nodes.update(all_jobs, cluster)
         self._loads = neighbour_loads(all_jobs, cluster)
         shares = {j.name: sync_share(j) for j in all_jobs if j.allocation}
@@ -178,14 +180,17 @@ class ResidualScheduler(FittedModel):
         self._node_features = per_node
 
     def remaining_steps(self, j: Job) -> float:
-        """After a sudden loss drop: the learned anchor × the steps at which it was first seen, minus the
-        progress (a step-decay schedule's milestones sit at fixed fractions of the job, and the fitted form
-        reads the plateau before a drop as convergence, then the drop as a job far from done). Otherwise,
-        and with the anchor off, the fitted model's remaining steps."""
-        k = self._first_drop.get(j.name)
-        if self.anchor and k:
-            total = self.anchor * k
-            return max(total - j.progress, 0.02 * max(total, j.progress), 1.0)
+        """After a sudden loss drop: the mean remaining length over the learned lengths (anchor quantiles × the
+        steps at which the drop was first seen) this job has not yet outlived (a step-decay schedule's
+        milestones sit at fixed fractions of the job; the fitted form reads the plateau before a drop as
+        convergence, then the drop as a job far from done). Otherwise, with the anchor off, or for a job past
+        every learned length, the fitted model's remaining steps."""
+        k = self.drops.first.get(j.name)
+        if self.anchor.size and k:
+            totals = self.anchor * k
+            left = totals[totals > 1.02 * j.progress] - j.progress   # the lengths this job has not yet outlived
+            if left.size:
+                return max(float(left.mean()), 1.0)
         return super().remaining_steps(j)
 
     def node_order(self, cluster: Cluster) -> list[int] | None:
@@ -212,6 +217,45 @@ class ResidualScheduler(FittedModel):
         self._gpus = cluster.gpus
         self.observe(jobs, cluster)
         return super().allocate(now, jobs, cluster)
+
+
+class DropWatch:
+    """Per job, the steps done when a sudden loss drop was first seen: each update compares the newest `last`
+    losses with the job's fit as it was before they came (`below_fit`)."""
+
+    def __init__(self, last: int = 3):
+        self.last = last
+        self.first: dict[str, float] = {}
+        self._fits: dict[str, dict[int, object]] = {}   # per job: observation count -> the fit then (last few)
+
+    def update(self, name: str, model) -> float | None:
+        if name in self.first:
+            return self.first[name]
+        fits = self._fits.setdefault(name, {})
+        n = len(model.losses)
+        fits[n] = model.coeffs
+        for m in [m for m in fits if m < n - self.last]:
+            del fits[m]
+        at = below_fit(model, fits.get(n - self.last), last=self.last)
+        if at is not None:
+            self.first[name] = max(at, 1.0)
+            del self._fits[name]
+        return self.first.get(name)
+
+
+def below_fit(model, coeffs, last: int = 3, z: float = 4.0, min_older: int = 10) -> float | None:
+    """The step where a sudden drop began, if the `last` newest losses of `model` all lie more than `z` noise
+    levels below `coeffs` (the job's fit from before they came), the noise level being the spread (MAD) of
+    the older points around it; else None. Faster than `loss_drops`' block test: a step-decay drop shows
+    within `last` observations."""
+    if coeffs is None or len(model.losses) < min_older + last:   # an early fit's misfit is not a drop
+        return None
+    steps, loss = np.asarray(model.steps), np.asarray(model.losses)
+    pred = np.asarray(coeffs(steps), dtype=float)
+    rel = (loss - pred) / np.maximum(np.abs(pred), 1e-12)
+    older = rel[:-last]
+    sigma = max(1.4826 * float(np.median(np.abs(older - np.median(older)))), 1e-4)
+    return float(steps[-last]) if bool(np.all(rel[-last:] < -z * sigma)) else None
 
 
 def loss_drops(losses: Sequence[float], block: int = 4, z: float = 4.0) -> int:
@@ -249,15 +293,16 @@ def generate_workload(pool: Sequence[Sequence[JobSpec]], rng: np.random.Generato
     return sorted(out, key=lambda s: (s.time, s.name))
 
 
-def episode_score(theta: np.ndarray, specs: Sequence[JobSpec], sim_cfg, hidden: int, reference: float) -> float:
+def episode_score(theta: np.ndarray, specs: Sequence[JobSpec], sim_cfg, hidden: int, reference: float,
+                  anchor: Sequence[float] = ()) -> float:
     """Average JCT of the policy on one workload over `reference` (the fitted scheduler's there)."""
     from omnijax.cluster.simulator import run_workload
-    return run_workload(specs, ResidualScheduler(theta=theta, hidden=hidden), sim_cfg).avg_jct_s / reference
+    return run_workload(specs, ResidualScheduler(theta=theta, hidden=hidden, anchor=anchor), sim_cfg).avg_jct_s / reference
 
 
 def evolve(theta: np.ndarray, workloads: Sequence[Sequence[JobSpec]], sim_cfg, *, hidden: int = 16,
            pairs: int = 4, sigma: float = 0.3, lr: float = 0.3, seed: int = 0, log=None,
-           sims: Sequence | None = None) -> tuple[np.ndarray, list[dict]]:
+           sims: Sequence | None = None, anchor: Sequence[float] = ()) -> tuple[np.ndarray, list[dict]]:
     """Antithetic ES, one iteration per workload in `workloads`; returns (final parameters, history).
 
     Only the output layer is trained (the first layer stays a fixed random feature map): far fewer
@@ -275,7 +320,7 @@ def evolve(theta: np.ndarray, workloads: Sequence[Sequence[JobSpec]], sim_cfg, *
         ref = run_workload(specs, FittedModel(), cfg_it).avg_jct_s
         eps = np.zeros((pairs, len(theta)))
         eps[:, head:] = rng.standard_normal((pairs, len(theta) - head))
-        scores = np.array([[episode_score(theta + s * sigma * e, specs, cfg_it, hidden, ref) for s in (1.0, -1.0)]
+        scores = np.array([[episode_score(theta + s * sigma * e, specs, cfg_it, hidden, ref, anchor) for s in (1.0, -1.0)]
                            for e in eps])
         ranks = np.argsort(np.argsort(scores.ravel())).reshape(scores.shape) / (scores.size - 1) - 0.5
         grad = ((ranks[:, 0] - ranks[:, 1])[:, None] * eps).sum(0) / (pairs * sigma)
@@ -359,25 +404,23 @@ def length_correction(workloads: Sequence[Sequence[JobSpec]], sims: Sequence, hi
 
 
 def drop_anchor(workloads: Sequence[Sequence[JobSpec]], sims: Sequence, hidden: int = 16,
-                seed: int = 0) -> tuple[float, dict]:
+                seed: int = 0, quantiles: int = 10) -> tuple[np.ndarray, dict]:
     """The length anchor, from observed outcomes: run the fitted scheduler's decisions on the training
     workloads and, for every finished job in which a sudden loss drop was seen, take its length over the
-    steps done when the drop was first seen; the anchor is their geometric mean (0 when no job dropped).
-    Nothing is assumed about where drops fall: a schedule whose first decay comes at a third of the job
-    gives about 3 (less the detection delay), one at half gives about 2."""
+    steps done when the drop was first seen; the anchor is `quantiles` quantiles of those ratios (none when no
+    job dropped). Nothing is assumed about where drops fall: a schedule whose first decay comes at a third
+    of the job gives ratios near 3 (less the detection delay), one at half near 2."""
     from omnijax.cluster.simulator import jobs_from_specs, simulate, comm_share_fn
     ratios = []
     for specs, sim in zip(workloads, sims):
         rec = ResidualScheduler(hidden=hidden, seed=seed)
         jobs, step_time = jobs_from_specs(specs, sim)
         simulate(jobs, step_time, rec, sim, comm_share=comm_share_fn(specs) if sim.families else None)
-        ratios += [j.total_steps / rec._first_drop[j.name] for j in jobs if j.name in rec._first_drop]
+        ratios += [j.total_steps / rec.drops.first[j.name] for j in jobs if j.name in rec.drops.first]
     if not ratios:
-        return 0.0, {"jobs": 0}
-    r = np.log(np.asarray(ratios))
-    anchor = float(np.exp(r.mean()))
-    return anchor, {"jobs": len(ratios), "anchor": round(anchor, 4), "log_sd": round(float(r.std()), 4),
-                    "p10_p90": [round(float(np.exp(q)), 3) for q in np.quantile(r, [0.1, 0.9])]}
+        return np.zeros(0), {"jobs": 0}
+    anchor = np.quantile(np.asarray(ratios), (np.arange(quantiles) + 0.5) / quantiles)
+    return anchor, {"jobs": len(ratios), "anchor": [round(float(a), 3) for a in anchor]}
 
 
 def episode_configs(sim_cfg, families: Sequence[str], count: int, rng: np.random.Generator) -> list:
@@ -394,8 +437,8 @@ def episode_configs(sim_cfg, families: Sequence[str], count: int, rng: np.random
 
 
 def save_policy(path: str, sched: "ResidualScheduler") -> None:
-    np.savez(path, theta=sched.theta, hidden=sched.mlp.hidden, validation=getattr(sched, "validation_vs_fitted", np.nan),
-             accepted=getattr(sched, "accepted", False))
+    np.savez(path, theta=sched.theta, hidden=sched.mlp.hidden, anchor=sched.anchor,
+             validation=getattr(sched, "validation_vs_fitted", np.nan), accepted=getattr(sched, "accepted", False))
 
 
 def load_policy(path: str) -> "ResidualScheduler":
@@ -403,7 +446,8 @@ def load_policy(path: str) -> "ResidualScheduler":
     from omnijax.errors import UserError
     try:
         data = np.load(path)
-        sched = ResidualScheduler(theta=data["theta"], hidden=int(data["hidden"]))
+        sched = ResidualScheduler(theta=data["theta"], hidden=int(data["hidden"]),
+                                  anchor=data["anchor"] if "anchor" in data else ())   # older files: no anchor
     except (OSError, KeyError, ValueError) as exc:
         raise UserError(f"learned.load={path!r}: not a saved learned policy ({exc})") from None
     sched.validation_vs_fitted = float(data["validation"])
@@ -429,6 +473,14 @@ def train_residual(cfg) -> ResidualScheduler:
     sims = episode_configs(cfg.sim, lc.train_families, lc.es_iterations, frng)
     mlp = MLP(hidden=lc.hidden_es)
     start = mlp.init(lc.seed)
+    anchor = np.zeros(0)
+    if lc.anchor_workloads:       # the warm start's first supervised step: lengths after a loss drop
+        arng = np.random.default_rng([lc.seed, 3])
+        aw = [generate_workload(pool, arng, window_s=lc.supervised_window_s or lc.window_s)
+              for _ in range(lc.anchor_workloads)]
+        anchor, stats = drop_anchor(aw, episode_configs(cfg.sim, lc.train_families, len(aw), arng),
+                                    hidden=lc.hidden_es, seed=lc.seed)
+        print(f"# learned supervised: drop anchor from {len(aw)} generated workloads: {stats}", file=sys.stderr)
     if lc.supervised_workloads:   # the warm start's supervised step: a length correction from observed outcomes
         srng = np.random.default_rng([lc.seed, 2])
         sup = [generate_workload(pool, srng, window_s=lc.supervised_window_s or lc.window_s)
@@ -437,13 +489,13 @@ def train_residual(cfg) -> ResidualScheduler:
                                          hidden=lc.hidden_es, seed=lc.seed, columns=lc.supervised_columns)
         print(f"# learned supervised: length correction on {len(sup)} generated workloads: {stats}", file=sys.stderr)
     theta, hist = evolve(start, episodes, cfg.sim, hidden=lc.hidden_es, pairs=lc.es_pairs,
-                         sigma=lc.es_sigma, lr=lc.es_lr, seed=lc.seed, sims=sims,
+                         sigma=lc.es_sigma, lr=lc.es_lr, seed=lc.seed, sims=sims, anchor=anchor,
                          log=lambda r: print(f"# learned es: {r}", file=sys.stderr))
     # validation on fresh generated workloads (same distribution, none trained on): keep the trained
     # policy only if it beats its warm start (the fitted scheduler) there with confidence
     held = [generate_workload(pool, rng, window_s=lc.window_s) for _ in range(lc.es_validation)]
     held_sims = episode_configs(cfg.sim, lc.train_families, lc.es_validation, frng)
-    scores = [episode_score(theta, s, c, lc.hidden_es, run_workload(s, FittedModel(), c).avg_jct_s)
+    scores = [episode_score(theta, s, c, lc.hidden_es, run_workload(s, FittedModel(), c).avg_jct_s, anchor)
               for s, c in zip(held, held_sims)]
     score = float(np.mean(scores)) if scores else 0.0
     kept = accept(scores, lc.es_confidence)
@@ -452,8 +504,8 @@ def train_residual(cfg) -> ResidualScheduler:
           f"{'keeping the trained policy' if kept else 'keeping the warm start (fitted)'}", file=sys.stderr)
     trained = theta
     if not kept:
-        theta = mlp.init(lc.seed)
-    sched = ResidualScheduler(theta=theta, hidden=lc.hidden_es)
+        theta, anchor = mlp.init(lc.seed), np.zeros(0)
+    sched = ResidualScheduler(theta=theta, hidden=lc.hidden_es, anchor=anchor)
     sched.history = hist
     sched.validation_vs_fitted = score
     sched.validation_scores = scores
