@@ -180,7 +180,7 @@ class ResidualScheduler(FittedModel):
         self._node_features = per_node
 
     def remaining_steps(self, j: Job) -> float:
-        """After a sudden loss drop: the mean remaining length over the learned lengths (anchor quantiles × the
+        """After a sudden loss drop: the median remaining length over the learned lengths (anchor quantiles × the
         steps at which the drop was first seen) this job has not yet outlived (a step-decay schedule's
         milestones sit at fixed fractions of the job; the fitted form reads the plateau before a drop as
         convergence, then the drop as a job far from done). Otherwise, with the anchor off, or for a job past
@@ -190,7 +190,7 @@ class ResidualScheduler(FittedModel):
             totals = self.anchor * k
             left = totals[totals > 1.02 * j.progress] - j.progress   # the lengths this job has not yet outlived
             if left.size:
-                return max(float(left.mean()), 1.0)
+                return max(float(np.median(left)), 1.0)
         return super().remaining_steps(j)
 
     def node_order(self, cluster: Cluster) -> list[int] | None:
@@ -220,42 +220,53 @@ class ResidualScheduler(FittedModel):
 
 
 class DropWatch:
-    """Per job, the steps done when a sudden loss drop was first seen: each update compares the newest `last`
-    losses with the job's fit as it was before they came (`below_fit`)."""
+    """Per job, the steps done when a sudden loss drop was first seen (`below_trend`)."""
 
-    def __init__(self, last: int = 3):
-        self.last = last
+    def __init__(self, last: int = 3, window: int = 6):
+        self.last, self.window = last, window
         self.first: dict[str, float] = {}
-        self._fits: dict[str, dict[int, object]] = {}   # per job: observation count -> the fit then (last few)
 
     def update(self, name: str, model) -> float | None:
-        if name in self.first:
-            return self.first[name]
-        fits = self._fits.setdefault(name, {})
-        n = len(model.losses)
-        fits[n] = model.coeffs
-        for m in [m for m in fits if m < n - self.last]:
-            del fits[m]
-        at = below_fit(model, fits.get(n - self.last), last=self.last)
-        if at is not None:
-            self.first[name] = max(at, 1.0)
-            del self._fits[name]
+        """At block sizes 1, 2, 4, 8 (means of consecutive observations): a job observed often sees a drop
+        spread over many observations, which only block means show as sudden."""
+        if name not in self.first:
+            steps, losses = np.asarray(model.steps, dtype=float), np.asarray(model.losses, dtype=float)
+            for size in (1, 2, 4, 8):
+                nb = len(losses) // size
+                if nb < self.window + self.last:
+                    break
+                cut = len(losses) - nb * size
+                at = below_trend(steps[cut:].reshape(nb, size)[:, 0], losses[cut:].reshape(nb, size).mean(1),
+                                 self.last, self.window)
+                if at is not None:
+                    self.first[name] = max(at, 1.0)
+                    break
         return self.first.get(name)
 
 
-def below_fit(model, coeffs, last: int = 3, z: float = 4.0, min_older: int = 10) -> float | None:
-    """The step where a sudden drop began, if the `last` newest losses of `model` all lie more than `z` noise
-    levels below `coeffs` (the job's fit from before they came), the noise level being the spread (MAD) of
-    the older points around it; else None. Faster than `loss_drops`' block test: a step-decay drop shows
-    within `last` observations."""
-    if coeffs is None or len(model.losses) < min_older + last:   # an early fit's misfit is not a drop
+def below_trend(steps: Sequence[float], losses: Sequence[float], last: int = 3, window: int = 6,
+                z: float = 4.0) -> float | None:
+    """The step where a sudden drop began, if the `last` newest losses all lie more than `z` noise levels below
+    the straight line through the `window` losses before them (noise: the spread of the history's second
+    differences, widened by the line's own error where it is extrapolated); else None.
+    A loss curve that falls ever more slowly (convex, as 1/(a·k + b) + c) stays above its own tangents, so
+    only a drop (a learning-rate decay after a plateau) gets there, within `last` observations of it; no fitted
+    form is trusted, so a fit drifting off a long job's curve is not taken for a drop."""
+    if len(losses) < window + last:
         return None
-    steps, loss = np.asarray(model.steps), np.asarray(model.losses)
-    pred = np.asarray(coeffs(steps), dtype=float)
-    rel = (loss - pred) / np.maximum(np.abs(pred), 1e-12)
-    older = rel[:-last]
-    sigma = max(1.4826 * float(np.median(np.abs(older - np.median(older)))), 1e-4)
-    return float(steps[-last]) if bool(np.all(rel[-last:] < -z * sigma)) else None
+    x = np.asarray(steps[-(window + last):], dtype=float)
+    y = np.asarray(losses[-(window + last):], dtype=float)
+    xo, yo = x[:window], y[:window]
+    if np.ptp(xo) <= 0:
+        return None
+    slope, icpt = np.polyfit(xo, yo, 1)
+    hist = np.asarray(losses[-(40 + last):-last], dtype=float)     # noise: second differences of the history
+    noise = float(np.median(np.abs(np.diff(hist, 2)))) / (0.6745 * math.sqrt(6.0))
+    sigma = max(noise, 1e-3 * float(np.mean(np.abs(yo))))
+    xn = x[window:]
+    below = y[window:] - (slope * xn + icpt)
+    spread = sigma * np.sqrt(1.0 + 1.0 / window + (xn - xo.mean()) ** 2 / np.sum((xo - xo.mean()) ** 2))  # + the line's own error
+    return float(xn[0]) if bool(np.all(below < -z * spread)) else None
 
 
 def loss_drops(losses: Sequence[float], block: int = 4, z: float = 4.0) -> int:
