@@ -11,6 +11,10 @@ Features the fitted model does not see: queue composition (waiting share, jobs p
 mix (share of active jobs of the job's own application), arrival burstiness (arrivals in the last
 30 minutes) and time of day, beside the job's own rank, size, age and share of the active work.
 
+Lengths after a loss drop (`DropWatch`, `drop_anchor`): a learning-rate decay shows as a sudden drop, which the
+fitted form reads as a job far from done; a warm-start step learned from finished jobs replaces its remaining
+steps once a drop is seen (`ResidualScheduler.remaining_steps`), and is silent on curves without one.
+
 Training (`train_residual`): antithetic evolution strategies (a policy-gradient estimate without
 back-propagating through the simulator) with rank-shaped fitness; every iteration draws a workload from
 the training distribution (`generate_workload`: a time window of a training trace, its jobs resampled
@@ -227,8 +231,9 @@ class DropWatch:
         self.first: dict[str, float] = {}
 
     def update(self, name: str, model) -> float | None:
-        """At block sizes 1, 2, 4, 8 (means of consecutive observations): a job observed often sees a drop
-        spread over many observations, which only block means show as sudden."""
+        """At block sizes 1, 2, 4, 8 (means of consecutive observations, at their mean step: progress per slot
+        varies with the job's placement): a job observed often sees a drop spread over many observations,
+        which only block means show as sudden."""
         if name not in self.first:
             steps, losses = np.asarray(model.steps, dtype=float), np.asarray(model.losses, dtype=float)
             for size in (1, 2, 4, 8):
@@ -236,7 +241,7 @@ class DropWatch:
                 if nb < self.window + self.last:
                     break
                 cut = len(losses) - nb * size
-                at = below_trend(steps[cut:].reshape(nb, size)[:, 0], losses[cut:].reshape(nb, size).mean(1),
+                at = below_trend(steps[cut:].reshape(nb, size).mean(1), losses[cut:].reshape(nb, size).mean(1),
                                  self.last, self.window)
                 if at is not None:
                     self.first[name] = max(at, 1.0)
