@@ -223,6 +223,10 @@ class ResidualScheduler(FittedModel):
         return super().allocate(now, jobs, cluster)
 
 
+_BLOCKS = (1, 2, 4, 8)     # DropWatch's block sizes
+_NOISE_HISTORY = 40        # below_trend's noise estimate: this many points before the newest
+
+
 class DropWatch:
     """Per job, the steps done when a sudden loss drop was first seen (`below_trend`)."""
 
@@ -235,8 +239,10 @@ class DropWatch:
         varies with the job's placement): a job observed often sees a drop spread over many observations,
         which only block means show as sudden."""
         if name not in self.first:
-            steps, losses = np.asarray(model.steps, dtype=float), np.asarray(model.losses, dtype=float)
-            for size in (1, 2, 4, 8):
+            tail = (_NOISE_HISTORY + self.last) * _BLOCKS[-1]        # the most any block size reads
+            steps = np.asarray(model.steps[-tail:], dtype=float)
+            losses = np.asarray(model.losses[-tail:], dtype=float)
+            for size in _BLOCKS:
                 nb = len(losses) // size
                 if nb < self.window + self.last:
                     break
@@ -265,30 +271,13 @@ def below_trend(steps: Sequence[float], losses: Sequence[float], last: int = 3, 
     if np.ptp(xo) <= 0:
         return None
     slope, icpt = np.polyfit(xo, yo, 1)
-    hist = np.asarray(losses[-(40 + last):-last], dtype=float)     # noise: second differences of the history
+    hist = np.asarray(losses[-(_NOISE_HISTORY + last):-last], dtype=float)   # noise: second differences of the history
     noise = float(np.median(np.abs(np.diff(hist, 2)))) / (0.6745 * math.sqrt(6.0))
     sigma = max(noise, 1e-3 * float(np.mean(np.abs(yo))))
     xn = x[window:]
     below = y[window:] - (slope * xn + icpt)
     spread = sigma * np.sqrt(1.0 + 1.0 / window + (xn - xo.mean()) ** 2 / np.sum((xo - xo.mean()) ** 2))  # + the line's own error
     return float(xn[0]) if bool(np.all(below < -z * spread)) else None
-
-
-def loss_drops(losses: Sequence[float], block: int = 4, z: float = 4.0) -> int:
-    """Sudden drops in a loss history (a learning-rate decay after a plateau). A curve 1/(a·k + b) + c falls
-    ever more slowly, so its fall between consecutive block means never grows; a drop is a fall over twice
-    the previous one plus `z` noise standard errors (noise: the spread inside the blocks). Consecutive
-    growing blocks count once."""
-    v = np.asarray(losses[-800:], dtype=float)
-    nb = len(v) // block
-    if nb < 4:
-        return 0
-    blocks = v[len(v) - nb * block:].reshape(nb, block)
-    means = blocks.mean(1)
-    noise = float(np.median(blocks.std(1, ddof=1))) / math.sqrt(block)
-    fall = means[:-1] - means[1:]
-    hit = fall[1:] > 2.0 * np.maximum(fall[:-1], 0.0) + z * math.sqrt(2) * noise
-    return int(np.sum(hit[1:] & ~hit[:-1]) + hit[0])
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -392,12 +381,11 @@ def length_correction(workloads: Sequence[Sequence[JobSpec]], sims: Sequence, hi
     fitted scheduler on held-out generated workloads). The fit becomes the linear path of the ranking
     output: the policy ranks by the remaining work its observations predict where the fitted loss form
     is visibly wrong. Returns the parameters (the rest at the warm start) and the fit's statistics."""
-    from omnijax.cluster.simulator import jobs_from_specs, simulate, comm_share_fn
+    from omnijax.cluster.simulator import run_jobs
     X, y = [], []
     for specs, sim in zip(workloads, sims):
         rec = _Recorder(hidden=hidden, seed=seed)
-        jobs, step_time = jobs_from_specs(specs, sim)
-        simulate(jobs, step_time, rec, sim, comm_share=comm_share_fn(specs) if sim.families else None)
+        jobs, _ = run_jobs(specs, rec, sim)
         total = {j.name: j.total_steps for j in jobs}
         for name, progress, rem_fit, x in rec.rows:
             X.append(x)
@@ -426,12 +414,11 @@ def drop_anchor(workloads: Sequence[Sequence[JobSpec]], sims: Sequence, hidden: 
     steps done when the drop was first seen; the anchor is `quantiles` quantiles of those ratios (none when no
     job dropped). Nothing is assumed about where drops fall: a schedule whose first decay comes at a third
     of the job gives ratios near 3 (less the detection delay), one at half near 2."""
-    from omnijax.cluster.simulator import jobs_from_specs, simulate, comm_share_fn
+    from omnijax.cluster.simulator import run_jobs
     ratios = []
     for specs, sim in zip(workloads, sims):
         rec = ResidualScheduler(hidden=hidden, seed=seed)
-        jobs, step_time = jobs_from_specs(specs, sim)
-        simulate(jobs, step_time, rec, sim, comm_share=comm_share_fn(specs) if sim.families else None)
+        jobs, _ = run_jobs(specs, rec, sim)
         ratios += [j.total_steps / rec.drops.first[j.name] for j in jobs if j.name in rec.drops.first]
     if not ratios:
         return np.zeros(0), {"jobs": 0}

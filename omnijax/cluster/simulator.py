@@ -254,8 +254,13 @@ def simulate(jobs: Sequence[Job], step_time: StepTimeFn, scheduler: Scheduler, c
 
 
 def run_workload(specs: Sequence[JobSpec], scheduler: Scheduler, cfg: SimConfig) -> SimResult:
+    return run_jobs(specs, scheduler, cfg)[1]
+
+
+def run_jobs(specs: Sequence[JobSpec], scheduler: Scheduler, cfg: SimConfig) -> tuple[list[Job], SimResult]:
+    """`run_workload`, also returning the finished jobs (their true lengths: what supervised training learns from)."""
     jobs, step_time = jobs_from_specs(specs, cfg)
-    return simulate(jobs, step_time, scheduler, cfg, comm_share=comm_share_fn(specs) if cfg.families else None)
+    return jobs, simulate(jobs, step_time, scheduler, cfg, comm_share=comm_share_fn(specs) if cfg.families else None)
 
 
 def plot_result(result: SimResult, path: str | Path) -> Path:
