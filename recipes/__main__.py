@@ -94,6 +94,12 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    # `kill -USR1 PID` prints every thread's Python stack (to the run's native_stderr log in a multi-process
+    # run): what a hung process is waiting on, without stopping it
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if sys.argv[1:2] != ["list"]:  # before jax starts: an allocator is chosen at process start or never. Only
         from omnijax.allocator import reexec_under_tcmalloc  # here: main() called in-process (tests, notebooks)
         reexec_under_tcmalloc()                              # must never replace its caller's process

@@ -135,11 +135,21 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-def _wait_for_checkpoint(run: Path, step: int, procs, timeout=600) -> None:
-    """Until checkpoint `step` is committed (metrics.jsonl is written in blocks; checkpoints show progress)."""
+def _wait_for_checkpoint(run: Path, step: int, procs, logs: list[Path], timeout=300) -> None:
+    """Until checkpoint `step` is committed (metrics.jsonl is written in blocks; checkpoints show progress).
+    A run that stops or hangs fails with its logs and, for a hang, every process's Python stacks (SIGUSR1)."""
+    from recipes.bench.faults import _descendants
+
     deadline = time.monotonic() + timeout
     while not (run / "checkpoints" / str(step) / "omnijax_checksums.json").exists():
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run stopped early"
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for pid in [p.pid for p in procs if p.poll() is None] + [d for p in procs for d, _ in _descendants(p.pid)]:
+                os.kill(pid, signal.SIGUSR1)  # recipes/__main__.py: faulthandler prints the stacks
+            time.sleep(3)
+            tails = "\n".join(f"--- {log}:\n{log.read_text()[-4000:]}"
+                               for log in [*logs, *sorted(run.glob("native_stderr.p*.log"))] if log.exists())
+            raise AssertionError(f"no checkpoint {step} in {run} after {time.monotonic() - deadline + timeout:.0f} s "
+                                 f"(exit codes {[p.poll() for p in procs]})\n{tails}")
         time.sleep(0.05)
 
 
@@ -196,7 +206,7 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
                        f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], tmp_path / f"p{i}.log",
                       env=env)
              for i in range(2)]
-    _wait_for_checkpoint(runs / "pair", 8, procs)
+    _wait_for_checkpoint(runs / "pair", 8, procs, [tmp_path / "p0.log", tmp_path / "p1.log"])
     procs[1].send_signal(signal.SIGKILL)
     rc = procs[0].wait(300)
     err = (tmp_path / "p0.log").read_text()
@@ -209,7 +219,7 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
     # the same under the launcher: the group restarts from the last checkpoint and ends as if undisturbed
     launcher = _recipes(["launch", "--processes", "2", "--cpu-devices-per-process", "4", "--max-restarts", "1",
                          *common, "trainer.run_name=launched"], tmp_path / "launch.log", env={"OMNIJAX_RUNS": str(runs)})
-    _wait_for_checkpoint(runs / "launched", 4, [launcher])
+    _wait_for_checkpoint(runs / "launched", 4, [launcher], [tmp_path / "launch.log"])
     from recipes.bench.faults import _descendants  # the process tree under the launcher
 
     group = _descendants(launcher.pid)
