@@ -152,6 +152,7 @@ class TrainerConfig:
     # Faults (docs/reliability.md): -1 resumes from the newest checkpoint that reads back intact
     resume_step: int = -1
     peer_timeout_s: float = 60.0     # a process silent this long stops every survivor with one line
+    hang_timeout_s: float = 1800.0   # no step finished this long (after the first): stacks, one line, exit 124; 0 = off
 
 
 @dataclass
@@ -196,6 +197,9 @@ def validate(cfg: Config) -> Config:
                           "good checkpoint")
     if not cfg.trainer.peer_timeout_s > 0:
         raise ConfigError(f"trainer.peer_timeout_s={cfg.trainer.peer_timeout_s}: must be > 0 seconds")
+    if not cfg.trainer.hang_timeout_s >= 0:
+        raise ConfigError(f"trainer.hang_timeout_s={cfg.trainer.hang_timeout_s}: must be >= 0 seconds (0 turns the "
+                          "hang watch off)")
     if not 0 < cfg.optimizer.lr < 10:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr}: must be in (0, 10)")
     if not 0 <= cfg.optimizer.min_lr_ratio <= 1:

@@ -6,8 +6,10 @@ Locally, each process runs as `python -m recipes RECIPE KEY=VALUE... --coordinat
 --num-processes N --process-id I` (the flags a user would type; a free loopback port, a new one per
 attempt). When a process exits non-zero or is killed, the others are stopped (SIGTERM, then SIGKILL
 after a grace period), the reason is printed, and the group starts again; the trainer resumes from
-its newest intact checkpoint, so the losses continue as if undisturbed. A process that stops with a
-user error (exit 2: bad config, missing data) is not restarted: a rerun would fail the same way.
+its newest intact checkpoint, so the losses continue as if undisturbed. A group that hangs (no step
+finished for `trainer.hang_timeout_s`) is stopped by its own processes (exit 124) and restarted the
+same way. A process that stops with a user error (exit 2: bad config, missing data) is not
+restarted: a rerun would fail the same way.
 
 Under Slurm (SLURM_JOB_ID and SLURM_PROCID set: this task was started by `srun`), the scheduler owns
 the processes: launch runs the recipe in this task (jax finds the others through Slurm), and when it
@@ -29,6 +31,7 @@ DESCRIPTION = "start N processes of a recipe; restart the group from the last ch
 USER_ERROR = 2           # recipes' exit code for a UserError: not worth a restart
 GRACE_S = 10.0           # SIGTERM -> SIGKILL for the survivors of a failed attempt
 PEER_LOST = 75           # omnijax.train.launch.EXIT_PEER_LOST (not imported: the launcher starts without jax)
+HUNG = 124               # omnijax.train.watchdog.EXIT_HUNG: no step finished for trainer.hang_timeout_s
 
 
 def free_port() -> int:
@@ -91,6 +94,8 @@ def _why(i: int, rc: int) -> str:
         return f"process {i} was killed by {sig}"
     if rc == PEER_LOST:
         return f"process {i} stopped: a peer stopped answering (exit 75)"
+    if rc == HUNG:
+        return f"process {i} stopped: no training step finished for trainer.hang_timeout_s (exit 124, stacks in its log)"
     return f"process {i} exited with code {rc}"
 
 

@@ -158,13 +158,15 @@ def test_the_launcher_reports_the_lost_process_not_its_survivor():
     line names process 1 whichever the survivor did (the race once named process 0's SIGABRT)."""
     import signal as sig
 
-    from recipes.launch import first_cause
+    from recipes.launch import _why, first_cause
 
     killed = -int(sig.SIGKILL)
     assert first_cause([(0, -int(sig.SIGABRT)), (1, killed)]) == (1, killed)
     assert first_cause([(0, 75), (1, killed)]) == (1, killed)
     assert first_cause([(0, 1), (1, killed)]) == (0, 1)           # a real failure of its own comes first
     assert first_cause([(0, -int(sig.SIGABRT))]) == (0, -int(sig.SIGABRT))  # nothing else to blame
+    assert first_cause([(0, 75), (1, 124)]) == (1, 124)          # a hung process stopped; its peer reacted
+    assert "trainer.hang_timeout_s" in _why(1, 124) and "peer" in _why(0, 75)
     with pytest.raises(ValueError):
         first_cause([])
 
@@ -230,8 +232,10 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
     os.kill(victim[-1], signal.SIGKILL)
     for pid, _ in group:
         os.kill(pid, signal.SIGCONT)
-    assert launcher.wait(900) == 0
+    rc = launcher.wait(900)
     err = (tmp_path / "launch.log").read_text()
+    assert rc == 0, err[-3000:] + "".join(f"\n--- {p}:\n{p.read_text()[-3000:]}"
+                                         for p in sorted((runs / "launched").glob("native_stderr.p*.log")))
     assert "launch: restart 1 of 1: process 1 was killed by SIGKILL" in err
     got = _losses(runs / "launched")
     assert sorted(got) == list(range(1, steps + 1))

@@ -81,3 +81,53 @@ def test_nonfinite_guard_stops_with_a_clear_message(tmp_path):
     trainer.state = trainer.state.replace(params=jax.tree.map(lambda p: p * np.nan, trainer.state.params))
     with pytest.raises(NonFiniteError, match="2 non-finite losses/gradients in a row"):
         trainer.fit()
+
+
+def test_a_stuck_loop_is_stopped_with_its_stacks_and_one_line(tmp_path, monkeypatch, capfd):
+    """Alive but stuck (here a hook that never returns, like a collective whose peer never comes): the hang
+    watch writes every thread's stack and one line, then exits 124. The exit is replaced by one that records
+    its code and lets the hook go, so the run finishes and the test sees what a user would."""
+    import threading
+
+    from omnijax.train import watchdog
+
+    blocked, released, codes = threading.Event(), threading.Event(), []
+
+    def exit_(code):
+        codes.append(code)
+        if blocked.is_set():  # (a slow step under load may fire it earlier: recorded, not a release)
+            released.set()
+
+    def stuck_at_3(trainer, step, row):
+        if step == 3:
+            blocked.set()
+            assert released.wait(60), "the hang watch never fired"
+
+    monkeypatch.setattr(watchdog, "_exit", exit_)
+    result = _trainer(tmp_path, 5, ["trainer.hang_timeout_s=1", "trainer.checkpoint_every=2"],
+                      hooks=(stuck_at_3,)).fit()
+    assert result.status == "finished" and released.is_set() and set(codes) == {124}
+    err = capfd.readouterr().err
+    line = [l for l in err.splitlines() if "no training step finished for" in l and "at step 3" in l][-1]
+    assert "trainer.hang_timeout_s=1;" in line and "exit 124" in line and "Last checkpoint: " in line
+    assert "in stuck_at_3" in err  # the stack names the frame it was stuck in
+
+
+def test_the_hang_watch_judges_only_an_unpaused_loop_past_its_timeout():
+    from omnijax.train.watchdog import HangWatch, overdue
+
+    now = [100.0]
+    watch = HangWatch(30.0, where=lambda: "step 4 in runs/x/checkpoints", clock=lambda: now[0], process=1)
+    watch.beat(7)
+    assert watch.check(129.0) is None and watch.check(130.0) is None    # exactly the timeout: not yet
+    line = watch.check(131.5)
+    assert line.strip().startswith("error: no training step finished for 32 s") and "process 1 stops" in line
+    assert "the loop was at step 7" in line and "step 4 in runs/x/checkpoints" in line
+    watch.pause(True)
+    assert watch.check(1000.0) is None                                   # a mid-run evaluation
+    now[0] = 1000.0
+    watch.pause(False)                                                   # counts from the end of the pause
+    assert watch.check(1029.0) is None and watch.check(1031.0) is not None
+    assert not overdue(1e9, 0.0, 0.0)                                    # 0 turns it off
+    with pytest.raises(Exception, match="hang_timeout_s=-1"):
+        build(yaml_path=CONFIGS / "tiny_lm.yaml", overrides=TINY + ["trainer.hang_timeout_s=-1"])

@@ -26,6 +26,7 @@ from omnijax.train.placement import DataParallel
 from omnijax.data.payload import global_layout
 from omnijax.layers.remat import use_remat
 from omnijax.train.prefetch import Prefetcher
+from omnijax.train.watchdog import HangWatch
 
 HOST_KEYS = ("payload_bytes_decoded", "payload_bytes_step", "host_wait_s", "skipped_bad_records")
 from omnijax.train.state import TrainState, sharded_init, sharded_opt_init
@@ -252,6 +253,7 @@ class Trainer:
                               placement_state=getattr(self.placement, "get_state", None))
         if self.peer_watch is not None:
             self.peer_watch.arm(tcfg.peer_timeout_s, self._last_checkpoint)
+        hang_watch = HangWatch(tcfg.hang_timeout_s, self._last_checkpoint, process=jax.process_index())
         failed = False
         try:
             with _Preemption() as preempt:
@@ -259,6 +261,8 @@ class Trainer:
                     item = next(prefetch)  # read, decoded, planned and on the devices ahead of time
                     if step == start + 1:
                         _compile_together(self._step, "train_step", self.state, item.batch)
+                        hang_watch.start()  # from here a step must finish every trainer.hang_timeout_s
+                    hang_watch.beat(step)
                     host_batch, self._consumed, self._placed = item.host_batch, item.loader_state, item.placement_state
                     window_wait += prefetch.wait_s
                     window_samples += (int(np.asarray(host_batch["row_docs"])[:, 0].sum()) if global_layout(host_batch)
@@ -302,8 +306,10 @@ class Trainer:
                         if hasattr(self.loader, "metrics"):  # padding, skipped records
                             row.update(self.loader.metrics())
                         row.update(item.metrics)  # this batch's plan: imbalance, padding
-                        if eval_now:
+                        if eval_now:  # beats no steps: not judged
+                            hang_watch.pause(True)
                             row.update(self.evaluate(self.state.params))
+                            hang_watch.pause(False)
                         writer.write(step, row)
                         if not is_main:  # per-host figures (payload bytes decoded, waits) of the other hosts
                             with open(self.run_dir / f"host{jax.process_index()}.metrics.jsonl", "a") as f:
@@ -335,6 +341,7 @@ class Trainer:
             self._peer_verdict(exc)
             raise
         finally:
+            hang_watch.stop()
             prefetch.close()
             bar.close()
             writer.close()
