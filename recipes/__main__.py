@@ -97,6 +97,11 @@ if __name__ == "__main__":
     import faulthandler
     import signal
 
+    from recipes.launch import supervise, wants_supervisor
+
+    if wants_supervisor(sys.argv[1:], os.environ):  # one process of several: report a death by signal too
+        sys.exit(supervise(sys.argv[1:]))
+
     # `kill -USR1 PID` prints every thread's Python stack (to the run's native_stderr log in a multi-process
     # run): what a hung process is waiting on, without stopping it
     faulthandler.register(signal.SIGUSR1, all_threads=True)

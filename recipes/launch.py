@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -85,13 +86,16 @@ def first_cause(exits: list[tuple[int, int]]) -> tuple[int, int]:
     return next(((i, rc) for i, rc in exits if rc not in (PEER_LOST, -signal.SIGABRT)), exits[0])
 
 
+def _signal_name(rc: int) -> str:
+    try:
+        return signal.Signals(-rc).name
+    except ValueError:
+        return f"signal {-rc}"
+
+
 def _why(i: int, rc: int) -> str:
     if rc < 0:
-        try:
-            sig = signal.Signals(-rc).name
-        except ValueError:
-            sig = f"signal {-rc}"
-        return f"process {i} was killed by {sig}"
+        return f"process {i} was killed by {_signal_name(rc)}"
     if rc == PEER_LOST:
         return f"process {i} stopped: a peer stopped answering (exit 75)"
     if rc == HUNG:
@@ -114,7 +118,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    env = dict(os.environ)
+    env = dict(os.environ, **{SUPERVISED: "1"})  # the launcher watches them itself
     if args.cpu_devices_per_process:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.cpu_devices_per_process}"])
@@ -164,10 +168,93 @@ def run_local(args: argparse.Namespace) -> int:
               f"from {_last_checkpoint(folder)} in {folder}", file=sys.stderr, flush=True)
 
 
+# ------------------------------------------------------------------ one process of several, started by hand
+SUPERVISED = "OMNIJAX_SUPERVISED"   # set for the recipe process a supervisor (or `launch`) watches
+_NOT_RUNS = {"list", "bench", "launch", "-h", "--help", "help"}
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key == name:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def wants_supervisor(argv: list[str], env: dict | os._Environ) -> bool:
+    """A recipe run that is one process of several and has no launcher of ours above it: started by hand
+    (`--coordinator`) or by a cluster's own launcher (srun, mpirun, a Kubernetes Job)."""
+    from omnijax.train.launch import auto_detected
+
+    if env.get(SUPERVISED) or not argv or argv[0] in _NOT_RUNS:
+        return False
+    return bool(_flag(argv, "--coordinator") or env.get("OMNIJAX_COORDINATOR") or auto_detected(env))
+
+
+def describe_death(rc: int, process: str, native_log: Path, where: str) -> tuple[str, int]:
+    """The line a supervisor prints for a recipe process killed by a signal, and the code to end with
+    (a negative code: die of that signal too). gloo aborting the process (SIGABRT with its message in the
+    native log) means a peer was lost: exit 75 like the peer watch, whose line it could not print."""
+    tail = native_log.read_text(errors="replace").strip().splitlines()[-3:] if native_log.exists() else []
+    resume = (f"Last checkpoint: {where}. To resume, run the same command on every host again "
+              "(`python -m recipes launch` and Slurm requeue do it)")
+    if rc == -signal.SIGABRT and any("gloo" in line for line in tail):
+        what = next((line for line in tail if "what():" in line), tail[-1])
+        what = re.sub(r"^\s*what\(\):\s*(\[[^\]]*\]\s*)?", "", what).split(" Is there a")[0].strip()[:300]
+        return (f"\nerror: process {process} stopped: its collectives broke because a peer process was lost "
+                f"(gloo aborted it: {what}; see {native_log}). {resume}", PEER_LOST)
+    oom = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if rc == -signal.SIGKILL else ""
+    native = f"; the end of its native log {native_log}: {tail[-1].strip()[:300]}" if tail else ""
+    return f"\nerror: process {process} was killed by {_signal_name(rc)}{oom}{native}. {resume}", rc
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel kills it when its supervisor dies (Linux), so killing the
+    process a user started stops the whole process, as without a supervisor."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def supervise(argv: list[str], command: list[str] | None = None) -> int:
+    """Run `python -m recipes ARGV` (or `command`) as a child and report how it ended. A process that a
+    signal ends runs no Python afterwards (gloo aborting it when a peer dies, the kernel's out-of-memory
+    killer), so the one line that names the cause and the way to resume has to come from outside it."""
+    child = subprocess.Popen(command or [sys.executable, "-m", "recipes", *argv],
+                             env={**os.environ, SUPERVISED: "1"}, preexec_fn=_die_with_parent)
+
+    def forward(signum, frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, forward)   # preemption: the child saves and stops
+    signal.signal(signal.SIGUSR1, forward)   # the child's stacks
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the child itself (same process group)
+    try:
+        rc = child.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if rc >= 0:
+        return rc
+    index = _flag(argv, "--process-id") or os.environ.get("OMNIJAX_PROCESS_ID", "0")
+    count = _flag(argv, "--num-processes") or os.environ.get("OMNIJAX_NUM_PROCESSES", "?")
+    folder = _checkpoint_dir(argv[0], [a for a in argv[1:] if "=" in a and not a.startswith("-")])
+    line, code = describe_death(rc, f"{index} of {count}", folder.parent / f"native_stderr.p{index}.log",
+                                f"{_last_checkpoint(folder)} in {folder}")
+    print(line, file=sys.stderr, flush=True)
+    if code < 0:  # end the same way, for whatever watches this process (a launcher, Slurm)
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
 def run_slurm(args: argparse.Namespace) -> int:
     """One Slurm task: run the recipe; on a restartable failure task 0 requeues the job."""
     cmd = [sys.executable, "-m", "recipes", args.recipe, *args.overrides]
-    rc = subprocess.call(cmd)
+    rc = subprocess.call(cmd, env={**os.environ, SUPERVISED: "1"})
     if rc in (0, USER_ERROR):
         return rc
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))

@@ -50,8 +50,9 @@ def pop_launch_flags(argv: list[str]) -> list[str]:
     return rest
 
 
-def _auto_detected() -> str | None:
-    env = os.environ
+def auto_detected(env=None) -> str | None:
+    """The cluster launcher that started this process as one of several (jax finds the others), if any."""
+    env = os.environ if env is None else env
     if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
         return "slurm"
     if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
@@ -80,7 +81,7 @@ def maybe_initialize_distributed() -> int:
         _cpu_collectives()
         jax.distributed.initialize(coordinator, num_processes=num, process_id=pid,
                                    heartbeat_timeout_seconds=_heartbeat_s())
-    elif _auto_detected():
+    elif auto_detected():
         _cpu_collectives()
         jax.distributed.initialize(heartbeat_timeout_seconds=_heartbeat_s())
     _initialized = True
