@@ -28,11 +28,14 @@ import sys
 import time
 from pathlib import Path
 
+from omnijax.train.launch import EXIT_PEER_LOST
+from omnijax.train.watchdog import EXIT_HUNG
+
 DESCRIPTION = "start N processes of a recipe; restart the group from the last checkpoint when one dies"
 USER_ERROR = 2           # recipes' exit code for a UserError: not worth a restart
 GRACE_S = 10.0           # SIGTERM -> SIGKILL for the survivors of a failed attempt
-PEER_LOST = 75           # omnijax.train.launch.EXIT_PEER_LOST (not imported: the launcher starts without jax)
-HUNG = 124               # omnijax.train.watchdog.EXIT_HUNG: no step finished for trainer.hang_timeout_s
+PEER_LOST = EXIT_PEER_LOST  # a survivor of a lost peer (neither module imports jax: the launcher starts without it)
+HUNG = EXIT_HUNG           # no step finished for trainer.hang_timeout_s
 
 
 def free_port() -> int:

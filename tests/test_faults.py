@@ -279,3 +279,11 @@ def test_a_supervisor_names_what_a_signal_ended(tmp_path, monkeypatch, capsys):
     assert wants_supervisor(argv, {}) and wants_supervisor(["tiny_lm"], {"SLURM_NTASKS": "4", "SLURM_PROCID": "1"})
     assert not wants_supervisor(argv, {"OMNIJAX_SUPERVISED": "1"})  # the child itself, or under launch
     assert not wants_supervisor(["tiny_lm", "trainer.steps=3"], {}) and not wants_supervisor(["launch", *argv], {})
+
+
+def test_the_command_line_launcher_and_supervisor_start_without_jax():
+    """They import omnijax (errors, the exit codes, the allocator choice) but must not pay for jax: a
+    supervisor or launcher holding jax would cost every process of a job its import time and memory."""
+    code = ("import sys, recipes.__main__, recipes.launch, omnijax.allocator; "
+            "assert not {'jax', 'flax'} & set(sys.modules), sorted(m for m in sys.modules if m.startswith(('jax', 'flax')))")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), check=True)
