@@ -211,13 +211,16 @@ def describe_death(rc: int, process: str, native_log: Path, where: str) -> tuple
     return f"\nerror: process {process} was killed by {_signal_name(rc)}{oom}{native}. {resume}", rc
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel kills it when its supervisor dies (Linux), so killing the
-    process a user started stops the whole process, as without a supervisor."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _pdeathsig_setter():
+    """A function for the child to call between fork and exec (loaded before the fork: nothing to load
+    after it) that has the kernel kill it when its supervisor dies (Linux; elsewhere None). Killing the
+    process a user started then stops the whole run, as without a supervisor."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def supervise(argv: list[str], command: list[str] | None = None) -> int:
@@ -225,7 +228,7 @@ def supervise(argv: list[str], command: list[str] | None = None) -> int:
     signal ends runs no Python afterwards (gloo aborting it when a peer dies, the kernel's out-of-memory
     killer), so the one line that names the cause and the way to resume has to come from outside it."""
     child = subprocess.Popen(command or [sys.executable, "-m", "recipes", *argv],
-                             env={**os.environ, SUPERVISED: "1"}, preexec_fn=_die_with_parent)
+                             env={**os.environ, SUPERVISED: "1"}, preexec_fn=_pdeathsig_setter())
 
     def forward(signum, frame):
         if child.poll() is None:
@@ -249,7 +252,8 @@ def supervise(argv: list[str], command: list[str] | None = None) -> int:
                                 f"{_last_checkpoint(folder)} in {folder}")
     print(line, file=sys.stderr, flush=True)
     if code < 0:  # end the same way, for whatever watches this process (a launcher, Slurm)
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to reset)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 

@@ -251,26 +251,34 @@ GLOO_ABORT = ("terminate called after throwing an instance of 'gloo::EnforceNotM
               "collective mismatch in your code?\n")
 
 
-def test_a_supervisor_names_what_a_signal_ended(tmp_path, monkeypatch, capsys):
+def test_a_supervisor_names_what_a_signal_ended(tmp_path):
     """`python -m recipes NAME --coordinator ...` runs the recipe as its child: a child that gloo aborts
     (the text CI's survivor left in its native log) ends in the peer-lost line and exit 75; any other
     death by signal is named, with the end of the native log, and passed on."""
-    from recipes.launch import describe_death, supervise, wants_supervisor
+    from recipes.launch import describe_death, wants_supervisor
 
     runs = tmp_path / "runs"
-    monkeypatch.setenv("OMNIJAX_RUNS", str(runs))
     (runs / "pair" / "checkpoints" / "8").mkdir(parents=True)
     native = runs / "pair" / "native_stderr.p0.log"
-    abort = (f"import os, pathlib, resource; pathlib.Path({str(native)!r}).write_text({GLOO_ABORT!r}); "
-             "resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); os.abort()")  # (no core file)
     argv = ["tiny_lm", "trainer.run_name=pair", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
             "--process-id", "0"]
-    assert supervise(argv, command=[sys.executable, "-c", abort]) == 75
-    line = capsys.readouterr().err.strip().splitlines()[-1]
+
+    def supervised(child: str) -> subprocess.CompletedProcess:  # in a process of its own, as users run it
+        code = (f"import sys; from recipes.launch import supervise; "
+                f"sys.exit(supervise({argv!r}, command=[sys.executable, '-c', {child!r}]))")
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO), OMNIJAX_RUNS=str(runs)))
+
+    aborted = supervised(f"import os, pathlib, resource; pathlib.Path({str(native)!r}).write_text({GLOO_ABORT!r}); "
+                         "resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); os.abort()")  # (no core file)
+    line = aborted.stderr.strip().splitlines()[-1]
+    assert aborted.returncode == 75, aborted.stderr
     assert line.startswith("error: process 0 of 2 stopped: its collectives broke because a peer process was lost")
     assert "512 vs 16. Received data size" in line and "enforce fail" not in line and "mismatch in your code" not in line
     assert f"Last checkpoint: step 8 in {runs / 'pair' / 'checkpoints'}" in line and "same command" in line
-    assert supervise(argv, command=[sys.executable, "-c", "import sys; sys.exit(3)"]) == 3  # codes pass through
+    assert supervised("import sys; sys.exit(3)").returncode == 3  # exit codes pass through
+    killed = supervised("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert killed.returncode == -int(signal.SIGKILL) and "was killed by SIGKILL" in killed.stderr  # and dies so
     native.write_text("E0000 some unrelated native error\n")
     line, code = describe_death(-int(signal.SIGKILL), "1 of 2", native, "step 8 in x")
     assert code == -int(signal.SIGKILL) and "killed by SIGKILL (the kernel's out-of-memory killer" in line
