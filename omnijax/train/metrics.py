@@ -130,6 +130,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _tensorboardx_writer():
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch when it is installed
+    (1.6 s and a few hundred MB in every run here) only to recognise its tensors, and we write floats."""
+    import sys
+
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX handles
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsWriter:
     """One JSON object per logged step in metrics.jsonl, the same scalars as TensorBoard events."""
 
@@ -141,8 +157,7 @@ class MetricsWriter:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(run_dir / "metrics.jsonl", "a" if append else "w")
         try:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _tensorboardx_writer()
             self._tb = SummaryWriter(str(run_dir / "tb"))
         except ImportError:  # TensorBoard events are a convenience; JSONL is the contract
             self._tb = None
