@@ -194,6 +194,17 @@ def wants_supervisor(argv: list[str], env: dict | os._Environ) -> bool:
     return bool(_flag(argv, "--coordinator") or env.get("OMNIJAX_COORDINATOR") or auto_detected(env))
 
 
+def process_of(argv: list[str], env) -> tuple[str, str]:
+    """(index, count) of this process in its job, as jax will number it: our flags, else the cluster's."""
+    if _flag(argv, "--process-id") is not None:
+        return _flag(argv, "--process-id"), _flag(argv, "--num-processes") or "?"
+    for index, count in (("OMNIJAX_PROCESS_ID", "OMNIJAX_NUM_PROCESSES"), ("SLURM_PROCID", "SLURM_NTASKS"),
+                         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("JOB_COMPLETION_INDEX", "")):
+        if index in env:
+            return env[index], env.get(count, "?")
+    return "0", "?"
+
+
 def describe_death(rc: int, process: str, native_log: Path, where: str) -> tuple[str, int]:
     """The line a supervisor prints for a recipe process killed by a signal, and the code to end with
     (a negative code: die of that signal too). gloo aborting the process (SIGABRT with its message in the
@@ -245,8 +256,7 @@ def supervise(argv: list[str], command: list[str] | None = None) -> int:
             signal.signal(sig, handler)
     if rc >= 0:
         return rc
-    index = _flag(argv, "--process-id") or os.environ.get("OMNIJAX_PROCESS_ID", "0")
-    count = _flag(argv, "--num-processes") or os.environ.get("OMNIJAX_NUM_PROCESSES", "?")
+    index, count = process_of(argv, os.environ)
     folder = _checkpoint_dir(argv[0], [a for a in argv[1:] if "=" in a and not a.startswith("-")])
     line, code = describe_death(rc, f"{index} of {count}", folder.parent / f"native_stderr.p{index}.log",
                                 f"{_last_checkpoint(folder)} in {folder}")

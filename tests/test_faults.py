@@ -255,7 +255,7 @@ def test_a_supervisor_names_what_a_signal_ended(tmp_path):
     """`python -m recipes NAME --coordinator ...` runs the recipe as its child: a child that gloo aborts
     (the text CI's survivor left in its native log) ends in the peer-lost line and exit 75; any other
     death by signal is named, with the end of the native log, and passed on."""
-    from recipes.launch import describe_death, wants_supervisor
+    from recipes.launch import describe_death, process_of, wants_supervisor
 
     runs = tmp_path / "runs"
     (runs / "pair" / "checkpoints" / "8").mkdir(parents=True)
@@ -285,6 +285,9 @@ def test_a_supervisor_names_what_a_signal_ended(tmp_path):
     assert "some unrelated native error" in line
     assert describe_death(-int(signal.SIGABRT), "0 of 2", native, "x")[1] == -int(signal.SIGABRT)  # not gloo's
     assert wants_supervisor(argv, {}) and wants_supervisor(["tiny_lm"], {"SLURM_NTASKS": "4", "SLURM_PROCID": "1"})
+    assert process_of(argv, {"SLURM_PROCID": "3"}) == ("0", "2")                          # the flags first
+    assert process_of(["tiny_lm"], {"SLURM_NTASKS": "4", "SLURM_PROCID": "1"}) == ("1", "4")  # else the cluster's
+    assert process_of(["tiny_lm"], {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8"}) == ("2", "8")
     assert not wants_supervisor(argv, {"OMNIJAX_SUPERVISED": "1"})  # the child itself, or under launch
     assert not wants_supervisor(["tiny_lm", "trainer.steps=3"], {}) and not wants_supervisor(["launch", *argv], {})
 
