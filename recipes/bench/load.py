@@ -154,20 +154,14 @@ def child(folder: str, layout: str) -> None:
                                  export_above, "export_bit_exact": same}), flush=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(folder: Path, b: BenchConfig, processes: int) -> list[dict]:
     """`processes` processes x 8/processes CPU devices loading (and exporting) `folder`; their JSON rows."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "BENCH_REPEATS": str(b.repeats),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}"}
     cmd = [sys.executable, "-m", "recipes.bench.load", "--child", str(folder), b.layout]
-    port = _free_port()
+    from recipes.launch import free_port
+
+    port = free_port()
     procs = []
     for i in range(processes):
         extra = ({"OMNIJAX_COORDINATOR": f"127.0.0.1:{port}", "OMNIJAX_NUM_PROCESSES": str(processes),
