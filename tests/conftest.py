@@ -4,8 +4,7 @@ import os
 # --xla_backend_optimization_level=0: compiling is ~80% of the suite's CPU time and this level cuts the whole
 # suite's CPU by a fifth (user 22.9 -> 18.3 min, all tests passing). What the tests check (layouts equal to
 # one device, exact resume, bitwise exports) holds at any level; programs run slower, which the tests'
-# few steps do not feel. The multi-host tests' processes inherit it. test_faults.py's run at the default
-# level, as users do (level 0 makes its lost-peer race certain: see that test).
+# few steps do not feel. The multi-host tests' processes inherit it, and test_faults.py passes it on.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
