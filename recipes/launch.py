@@ -28,14 +28,13 @@ import sys
 import time
 from pathlib import Path
 
-from omnijax.train.launch import EXIT_PEER_LOST
+from omnijax.errors import UserError  # (none of these imports jax: the launcher and supervisor start without it)
+from omnijax.train.launch import EXIT_PEER_LOST, auto_detected, launch_flags
 from omnijax.train.watchdog import EXIT_HUNG
 
 DESCRIPTION = "start N processes of a recipe; restart the group from the last checkpoint when one dies"
 USER_ERROR = 2           # recipes' exit code for a UserError: not worth a restart
 GRACE_S = 10.0           # SIGTERM -> SIGKILL for the survivors of a failed attempt
-PEER_LOST = EXIT_PEER_LOST  # a survivor of a lost peer (neither module imports jax: the launcher starts without it)
-HUNG = EXIT_HUNG           # no step finished for trainer.hang_timeout_s
 
 
 def free_port() -> int:
@@ -45,8 +44,6 @@ def free_port() -> int:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from omnijax.errors import UserError
-
     p = argparse.ArgumentParser(prog="python -m recipes launch", add_help=False)
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--cpu-devices-per-process", type=int, default=0)
@@ -86,7 +83,7 @@ def first_cause(exits: list[tuple[int, int]]) -> tuple[int, int]:
     collective breaks first; both follow the real cause (process 1 killed), which may sort after them."""
     if not exits:
         raise ValueError("first_cause needs at least one failed process")
-    return next(((i, rc) for i, rc in exits if rc not in (PEER_LOST, -signal.SIGABRT)), exits[0])
+    return next(((i, rc) for i, rc in exits if rc not in (EXIT_PEER_LOST, -signal.SIGABRT)), exits[0])
 
 
 def _signal_name(rc: int) -> str:
@@ -99,9 +96,9 @@ def _signal_name(rc: int) -> str:
 def _why(i: int, rc: int) -> str:
     if rc < 0:
         return f"process {i} was killed by {_signal_name(rc)}"
-    if rc == PEER_LOST:
+    if rc == EXIT_PEER_LOST:
         return f"process {i} stopped: a peer stopped answering (exit 75)"
-    if rc == HUNG:
+    if rc == EXIT_HUNG:
         return f"process {i} stopped: no training step finished for trainer.hang_timeout_s (exit 124, stacks in its log)"
     return f"process {i} exited with code {rc}"
 
@@ -176,28 +173,21 @@ SUPERVISED = "OMNIJAX_SUPERVISED"   # set for the recipe process a supervisor (o
 _NOT_RUNS = {"list", "bench", "launch", "-h", "--help", "help"}
 
 
-def _flag(argv: list[str], name: str) -> str | None:
-    for i, arg in enumerate(argv):
-        key, eq, value = arg.partition("=")
-        if key == name:
-            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-    return None
-
-
 def wants_supervisor(argv: list[str], env: dict | os._Environ) -> bool:
     """A recipe run that is one process of several and has no launcher of ours above it: started by hand
     (`--coordinator`) or by a cluster's own launcher (srun, mpirun, a Kubernetes Job)."""
-    from omnijax.train.launch import auto_detected
-
-    if env.get(SUPERVISED) or not argv or argv[0] in _NOT_RUNS:
+    try:
+        flags, rest = launch_flags(argv)
+    except UserError:  # the recipe process itself says what is wrong with the flags
         return False
-    return bool(_flag(argv, "--coordinator") or env.get("OMNIJAX_COORDINATOR") or auto_detected(env))
+    if env.get(SUPERVISED) or not rest or rest[0] in _NOT_RUNS:
+        return False
+    return bool(flags.get("OMNIJAX_COORDINATOR") or env.get("OMNIJAX_COORDINATOR") or auto_detected(env))
 
 
 def process_of(argv: list[str], env) -> tuple[str, str]:
     """(index, count) of this process in its job, as jax will number it: our flags, else the cluster's."""
-    if _flag(argv, "--process-id") is not None:
-        return _flag(argv, "--process-id"), _flag(argv, "--num-processes") or "?"
+    env = {**env, **launch_flags(argv)[0]}
     for index, count in (("OMNIJAX_PROCESS_ID", "OMNIJAX_NUM_PROCESSES"), ("SLURM_PROCID", "SLURM_NTASKS"),
                          ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("JOB_COMPLETION_INDEX", "")):
         if index in env:
@@ -216,7 +206,7 @@ def describe_death(rc: int, process: str, native_log: Path, where: str) -> tuple
         what = next((line for line in tail if "what():" in line), tail[-1])
         what = re.sub(r"^\s*what\(\):\s*(\[[^\]]*\]\s*)?", "", what).split(" Is there a")[0].strip()[:300]
         return (f"\nerror: process {process} stopped: its collectives broke because a peer process was lost "
-                f"(gloo aborted it: {what}; see {native_log}). {resume}", PEER_LOST)
+                f"(gloo aborted it: {what}; see {native_log}). {resume}", EXIT_PEER_LOST)
     oom = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if rc == -signal.SIGKILL else ""
     native = f"; the end of its native log {native_log}: {tail[-1].strip()[:300]}" if tail else ""
     return f"\nerror: process {process} was killed by {_signal_name(rc)}{oom}{native}. {resume}", rc
@@ -257,7 +247,8 @@ def supervise(argv: list[str], command: list[str] | None = None) -> int:
     if rc >= 0:
         return rc
     index, count = process_of(argv, os.environ)
-    folder = _checkpoint_dir(argv[0], [a for a in argv[1:] if "=" in a and not a.startswith("-")])
+    recipe, *overrides = launch_flags(argv)[1]
+    folder = _checkpoint_dir(recipe, overrides)
     line, code = describe_death(rc, f"{index} of {count}", folder.parent / f"native_stderr.p{index}.log",
                                 f"{_last_checkpoint(folder)} in {folder}")
     print(line, file=sys.stderr, flush=True)

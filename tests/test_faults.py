@@ -290,6 +290,8 @@ def test_a_supervisor_names_what_a_signal_ended(tmp_path):
     assert describe_death(-int(signal.SIGABRT), "0 of 2", native, "x")[1] == -int(signal.SIGABRT)  # not gloo's
     assert wants_supervisor(argv, {}) and wants_supervisor(["tiny_lm"], {"SLURM_NTASKS": "4", "SLURM_PROCID": "1"})
     assert process_of(argv, {"SLURM_PROCID": "3"}) == ("0", "2")                          # the flags first
+    assert wants_supervisor(["--process-id=1", "--coordinator", "h:1", "tiny_lm"], {})  # flags before the recipe
+    assert not wants_supervisor(["tiny_lm", "--coordinator"], {})  # no value: the recipe process says so
     assert process_of(["tiny_lm"], {"SLURM_NTASKS": "4", "SLURM_PROCID": "1"}) == ("1", "4")  # else the cluster's
     assert process_of(["tiny_lm"], {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8"}) == ("2", "8")
     assert not wants_supervisor(argv, {"OMNIJAX_SUPERVISED": "1"})  # the child itself, or under launch

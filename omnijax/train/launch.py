@@ -32,9 +32,9 @@ DEFAULT_PEER_TIMEOUT_S = 60.0
 _BACKSTOP_S = 30         # jax's heartbeat timeout = peer timeout + this (ours speaks first)
 
 
-def pop_launch_flags(argv: list[str]) -> list[str]:
-    """Move `--coordinator=...`-style flags into the environment; return the other arguments."""
-    rest, i = [], 0
+def launch_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The `--coordinator=...`-style flags (keyed by their environment variables) and the other arguments."""
+    flags, rest, i = {}, [], 0
     while i < len(argv):
         arg = argv[i]
         name, eq, value = arg.partition("=")
@@ -43,10 +43,17 @@ def pop_launch_flags(argv: list[str]) -> list[str]:
                 if i + 1 >= len(argv):
                     raise UserError(f"{name} needs a value, e.g. {name}=...")
                 value, i = argv[i + 1], i + 1
-            os.environ[_FLAGS[name]] = value
+            flags[_FLAGS[name]] = value
         else:
             rest.append(arg)
         i += 1
+    return flags, rest
+
+
+def pop_launch_flags(argv: list[str]) -> list[str]:
+    """Move `--coordinator=...`-style flags into the environment; return the other arguments."""
+    flags, rest = launch_flags(argv)
+    os.environ.update(flags)
     return rest
 
 
