@@ -93,6 +93,7 @@ def maybe_initialize_distributed() -> int:
         jax.distributed.initialize(heartbeat_timeout_seconds=_heartbeat_s())
     _initialized = True
     if jax.process_count() > 1:
+        _avoid_cache_hang(jax)
         _watch = PeerWatch().start()  # beats from now on; the trainer arms it with trainer.peer_timeout_s
         # one line per host: shows the job really formed (not N independent runs)
         print(f"omnijax: process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} of "
@@ -106,6 +107,36 @@ def _cpu_collectives() -> None:
 
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not _has_accelerator():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+# jaxlib releases on which a multi-process CPU run hangs in its first gloo collective when process 0 loads
+# a program from the persistent compilation cache (the other processes never hit it: their cache keys
+# differ, so they compile theirs). Measured here with a 2-process tiny_lm pair run twice on one cache:
+# 0.12.1 hangs in step 1 every time, 0.12.0.1 finishes; with no cache both finish.
+CACHE_HANGS_GLOO = frozenset({"0.12.1"})
+
+
+def cache_hangs(jaxlib_version: str, platform: str, cpu_collectives: str | None, processes: int,
+                cache_dir: str | None) -> bool:
+    """Whether this run would load cached programs that hang (see CACHE_HANGS_GLOO)."""
+    return (processes > 1 and platform == "cpu" and cpu_collectives == "gloo" and bool(cache_dir)
+            and jaxlib_version in CACHE_HANGS_GLOO)
+
+
+def _avoid_cache_hang(jax) -> None:
+    """Turn the persistent compilation cache off for this run where the installed jaxlib hangs on it."""
+    from jax._src import compilation_cache
+    from jaxlib import version as jaxlib_version
+
+    if cache_hangs(jaxlib_version.__version__, jax.default_backend(), jax.config.jax_cpu_collectives_implementation,
+                   jax.process_count(), jax.config.jax_compilation_cache_dir):
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()  # is_cache_used() remembers its first answer
+        if jax.process_index() == 0:
+            print(f"omnijax: the persistent compilation cache is off for this run: on jaxlib "
+                  f"{jaxlib_version.__version__} a program process 0 loads from it hangs in its first "
+                  f"cross-process collective on CPU. pip install 'jaxlib!={jaxlib_version.__version__}' "
+                  f"keeps the cache", file=sys.stderr, flush=True)
 
 
 def _has_accelerator() -> bool:
