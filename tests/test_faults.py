@@ -139,6 +139,12 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
+def _main_stack(text: str) -> str:
+    """The last faulthandler block of the thread that took the signal (the main thread), else the tail."""
+    at = text.rfind("Current thread ")
+    return text[at:at + 1500] if at >= 0 else text[-600:]
+
+
 def _wait_for_checkpoint(run: Path, step: int, procs, logs: list[Path], timeout=300) -> None:
     """Until checkpoint `step` is committed (metrics.jsonl is written in blocks; checkpoints show progress).
     A run that stops or hangs fails with its logs and, for a hang, every process's Python stacks (SIGUSR1)."""
@@ -150,10 +156,12 @@ def _wait_for_checkpoint(run: Path, step: int, procs, logs: list[Path], timeout=
             for pid in [p.pid for p in procs if p.poll() is None] + [d for p in procs for d, _ in _descendants(p.pid)]:
                 os.kill(pid, signal.SIGUSR1)  # recipes/__main__.py: faulthandler prints the stacks
             time.sleep(3)
-            tails = "\n".join(f"--- {log}:\n{log.read_text()[-4000:]}"
-                               for log in [*logs, *sorted(run.glob("native_stderr.p*.log"))] if log.exists())
+            files = [log for log in [*logs, *sorted(run.glob("native_stderr.p*.log"))] if log.exists()]
+            tails = "\n".join(f"--- {log}:\n{log.read_text()[-4000:]}" for log in files)
+            # each process's main thread last: what a truncated CI log still shows
+            mains = "\n".join(f"--- main thread of {log.name}:\n{_main_stack(log.read_text())}" for log in files)
             raise AssertionError(f"no checkpoint {step} in {run} after {time.monotonic() - deadline + timeout:.0f} s "
-                                 f"(exit codes {[p.poll() for p in procs]})\n{tails}")
+                                 f"(exit codes {[p.poll() for p in procs]})\n{tails}\n{mains}")
         time.sleep(0.05)
 
 
