@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from omnijax.errors import UserError  # (none of these imports jax: the launcher and supervisor start without it)
-from omnijax.train.launch import EXIT_PEER_LOST, auto_detected, launch_flags
+from omnijax.train.launch import EXIT_PEER_LOST, auto_detected, launch_flags, native_log
 from omnijax.train.watchdog import EXIT_HUNG
 
 DESCRIPTION = "start N processes of a recipe; restart the group from the last checkpoint when one dies"
@@ -195,20 +195,20 @@ def process_of(argv: list[str], env) -> tuple[str, str]:
     return "0", "?"
 
 
-def describe_death(rc: int, process: str, native_log: Path, where: str) -> tuple[str, int]:
+def describe_death(rc: int, process: str, log: Path, where: str) -> tuple[str, int]:
     """The line a supervisor prints for a recipe process killed by a signal, and the code to end with
     (a negative code: die of that signal too). gloo aborting the process (SIGABRT with its message in the
     native log) means a peer was lost: exit 75 like the peer watch, whose line it could not print."""
-    tail = native_log.read_text(errors="replace").strip().splitlines()[-3:] if native_log.exists() else []
+    tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
     resume = (f"Last checkpoint: {where}. To resume, run the same command on every host again "
               "(`python -m recipes launch` and Slurm requeue do it)")
     if rc == -signal.SIGABRT and any("gloo" in line for line in tail):
         what = next((line for line in tail if "what():" in line), tail[-1])
         what = re.sub(r"^\s*what\(\):\s*(\[[^\]]*\]\s*)?", "", what).split(" Is there a")[0].strip()[:300]
         return (f"\nerror: process {process} stopped: its collectives broke because a peer process was lost "
-                f"(gloo aborted it: {what}; see {native_log}). {resume}", EXIT_PEER_LOST)
+                f"(gloo aborted it: {what}; see {log}). {resume}", EXIT_PEER_LOST)
     oom = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if rc == -signal.SIGKILL else ""
-    native = f"; the end of its native log {native_log}: {tail[-1].strip()[:300]}" if tail else ""
+    native = f"; the end of its native log {log}: {tail[-1].strip()[:300]}" if tail else ""
     return f"\nerror: process {process} was killed by {_signal_name(rc)}{oom}{native}. {resume}", rc
 
 
@@ -249,7 +249,7 @@ def supervise(argv: list[str], command: list[str] | None = None) -> int:
     index, count = process_of(argv, os.environ)
     recipe, *overrides = launch_flags(argv)[1]
     folder = _checkpoint_dir(recipe, overrides)
-    line, code = describe_death(rc, f"{index} of {count}", folder.parent / f"native_stderr.p{index}.log",
+    line, code = describe_death(rc, f"{index} of {count}", native_log(folder.parent, index),
                                 f"{_last_checkpoint(folder)} in {folder}")
     print(line, file=sys.stderr, flush=True)
     if code < 0:  # end the same way, for whatever watches this process (a launcher, Slurm)

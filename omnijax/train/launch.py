@@ -93,7 +93,7 @@ def maybe_initialize_distributed() -> int:
         jax.distributed.initialize(heartbeat_timeout_seconds=_heartbeat_s())
     _initialized = True
     if jax.process_count() > 1:
-        _avoid_cache_hang(jax)
+        _avoid_cache_hang()
         _watch = PeerWatch().start()  # beats from now on; the trainer arms it with trainer.peer_timeout_s
         # one line per host: shows the job really formed (not N independent runs)
         print(f"omnijax: process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} of "
@@ -123,8 +123,9 @@ def cache_hangs(jaxlib_version: str, platform: str, cpu_collectives: str | None,
             and jaxlib_version in CACHE_HANGS_GLOO)
 
 
-def _avoid_cache_hang(jax) -> None:
+def _avoid_cache_hang() -> None:
     """Turn the persistent compilation cache off for this run where the installed jaxlib hangs on it."""
+    import jax
     from jax._src import compilation_cache
     from jaxlib import version as jaxlib_version
 
@@ -155,6 +156,12 @@ def _heartbeat_s() -> int:
             except ValueError:
                 pass  # the config's own validation names it
     return int(timeout) + _BACKSTOP_S
+
+
+def native_log(run_dir: Path, process: int | str) -> Path:
+    """Where a process of a multi-process run writes what native code prints (the trainer redirects
+    there; a supervisor and the tests read it)."""
+    return Path(run_dir) / f"native_stderr.p{process}.log"
 
 
 def redirect_native_stderr(log: Path) -> None:

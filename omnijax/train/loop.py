@@ -143,9 +143,9 @@ class Trainer:
                              if cfg.trainer.checkpoint_every else None)
         self.peer_watch = None
         if jax.process_count() > 1:  # losing a peer: one line per survivor, native dumps into the run folder
-            from omnijax.train.launch import peer_watch, redirect_native_stderr
+            from omnijax.train.launch import native_log, peer_watch, redirect_native_stderr
 
-            redirect_native_stderr(self.run_dir / f"native_stderr.p{jax.process_index()}.log")
+            redirect_native_stderr(native_log(self.run_dir, jax.process_index()))
             self.peer_watch = peer_watch()
 
     def _last_checkpoint(self) -> str:
