@@ -4,8 +4,8 @@
 
 Locally, each process runs as `python -m recipes RECIPE KEY=VALUE... --coordinator 127.0.0.1:PORT
 --num-processes N --process-id I` (the flags a user would type; a free loopback port, a new one per
-attempt). When a process exits non-zero or is killed, the others are stopped (SIGTERM, then SIGKILL
-after a grace period), the reason is printed, and the group starts again; the trainer resumes from
+attempt). When a process exits non-zero or is killed, the others are killed (without a peer they
+can neither step nor save), the reason is printed, and the group starts again; the trainer resumes from
 its newest intact checkpoint, so the losses continue as if undisturbed. A group that hangs (no step
 finished for `trainer.hang_timeout_s`) is stopped by its own processes (exit 124) and restarted the
 same way. A process that stops with a user error (exit 2: bad config, missing data) is not
@@ -34,7 +34,6 @@ from omnijax.train.watchdog import EXIT_HUNG
 
 DESCRIPTION = "start N processes of a recipe; restart the group from the last checkpoint when one dies"
 USER_ERROR = 2           # recipes' exit code for a UserError: not worth a restart
-GRACE_S = 10.0           # SIGTERM -> SIGKILL for the survivors of a failed attempt
 
 
 def free_port() -> int:
@@ -103,18 +102,15 @@ def _why(i: int, rc: int) -> str:
     return f"process {i} exited with code {rc}"
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM the processes still running (their preemption handler may save), SIGKILL after GRACE_S."""
+def _kill_survivors(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the processes of a failed attempt that still run. A group short of a process can neither
+    step nor save (a checkpoint needs every process), so a SIGTERM would only have them wait in a
+    collective for a grace period (measured: 10 s of the restart) before the kill."""
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    for p in procs:
-        while p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
         if p.poll() is None:
             p.kill()
-            p.wait()
+    for p in procs:
+        p.wait()
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -153,7 +149,7 @@ def run_local(args: argparse.Namespace) -> int:
         if not exits:
             return 0
         failed = first_cause(exits)
-        _stop(procs)
+        _kill_survivors(procs)
         why = _why(*failed)
         if failed[1] == USER_ERROR:
             print(f"launch: {why} (a user error, see its line above); not restarting", file=sys.stderr, flush=True)
