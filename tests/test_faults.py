@@ -230,8 +230,9 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
     # line and exit 75. Either its peer watch prints the line, or (2 runs in 10 here) gloo's transport thread
     # first receives a message of a size it did not expect and aborts the process: then its supervisor
     # (`python -m recipes` with --coordinator runs the recipe as its child) prints it (docs/reliability.md)
-    port = subprocess.check_output([sys.executable, "-c", "from recipes.launch import free_port; print(free_port())"],
-                                   cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), text=True).strip()
+    from recipes.launch import free_port
+
+    port = free_port()
     procs = [_recipes([*common, "trainer.run_name=pair", "trainer.peer_timeout_s=5", "--coordinator",
                        f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], tmp_path / f"p{i}.log",
                       env=env)

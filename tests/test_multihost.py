@@ -3,7 +3,6 @@ match one process with the same 8 devices, as the user launches them (`--coordin
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from omnijax.parallel import hosts
 from omnijax.parallel.mesh import MESH_AXES
+from recipes.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,12 +90,6 @@ def test_put_host_rows_places_every_block_and_rejects_missing_rows():
 
 
 # ---------------------------------------------------------------------------- real processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -109,7 +103,7 @@ def _env(runs: Path) -> dict:
 def _two_processes(recipe: str, args: list[str], runs: Path, name: str) -> list[subprocess.Popen]:
     """The command on two processes with 4 CPU devices each, as a user launches it on two hosts."""
     base = [sys.executable, "-m", "recipes", recipe, *args, f"trainer.run_name={name}", "parallel.cpu_devices=4"]
-    port = _free_port()
+    port = free_port()
     return [subprocess.Popen(base + [f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"],
                              cwd=ROOT, env=_env(runs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(2)]
