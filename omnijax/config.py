@@ -69,6 +69,9 @@ class ParallelConfig:
     llm: str = ""            # layout string such as "pp2xdp2xtp2"; "" = all devices on dp
     encoder: str = ""        # such as "edp4xesp2"; "" = all devices on edp
     cpu_devices: int = 0     # fake N CPU devices when no accelerator is present (0 = leave alone)
+    # threads of XLA:CPU's intra-op pool (0 = XLA's choice, max(cores, CPU devices)); more than the cores
+    # balances its parallel tasks better on small machines (docs/performance.md)
+    cpu_threads: int = 0
     rules: str = "llm_5d"    # shardings/<rules>.yaml
     encoder_rules: str = "encoder_dp"  # shardings/<encoder_rules>.yaml: encoders on the (edp, esp) view
     microbatches: int = 0    # pipeline microbatches (0 = 2 x pp)
@@ -172,7 +175,7 @@ _POSITIVE = {
     "trainer.grad_accum", "trainer.keep_checkpoints", "trainer.max_nonfinite_in_row",
 }
 _NON_NEGATIVE = {"trainer.seed", "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip",
-                 "parallel.cpu_devices", "parallel.microbatches", "trainer.checkpoint_every",
+                 "parallel.cpu_devices", "parallel.cpu_threads", "parallel.microbatches", "trainer.checkpoint_every",
                  "trainer.eval_every", "data.eval_batches", "data.workers",
                  "trainer.dc_lambda", "trainer.stale_warmup_steps", "trainer.prefetch"}
 

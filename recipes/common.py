@@ -13,13 +13,20 @@ CONFIGS = Path(__file__).parent / "configs"
 
 
 def setup_devices(overrides: list[str]) -> None:
-    """Honour `parallel.cpu_devices=N` before jax starts: fakes N CPU devices when no accelerator."""
+    """Honour `parallel.cpu_devices=N` and `parallel.cpu_threads=T` before jax starts: fakes N CPU devices
+    when no accelerator; sizes XLA:CPU's intra-op thread pool (XLA reads NPROC when it makes the client).
+    A value that is not a positive integer is left to the config's own validation, which names it."""
     for item in overrides:
         key, _, value = item.partition("=")
-        if key.strip() == "parallel.cpu_devices" and value.strip() not in ("", "0"):
+        value = value.strip()
+        if not value.isdigit() or int(value) == 0:
+            continue
+        if key.strip() == "parallel.cpu_devices":
             flags = os.environ.get("XLA_FLAGS", "")
             flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={int(value)}".strip()
+        elif key.strip() == "parallel.cpu_threads":
+            os.environ["NPROC"] = value
 
 
 def load_config(name: str, overrides: list[str], cls: type = Config) -> Config:

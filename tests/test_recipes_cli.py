@@ -1,4 +1,5 @@
 """The recipes command line: list, unknown names, user errors as one line."""
+import os
 import subprocess
 import sys
 
@@ -32,3 +33,24 @@ def test_bad_override_is_one_clear_line():
     out = _run("tiny_lm", "trainer.stepz=3")
     assert out.returncode == 2
     assert out.stderr.strip() == "error: unknown config key 'trainer.stepz'; did you mean 'trainer.steps'?"
+
+
+def test_cpu_threads_sizes_xla_cpu_intra_op_pool_in_a_fresh_process():
+    """`parallel.cpu_threads=T` reaches XLA (it reads NPROC when it makes the CPU client): the process has T
+    intra-op threads, one CPU device unchanged; a bad value is left to the config's one-line error."""
+    code = ("import os, sys; from recipes.common import setup_devices; setup_devices(sys.argv[1:]);"
+            "import jax, jax.numpy as jnp; (jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready();"
+            "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')];"
+            "print(jax.device_count(), sum(n == 'tf_XLAEigen' for n in names))")
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "XLA_FLAGS")}
+    more = len(os.sched_getaffinity(0)) + 3   # differs from XLA's default on any machine
+    counts = {}
+    for threads in (0, more):
+        out = subprocess.run([sys.executable, "-c", code, "parallel.cpu_devices=1", f"parallel.cpu_threads={threads}"],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr
+        counts[threads] = tuple(int(x) for x in out.stdout.split())
+    assert counts[more] == (1, more)
+    assert counts[0][0] == 1 and counts[0][1] < more   # XLA's own choice (the cores) when not set
+    bad = _run("tiny_lm", "parallel.cpu_threads=-2")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: parallel.cpu_threads=-2: must be >= 0"
