@@ -103,3 +103,34 @@ def test_train_step_module_is_picked_by_name(tmp_path):
     name, text = bm.train_step_hlo(str(tmp_path))
     assert name.startswith("module_0002.jit_step") and text == HLO
     assert bm.train_step_hlo(str(tmp_path / "empty")) is None
+
+
+def test_mm_shape_is_one_device_and_both_sides_get_the_same_sizes(tmp_path):
+    o = bm.parse_options(["shape=mm"])
+    assert o["layouts"] == ["1dev"] and o["steps"] == 4 and o["oj_warmup"] == 2
+    for bad in (["shape=mm", "layouts=[fsdp8]"], ["shape=mm", "remat=full"]):
+        with pytest.raises(UserError):
+            bm.parse_options(bad)
+    s, data = bm.MM, {"shards": "S", "tokenizer": "T", "parquet": "P.parquet"}
+    oj = bm.omnijax_mm_overrides(s, data, steps=4, warmup=2)
+    mt = bm.maxtext_mm_overrides(s, data, steps=4, warmup=3)
+    grid = s["image"] // s["patch"]
+    assert "data.sources=[S]" in oj and "tokenizer.path=T" in oj and "trainer.steps=6" in oj
+    assert "hf_train_files=P.parquet" in mt and "tokenizer_path=T" in mt and "steps=7" in mt
+    # the tokenizer's vocabulary plus omnijax's image/video/audio placeholders fit; tied, as Gemma3's
+    assert int(next(a for a in oj if a.startswith("model.llm.vocab_size=")).split("=")[1]) >= s["vocab"] + 3
+    assert "model.llm.tie_embeddings=true" in oj
+    # the same image grid reaches the same number of LLM tokens: 896/14 = 64 patches a side, 4x4 -> 256
+    assert f"model.encoders.vision.image_size={s['image']}" in oj and f"model.encoders.vision.merge={s['pool']}" in oj
+    assert (grid // s["pool"]) ** 2 == 256 and f"capacity.vision={s['batch'] * grid * grid}" in oj
+    for k_oj, k_mt in [("model.llm.num_kv_heads", "base_num_kv_heads"), ("model.llm.mlp_dim", "base_mlp_dim"),
+                       ("model.encoders.vision.embed_dim", "hidden_size_for_vit"),
+                       ("model.encoders.vision.num_layers", "num_hidden_layers_for_vit"),
+                       ("data.batch_size", "per_device_batch_size"), ("data.seq_len", "max_target_length")]:
+        v_oj = next(a for a in oj if a.startswith(k_oj + "=")).split("=")[1]
+        v_mt = next(a for a in mt if a.startswith(k_mt + "=")).split("=")[1]
+        assert v_oj == v_mt, (k_oj, v_oj, k_mt, v_mt)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(f'{{"step": {k}, "loss": 1.0, "step_time_s": {t}}}' for k, t in
+                                 enumerate([13.7, 4.1, 4.0, 3.9], start=1)) + "\n")
+    assert bm.omnijax_metric_step_times(str(metrics), warmup=2) == [4.0, 3.9]

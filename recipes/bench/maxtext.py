@@ -17,8 +17,11 @@ MaxText: its own per-step log, the first ``warmup`` steps dropped).
 
 Options (``key=value``):
 - ``mt_python``: required; the Python of the MaxText environment.
-- ``shape``: ``tiny`` (2 layers, d256, 4x64 heads, MLP 1024, vocab 32000, seq 256, fp32, batch 8, no remat) or
-  ``large`` (module constant LARGE: GQA, seq 1024, bf16 compute with fp32 weights, remat full).
+- ``shape``: ``tiny`` (2 layers, d256, 4x64 heads, MLP 1024, vocab 32000, seq 256, fp32, batch 8, no remat),
+  ``large`` (module constant LARGE: GQA, seq 1024, bf16 compute with fp32 weights, remat full) or ``mm`` (module
+  constant MM: MaxText's Gemma3 multimodal step at a tiny size against omnijax's ``tiny_omni`` of the same sizes,
+  one device, on the same 32 image/question/answer rows: ``prepare_mm_data``; needs ``datasets`` in mt_python's
+  environment. omnijax's step time is read from its run's ``metrics.jsonl``).
 - ``layouts``: any of ``1dev``, ``fsdp8``, ``dp8`` (8 fake CPU devices), e.g. ``layouts=[1dev,fsdp8]``.
 - ``rounds`` (3), ``steps`` (timed steps per process; 12 tiny, 3 large), ``warmup`` (MaxText steps dropped from
   its log, 4: its log lags a step behind and its first steps include dispatch of the compiled program),
@@ -64,7 +67,14 @@ TINY = dict(vocab=32000, d=256, layers=2, heads=4, kv_heads=4, head_dim=64, mlp=
 # d512 x 8 heads x MLP 1536 60 s): GQA, seq 1024, bf16 compute over fp32 weights, every layer recomputed
 LARGE = dict(vocab=8192, d=256, layers=4, heads=4, kv_heads=2, head_dim=64, mlp=1024, seq=1024, batch=8,
              dtype="bfloat16", remat="full")
-SHAPES = {"tiny": TINY, "large": LARGE}
+# MaxText's Gemma3 multimodal step at a tiny size (its gemma3-4b config with override_model_config): every image
+# resized to 896x896 by Gemma3's preprocessing, 4096 patches of 14x14 through a 1-layer ViT 128 wide, pooled 4x4 to
+# 256 LLM tokens; 2 LLM layers with Gemma3's 262144-token tied vocabulary; one row per sample (packing is refused
+# for multimodal SFT), loss on the answers only. `images` rows of noise with a question and an answer each.
+MM = dict(vocab=262144, d=256, layers=2, heads=4, kv_heads=2, head_dim=64, mlp=1024, seq=512, batch=2,
+          vit_d=128, vit_mlp=512, vit_layers=1, vit_heads=2, image=896, patch=14, pool=4, images=32,
+          dtype="float32", remat="none")
+SHAPES = {"tiny": TINY, "large": LARGE, "mm": MM}
 LAYOUTS = ("1dev", "fsdp8", "dp8")
 
 
@@ -96,6 +106,13 @@ def parse_options(overrides: list[str]) -> dict:
                             "warmup, oj_warmup, remat, profile, timeout_s, oj.KEY, mt.KEY)")
     if opts["shape"] not in SHAPES:
         raise UserError(f"bench maxtext: shape={opts['shape']!r}: use one of {', '.join(SHAPES)}")
+    if opts["shape"] == "mm":
+        explicit = any(o.strip().startswith("layouts=") for o in overrides)
+        if explicit and opts["layouts"] != ["1dev"]:
+            raise UserError("bench maxtext: shape=mm compares one device only (layouts=[1dev])")
+        opts["layouts"] = ["1dev"]
+        if opts["remat"] not in (None, "none"):
+            raise UserError("bench maxtext: shape=mm runs remat=none")
     bad = [x for x in opts["layouts"] if x not in LAYOUTS]
     if bad or not opts["layouts"]:
         raise UserError(f"bench maxtext: layouts={opts['layouts']}: each one of {', '.join(LAYOUTS)}")
@@ -104,9 +121,9 @@ def parse_options(overrides: list[str]) -> dict:
     if opts["rounds"] < 1:
         raise UserError("bench maxtext: rounds must be >= 1")
     if opts["steps"] is None:
-        opts["steps"] = 12 if opts["shape"] == "tiny" else 3
+        opts["steps"] = {"tiny": 12, "large": 3, "mm": 4}[opts["shape"]]
     if opts["oj_warmup"] is None:
-        opts["oj_warmup"] = 2 if opts["shape"] == "tiny" else 1
+        opts["oj_warmup"] = 2 if opts["shape"] in ("tiny", "mm") else 1
     return opts
 
 
@@ -160,6 +177,116 @@ def maxtext_overrides(shape: dict, layout: str, remat: str, steps: int, warmup: 
         other = "ici_data_parallelism" if layout == "fsdp8" else "ici_fsdp_parallelism"
         args += [f"per_device_batch_size={per}", f"{axis}=8", f"{other}=1"]
     return args
+
+
+def omnijax_mm_overrides(shape: dict, data: dict, steps: int, warmup: int) -> list[str]:
+    """`python -m recipes tiny_omni` on the converted rows, sized as MaxText's tiny Gemma3: a learned-position ViT
+    over the 896x896 images, a 4x4 merger to the same 256 tokens per image, the tokenizer's vocabulary plus
+    omnijax's three placeholder ids (rounded up to 64), tied embeddings, one sample per row of `seq`."""
+    s = shape
+    grid = s["image"] // s["patch"]
+    v = "model.encoders.vision."
+    return [f"data.sources=[{data['shards']}]", f"tokenizer.path={data['tokenizer']}",
+            f"model.llm.vocab_size={s['vocab'] + 64}", f"model.llm.embed_dim={s['d']}",
+            f"model.llm.num_layers={s['layers']}", f"model.llm.num_heads={s['heads']}",
+            f"model.llm.num_kv_heads={s['kv_heads']}", f"model.llm.head_dim={s['head_dim']}",
+            f"model.llm.mlp_dim={s['mlp']}", f"model.llm.max_seq_len={s['seq']}", "model.llm.tie_embeddings=true",
+            f"{v}patch={s['patch']}", f"{v}image_size={s['image']}", f"{v}max_side={s['image']}",
+            f"{v}merge={s['pool']}", f"{v}temporal_patch=1", f"{v}embed_dim={s['vit_d']}",
+            f"{v}num_layers={s['vit_layers']}", f"{v}num_heads={s['vit_heads']}", f"{v}mlp_dim={s['vit_mlp']}",
+            f"{v}position=learned", f"{v}learned_grid={grid}", f"{v}abs_position=false",
+            f"data.seq_len={s['seq']}", f"data.batch_size={s['batch']}", f"capacity.vision={s['batch'] * grid * grid}",
+            "capacity.audio=auto", f"trainer.compute_dtype={s['dtype']}", "parallel.remat=none",
+            "trainer.checkpoint_every=0", "trainer.eval_every=0", "trainer.log_every=1", "trainer.progress=false",
+            f"trainer.steps={warmup + steps}"]
+
+
+def maxtext_mm_overrides(shape: dict, data: dict, steps: int, warmup: int) -> list[str]:
+    """MaxText's multimodal SFT path on the same rows (its synthetic data has no images): a parquet file through its
+    Hugging Face pipeline, which asks for completion-only loss and no packing when multimodal."""
+    s = shape
+    return ["model_name=gemma3-4b", "override_model_config=True", "hardware=cpu", "skip_jax_distributed_system=True",
+            "enable_checkpointing=False", "attention=dot_product", f"base_num_decoder_layers={s['layers']}",
+            f"base_emb_dim={s['d']}", f"base_num_query_heads={s['heads']}", f"base_num_kv_heads={s['kv_heads']}",
+            f"head_dim={s['head_dim']}", f"base_mlp_dim={s['mlp']}", f"hidden_size_for_vit={s['vit_d']}",
+            f"intermediate_size_for_vit={s['vit_mlp']}", f"num_hidden_layers_for_vit={s['vit_layers']}",
+            f"num_attention_heads_for_vit={s['vit_heads']}", "use_multimodal=True", "use_sft=True",
+            "sft_train_on_completion_only=True", "packing=False", "dataset_type=hf", "hf_path=parquet",
+            f"hf_train_files={data['parquet']}", "train_data_columns=['question','answer']", "train_image_column=image",
+            "tokenizer_type=huggingface", f"tokenizer_path={data['tokenizer']}", f"max_target_length={s['seq']}",
+            f"per_device_batch_size={s['batch']}", f"steps={warmup + steps}", f"dtype={s['dtype']}",
+            "weight_dtype=float32", "enable_dropout=False", "remat_policy=none", "scan_layers=False", "jax_cache_dir=",
+            "log_period=1000000"]
+
+
+# Run with mt_python: MaxText's Gemma3 tokenizer as a Hugging Face tokenizer.json folder (both trainers read it), and
+# the rows as a parquet file with the image bytes inside (MaxText's `datasets` pipeline reads it).
+_MM_MT_PREP = """
+import json, os, sys
+import maxtext
+out = sys.argv[1]
+rows = json.load(open(os.path.join(out, "rows.json")))
+try:
+    import datasets, transformers
+except ImportError as exc:
+    sys.exit(f"missing in the MaxText environment: {exc.name} (pip install datasets transformers there)")
+src = os.path.join(out, "tokenizer_src")
+os.makedirs(src, exist_ok=True)
+model = os.path.join(os.path.dirname(maxtext.__file__), "assets", "tokenizers", "tokenizer.gemma3")
+if not os.path.exists(os.path.join(src, "tokenizer.model")):
+    os.symlink(model, os.path.join(src, "tokenizer.model"))
+transformers.GemmaTokenizer.from_pretrained(src).save_pretrained(os.path.join(out, "tokenizer"))
+feats = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
+                           "answer": datasets.Value("string")})
+ds = datasets.Dataset.from_dict({"image": [{"bytes": open(os.path.join(out, r["image"]), "rb").read(), "path": None}
+                                           for r in rows],
+                                 "question": [r["question"] for r in rows], "answer": [r["answer"] for r in rows]},
+                                features=feats)
+ds.to_parquet(os.path.join(out, "train.parquet"))
+"""
+
+
+def prepare_mm_data(scratch: str, mt_python: str, shape: dict, timeout: int) -> dict:
+    """The rows both trainers train on, written once: `images` 224x224 noise PNGs (Gemma3's preprocessing and
+    omnijax's `image_size` both resize them to 896x896), each with a question and an answer; MaxText's tokenizer
+    folder and parquet (made with mt_python), omnijax's shards (`recipes convert` with that tokenizer)."""
+    import numpy as np
+    from PIL import Image
+
+    out = os.path.join(scratch, "mm")
+    os.makedirs(os.path.join(out, "media"), exist_ok=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(shape["images"]):
+        Image.fromarray(rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)).save(os.path.join(out, "media", f"{i}.png"))
+        rows.append({"image": f"media/{i}.png", "question": f"What is shown in picture number {i}? Describe it briefly.",
+                     "answer": f"Picture {i} shows random coloured noise with no recognisable object in it."})
+    with open(os.path.join(out, "rows.json"), "w") as f:
+        json.dump(rows, f)
+    with open(os.path.join(out, "train.json"), "w") as f:  # LLaVA-style conversations for `recipes convert`
+        json.dump([{"image": r["image"], "conversations": [{"from": "human", "value": "<image>\n" + r["question"]},
+                                                            {"from": "gpt", "value": r["answer"]}]} for r in rows], f)
+    env = _child_env(1, None, None)
+    env.pop("PYTHONPATH", None)
+    rc, log, _, _ = _run([mt_python, "-c", _MM_MT_PREP, out], env, out, timeout)
+    if rc != 0:
+        raise _fail("MaxText data preparation", "mm", rc, log)
+    data = {"tokenizer": os.path.join(out, "tokenizer"), "parquet": os.path.join(out, "train.parquet"),
+            "shards": os.path.join(out, "shards")}
+    cmd = [sys.executable, "-m", "recipes", "convert", f"input={os.path.join(out, 'train.json')}",
+           f"output={data['shards']}", f"tokenizer.path={data['tokenizer']}"]
+    env = _child_env(1, None, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH", "")])])
+    rc, log, _, _ = _run(cmd, env, str(ROOT), timeout)
+    if rc != 0:
+        raise _fail("omnijax convert", "mm", rc, log)
+    return data
+
+
+def omnijax_metric_step_times(metrics_jsonl: str, warmup: int) -> list[float]:
+    """Per-step seconds from a run's metrics.jsonl (`trainer.log_every=1`), its first ``warmup`` steps dropped."""
+    rows = [json.loads(ln) for ln in Path(metrics_jsonl).read_text().splitlines() if ln.strip()]
+    return [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > warmup]
 
 
 _MT_STEP = re.compile(r"completed step: (\d+), seconds: ([0-9.]+)")
@@ -258,14 +385,31 @@ def _fail(who: str, layout: str, rc: int, out: str) -> UserError:
     return UserError(f"bench maxtext: {who} {layout} exited {rc}:\n{tail}")
 
 
-def run_omnijax(shape: dict, layout: str, opts: dict, remat: str, dump: str | None, preload: str | None) -> dict:
-    args = omnijax_overrides(shape, layout, remat, opts["steps"], opts["oj_warmup"]) + opts["oj"]
-    cmd = [sys.executable, "-m", "recipes", "bench", "llm_step", *args]
+def run_omnijax(shape: dict, layout: str, opts: dict, remat: str, dump: str | None, preload: str | None,
+                data: dict | None = None) -> dict:
+    """One omnijax process: `bench llm_step` for the llama shapes, a `tiny_omni` training run on `data` for mm."""
     env = _child_env(1, dump, preload)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH", "")])])
     env["OMNIJAX_RUNS"] = env.get("OMNIJAX_RUNS", "runs") + "/bench_maxtext"
+    if data is None:
+        args = omnijax_overrides(shape, layout, remat, opts["steps"], opts["oj_warmup"]) + opts["oj"]
+        cmd = [sys.executable, "-m", "recipes", "bench", "llm_step", *args]
+    else:
+        name = f"oj_mm_{os.getpid()}_{time.time_ns()}"
+        args = omnijax_mm_overrides(shape, data, opts["steps"], opts["oj_warmup"]) + opts["oj"]
+        cmd = [sys.executable, "-m", "recipes", "tiny_omni", *args, f"trainer.run_name={name}"]
     load = os.getloadavg()[0]
     rc, out, wall, cpu = _run(cmd, env, str(ROOT), opts["timeout_s"])
+    if data is not None:
+        metrics = Path(ROOT, env["OMNIJAX_RUNS"], name, "metrics.jsonl")
+        times = omnijax_metric_step_times(str(metrics), opts["oj_warmup"]) if rc == 0 and metrics.exists() else []
+        if not times:
+            raise _fail("omnijax", layout, rc, out)
+        loss = json.loads(metrics.read_text().splitlines()[-1])["loss"]
+        return {"step_s": statistics.median(times), "steps": times, "loadavg": load, "wall_s": wall,
+                "cpu_per_wall": cpu / wall, "step_cpu_per_wall": None,
+                "allocator": (re.findall(r", allocator (.+)$", out, re.M) or ["?"])[0],
+                "loss": loss, "command": " ".join(["python -m recipes tiny_omni", *args])}
     rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{") and '"variant"' in ln]
     row = next((r for r in rows if r["variant"] == layout), None)
     if rc != 0 or row is None:
@@ -277,8 +421,9 @@ def run_omnijax(shape: dict, layout: str, opts: dict, remat: str, dump: str | No
 
 
 def run_maxtext(shape: dict, layout: str, opts: dict, remat: str, base_yml: str, dump: str | None,
-                preload: str | None, scratch: str) -> dict:
-    args = maxtext_overrides(shape, layout, remat, opts["steps"], opts["warmup"]) + opts["mt"]
+                preload: str | None, scratch: str, data: dict | None = None) -> dict:
+    args = (maxtext_overrides(shape, layout, remat, opts["steps"], opts["warmup"]) if data is None else
+            maxtext_mm_overrides(shape, data, opts["steps"], opts["warmup"])) + opts["mt"]
     args += [f"run_name=oj_cmp_{os.getpid()}_{time.time_ns()}", f"base_output_directory={scratch}"]
     cmd = [opts["mt_python"], "-m", "maxtext.trainers.pre_train.train", base_yml, *args]
     env = _child_env(1 if layout == "1dev" else 8, dump, preload)
@@ -296,7 +441,8 @@ def run_maxtext(shape: dict, layout: str, opts: dict, remat: str, base_yml: str,
                                  *args[:-2]])}
 
 
-def _measure(opts: dict, shape: dict, remat: str, base_yml: str, preload: str | None, scratch: str) -> tuple[dict, dict]:
+def _measure(opts: dict, shape: dict, remat: str, base_yml: str, preload: str | None, scratch: str,
+             data: dict | None = None) -> tuple[dict, dict]:
     """Every round: each layout as omnijax then MaxText (MaxText first in odd rounds)."""
     results: dict = {lay: {"omnijax": [], "maxtext": []} for lay in opts["layouts"]}
     profiles: dict = {lay: {} for lay in opts["layouts"]}
@@ -306,9 +452,9 @@ def _measure(opts: dict, shape: dict, remat: str, base_yml: str, preload: str | 
             for who in order:
                 dump = os.path.join(opts["profile"], f"{who}_{lay}") if opts["profile"] and r == 0 else None
                 if who == "omnijax":
-                    res = run_omnijax(shape, lay, opts, remat, dump, preload)
+                    res = run_omnijax(shape, lay, opts, remat, dump, preload, data)
                 else:
-                    res = run_maxtext(shape, lay, opts, remat, base_yml, dump, preload, scratch)
+                    res = run_maxtext(shape, lay, opts, remat, base_yml, dump, preload, scratch, data)
                 results[lay][who].append(res)
                 print(f"bench maxtext: round {r} {lay} {who}: {res['step_s']:.4f} s/step "
                       f"(load avg {res['loadavg']:.1f})", file=sys.stderr, flush=True)
@@ -339,7 +485,9 @@ def run(overrides: list[str]) -> Iterator[dict]:
     scratch = tempfile.mkdtemp(prefix="bench_maxtext_")
     old = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
     try:  # SIGTERM as Ctrl-C while children run (the running trainer is killed on the way out), then as before
-        results, profiles = _measure(opts, shape, remat, base_yml, preload, scratch)
+        data = (prepare_mm_data(scratch, opts["mt_python"], shape, opts["timeout_s"]) if opts["shape"] == "mm"
+                else None)
+        results, profiles = _measure(opts, shape, remat, base_yml, preload, scratch, data)
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
@@ -357,7 +505,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
                "maxtext_step_s_per_round": [round(m["step_s"], 4) for m in mt],
                "omnijax_step_spread_per_round": [[round(min(o["steps"]), 3), round(max(o["steps"]), 3)] for o in oj],
                "maxtext_step_spread_per_round": [[round(min(m["steps"]), 3), round(max(m["steps"]), 3)] for m in mt],
-               "omnijax_step_cpu_per_wall": [round(o["step_cpu_per_wall"], 2) for o in oj],
+               "omnijax_step_cpu_per_wall": [o["step_cpu_per_wall"] and round(o["step_cpu_per_wall"], 2) for o in oj],
                "omnijax_process_cpu_per_wall": [round(o["cpu_per_wall"], 2) for o in oj],
                "maxtext_process_cpu_per_wall": [round(m["cpu_per_wall"], 2) for m in mt],
                "loadavg_1min_at_start": [[round(o["loadavg"], 1), round(m["loadavg"], 1)] for o, m in zip(oj, mt)],
