@@ -23,9 +23,10 @@ Options (``key=value``):
   one device, on the same 32 image/question/answer rows: ``prepare_mm_data``; needs ``datasets`` in mt_python's
   environment. omnijax's step time is read from its run's ``metrics.jsonl``).
 - ``layouts``: any of ``1dev``, ``fsdp8``, ``dp8`` (8 fake CPU devices), e.g. ``layouts=[1dev,fsdp8]``.
-- ``rounds`` (3), ``steps`` (timed steps per process; 12 tiny, 3 large), ``warmup`` (MaxText steps dropped from
+- ``rounds`` (3), ``steps`` (timed steps per process; 12 tiny, 3 large, 4 mm), ``warmup`` (MaxText steps dropped from
   its log, 4: its log lags a step behind and its first steps include dispatch of the compiled program),
-  ``oj_warmup`` (omnijax steps run before timing, after its ahead-of-time compile: 2 tiny, 1 large).
+  ``oj_warmup`` (omnijax steps run before timing, after its ahead-of-time compile: 2 tiny, 1 large;
+  for mm, the training steps dropped from its metrics, 2).
 - ``remat``: ``none`` or ``full`` for both trainers (default: the shape's).
 - ``profile=DIR``: round 0 also dumps both compiled programs under DIR (``--xla_dump_to``) and every row gets
   the op counts of each train step (``hlo_summary``).
