@@ -134,3 +134,26 @@ def test_mm_shape_is_one_device_and_both_sides_get_the_same_sizes(tmp_path):
     metrics.write_text("\n".join(f'{{"step": {k}, "loss": 1.0, "step_time_s": {t}}}' for k, t in
                                  enumerate([13.7, 4.1, 4.0, 3.9], start=1)) + "\n")
     assert bm.omnijax_metric_step_times(str(metrics), warmup=2) == [4.0, 3.9]
+
+
+def test_rounds_alternate_and_each_pair_is_reported_as_it_completes(monkeypatch, capsys):
+    """The order of the trainers alternates by round, and each pair's ratio reaches stderr at once (a run stopped
+    early keeps its figures); both trainers are stand-ins here with known step times."""
+    calls = []
+
+    def fake(who, step_s):
+        def run(shape, lay, opts, *args, **kw):
+            calls.append((who, lay))
+            return {"step_s": step_s[lay], "steps": [step_s[lay]], "loadavg": 0.0}
+        return run
+
+    monkeypatch.setattr(bm, "run_omnijax", fake("omnijax", {"1dev": 1.0, "fsdp8": 0.5}))
+    monkeypatch.setattr(bm, "run_maxtext", fake("maxtext", {"1dev": 1.25, "fsdp8": 0.6}))
+    opts = bm.parse_options(["layouts=[1dev,fsdp8]", "rounds=2"])
+    results, _ = bm._measure(opts, bm.TINY, "none", "base.yml", None, "/tmp")
+    assert calls == [("omnijax", "1dev"), ("maxtext", "1dev"), ("omnijax", "fsdp8"), ("maxtext", "fsdp8"),
+                     ("maxtext", "1dev"), ("omnijax", "1dev"), ("maxtext", "fsdp8"), ("omnijax", "fsdp8")]
+    assert [len(results[lay]["omnijax"]) for lay in ("1dev", "fsdp8")] == [2, 2]
+    err = capsys.readouterr().err
+    assert "round 0 1dev MaxText / omnijax 1.250 (median of 1 round(s) 1.250" in err
+    assert "round 1 fsdp8 MaxText / omnijax 1.200 (median of 2 round(s) 1.200 [1.200 - 1.200])" in err

@@ -34,8 +34,10 @@ Options (``key=value``):
 - ``timeout_s`` (3600): per process.
 
 One JSON row per layout: both step times per round, the per-round ratios, their median/min/max, the load
-average at the start of each process and the allocator. The machine's other load falls on both trainers alike
-only on average: read the spread before the median.
+average at the start of each process and the allocator, printed after the last round; stderr gets every
+process's step time and every pair's ratio (with the running median) as they complete, so a run stopped early keeps
+its figures. The machine's other load falls on both trainers alike only on average: read the spread before the
+median.
 """
 from __future__ import annotations
 
@@ -463,6 +465,12 @@ def _measure(opts: dict, shape: dict, remat: str, base_yml: str, preload: str | 
                     found = train_step_hlo(dump)
                     if found:
                         profiles[lay][who] = {"module": found[0], **hlo_summary(found[1])}
+            # the pair's ratio and the running median as they come: a run stopped early keeps its figures
+            oj, mt = results[lay]["omnijax"], results[lay]["maxtext"]
+            ratios = [m["step_s"] / o["step_s"] for o, m in zip(oj, mt)]
+            print(f"bench maxtext: round {r} {lay} MaxText / omnijax {ratios[-1]:.3f} (median of {len(ratios)} "
+                  f"round(s) {statistics.median(ratios):.3f} [{min(ratios):.3f} - {max(ratios):.3f}])",
+                  file=sys.stderr, flush=True)
     return results, profiles
 
 
