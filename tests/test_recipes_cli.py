@@ -37,11 +37,11 @@ def test_bad_override_is_one_clear_line():
 
 def test_cpu_threads_sizes_xla_cpu_intra_op_pool_in_a_fresh_process():
     """`parallel.cpu_threads=T` reaches XLA (it reads NPROC when it makes the CPU client): the process has T
-    intra-op threads, one CPU device unchanged; a bad value is left to the config's one-line error."""
-    code = ("import os, sys; from recipes.common import setup_devices; setup_devices(sys.argv[1:]);"
+    intra-op threads (as `xla_cpu_threads`, which benchmark rows report, counts them), one CPU device unchanged;
+    a bad value is left to the config's one-line error."""
+    code = ("import sys; from recipes.common import setup_devices; setup_devices(sys.argv[1:]);"
             "import jax, jax.numpy as jnp; (jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready();"
-            "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')];"
-            "print(jax.device_count(), sum(n == 'tf_XLAEigen' for n in names))")
+            "from omnijax.train.metrics import xla_cpu_threads; print(jax.device_count(), xla_cpu_threads())")
     env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "XLA_FLAGS")}
     more = len(os.sched_getaffinity(0)) + 3   # differs from XLA's default on any machine
     counts = {}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,24 @@ def device_peak_flops(device: Any | None = None) -> tuple[float | None, str]:
         if key in kind:
             return peak, kind
     return None, kind
+
+
+def xla_cpu_threads() -> int | None:
+    """Threads in this process's XLA:CPU intra-op pool (its `tf_XLAEigen` threads; 0 before jax made its CPU
+    client, None where /proc is not readable). On CPUs the pool decides step times as much as the allocator does
+    (docs/performance.md), so benchmark rows name it."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == "tf_XLAEigen"
+        except OSError:  # the thread ended while we looked
+            continue
+    return count
 
 
 def llm_param_counts(cfg: LLMConfig) -> tuple[int, int]:

@@ -11,7 +11,8 @@ per-round ratios (``step_time_ratio_per_round``), and ``process_cpu_s_per_wall_s
 the process actually got in each round (a shared machine gives fewer than it has; ``cpu_s_per_step`` is the
 median CPU time of one step, the work a layout costs whatever the load). ``collectives`` and
 ``all_reduce_then_slice`` are read from the compiled step (gradients reduced whole and then sliced).
-``bench.only=parallel`` times the ``parallel.llm`` row alone (no 1dev row; what ``bench maxtext`` runs per layout).
+Every row names the allocator and ``xla_cpu_threads`` (XLA:CPU's intra-op pool: on CPUs it decides the step
+time as much as the allocator; ``parallel.cpu_threads`` sets it). ``bench.only=parallel`` times the ``parallel.llm`` row alone (no 1dev row; what ``bench maxtext`` runs per layout).
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from omnijax.parallel.engine import LLMParallel, all_reduce_then_slice, count_collectives
     from omnijax.train.loop import Trainer
     from omnijax.models.losses import lm_loss
-    from omnijax.train.metrics import device_peak_flops, llm_flops_per_token, llm_param_counts, mfu
+    from omnijax.train.metrics import device_peak_flops, llm_flops_per_token, llm_param_counts, mfu, xla_cpu_threads
     from omnijax.train.placement import DataParallel
     from recipes.common import IndexedLoader
 
@@ -146,6 +147,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
                "flops_per_token": fpt, "mfu": mfu(tok_s, fpt, n_dev, peak), "device": kind,
                "peak_flops_per_device": peak, "params": total, "active_params": active, "seq_len": cfg.data.seq_len,
                "batch_size": cfg.data.batch_size, "loss": float(np.asarray(run_["m"]["loss"])), "allocator": allocator.in_use(),
+               "xla_cpu_threads": xla_cpu_threads(),
                "flops_formula": "6*N_active + 12*layers*heads*head_dim*seq_len",
                **({} if peak else {"mfu_note": f"no datasheet peak FLOP/s for device kind '{kind}'; MFU not computed"})}
         if run_ is not runs[0] and runs[0]["name"] == "1dev":
