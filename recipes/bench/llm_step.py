@@ -12,7 +12,8 @@ the process actually got in each round (a shared machine gives fewer than it has
 median CPU time of one step, the work a layout costs whatever the load). ``collectives`` and
 ``all_reduce_then_slice`` are read from the compiled step (gradients reduced whole and then sliced).
 Every row names the allocator and ``xla_cpu_threads`` (XLA:CPU's intra-op pool: on CPUs it decides the step
-time as much as the allocator; ``parallel.cpu_threads`` sets it). ``bench.only=parallel`` times the ``parallel.llm`` row alone (no 1dev row; what ``bench maxtext`` runs per layout).
+time as much as the allocator; ``parallel.cpu_threads`` sets it). ``bench.only=parallel`` times the
+``parallel.llm`` row alone (no 1dev row; what ``bench maxtext`` runs per layout).
 """
 from __future__ import annotations
 

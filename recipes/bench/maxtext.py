@@ -261,8 +261,10 @@ def prepare_mm_data(scratch: str, mt_python: str, shape: dict, timeout: int) -> 
     rng = np.random.default_rng(0)
     rows = []
     for i in range(shape["images"]):
-        Image.fromarray(rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)).save(os.path.join(out, "media", f"{i}.png"))
-        rows.append({"image": f"media/{i}.png", "question": f"What is shown in picture number {i}? Describe it briefly.",
+        pixels = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(os.path.join(out, "media", f"{i}.png"))
+        rows.append({"image": f"media/{i}.png",
+                     "question": f"What is shown in picture number {i}? Describe it briefly.",
                      "answer": f"Picture {i} shows random coloured noise with no recognisable object in it."})
     with open(os.path.join(out, "rows.json"), "w") as f:
         json.dump(rows, f)
