@@ -212,6 +212,35 @@ def test_the_compilation_cache_is_turned_off_only_where_the_installed_jaxlib_han
     assert not cache_hangs("0.12.1", "cpu", "mpi", 2, "/tmp/cache")
 
 
+_EXIT_PAIR = """
+import os, sys
+from omnijax.train import launch
+launch.maybe_initialize_distributed()
+watch = launch.peer_watch()
+watch.arm(0.5, lambda: "none", armed=False)
+watch.interval = 0.0   # the watch threads inside coordination-client calls nearly all the time
+from jax.experimental import multihost_utils
+multihost_utils.sync_global_devices("done")
+"""
+
+
+def test_a_finished_process_exits_cleanly_while_its_peer_watch_is_busy(tmp_path):
+    """CI saw a finished tiny_lm pair's process 0 abort at exit (SIGABRT, "FATAL: exception not rethrown"): a watch
+    thread was inside a coordination-client call when the interpreter finalised. With the threads beating without
+    pause, every pair aborted (10 of 10) before `PeerWatch.close` ran at exit; none since (30 of 30)."""
+    from recipes.launch import free_port
+
+    port = free_port()
+    procs = []
+    for pid in (0, 1):
+        env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE,
+                   OMNIJAX_COORDINATOR=f"127.0.0.1:{port}", OMNIJAX_NUM_PROCESSES="2", OMNIJAX_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen([sys.executable, "-c", _EXIT_PAIR], cwd=REPO, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"p{pid}.log", "w")))
+    for pid, p in enumerate(procs):
+        assert p.wait(timeout=300) == 0, (tmp_path / f"p{pid}.log").read_text()[-2000:]
+
+
 @pytest.mark.slow
 def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_group(tmp_path):
     runs = tmp_path / "runs"

@@ -13,6 +13,7 @@ native code prints when it fires goes to the run folder's `native_stderr.p<I>.lo
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import sys
@@ -206,9 +207,23 @@ class PeerWatch:
     def start(self) -> "PeerWatch":
         if self.client is None or self.n == 1:
             return self
-        for target in (self._run, self._watch_coordinator):
-            threading.Thread(target=target, daemon=True, name="omnijax-peer-watch").start()
+        self._threads = [threading.Thread(target=target, daemon=True, name="omnijax-peer-watch")
+                         for target in (self._run, self._watch_coordinator)]
+        for t in self._threads:
+            t.start()
+        # A daemon thread still inside a coordination-client call when the interpreter finalises aborts the
+        # process ("FATAL: exception not rethrown", SIGABRT) after a finished run. Exit handlers run last
+        # registered first, so this one stops the threads before jax's own shuts the client down.
+        atexit.register(self.close)
         return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop beating and wait for the watch threads to leave their client calls (at exit)."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for t in getattr(self, "_threads", ()):
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def disarm(self) -> None:
         """Stop judging the peers (this process finished training) but keep beating for the others."""
