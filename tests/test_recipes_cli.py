@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from recipes.__main__ import bench_names, recipe_names
 
 
@@ -35,22 +37,32 @@ def test_bad_override_is_one_clear_line():
     assert out.stderr.strip() == "error: unknown config key 'trainer.stepz'; did you mean 'trainer.steps'?"
 
 
-def test_cpu_threads_sizes_xla_cpu_intra_op_pool_in_a_fresh_process():
+def test_cpu_threads_sizes_xla_cpu_intra_op_pool_in_a_fresh_process(monkeypatch):
     """`parallel.cpu_threads=T` reaches XLA (it reads NPROC when it makes the CPU client): the process has T
     intra-op threads (as `xla_cpu_threads`, which benchmark rows report, counts them), one CPU device unchanged;
-    a bad value is left to the config's one-line error."""
+    a malformed value is left to the config's one-line error (setup_devices runs before the config exists)."""
     code = ("import sys; from recipes.common import setup_devices; setup_devices(sys.argv[1:]);"
             "import jax, jax.numpy as jnp; (jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready();"
             "from omnijax.train.metrics import xla_cpu_threads; print(jax.device_count(), xla_cpu_threads())")
     env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "XLA_FLAGS")}
-    more = len(os.sched_getaffinity(0)) + 3   # differs from XLA's default on any machine
-    counts = {}
-    for threads in (0, more):
-        out = subprocess.run([sys.executable, "-c", code, "parallel.cpu_devices=1", f"parallel.cpu_threads={threads}"],
-                             capture_output=True, text=True, timeout=300, env=env)
-        assert out.returncode == 0, out.stderr
-        counts[threads] = tuple(int(x) for x in out.stdout.split())
-    assert counts[more] == (1, more)
-    assert counts[0][0] == 1 and counts[0][1] < more   # XLA's own choice (the cores) when not set
-    bad = _run("tiny_lm", "parallel.cpu_threads=-2")
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: parallel.cpu_threads=-2: must be >= 0"
+    more = len(os.sched_getaffinity(0)) + 3   # more than XLA's default (the cores) on any machine
+    out = subprocess.run([sys.executable, "-c", code, "parallel.cpu_devices=1", f"parallel.cpu_threads={more}"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert tuple(int(x) for x in out.stdout.split()) == (1, more)
+    from recipes.common import setup_devices
+
+    monkeypatch.setenv("NPROC", "unset")   # monkeypatch now restores the caller's environment afterwards
+    monkeypatch.delenv("NPROC")
+    for bad in ("-2", "abc", "0", ""):
+        setup_devices([f"parallel.cpu_threads={bad}"])
+        assert "NPROC" not in os.environ, bad
+    setup_devices(["parallel.cpu_threads=6"])
+    assert os.environ["NPROC"] == "6"
+    from omnijax.config import Config, validate
+    from omnijax.errors import ConfigError
+
+    cfg = Config()
+    cfg.parallel.cpu_threads = -2
+    with pytest.raises(ConfigError, match="parallel.cpu_threads=-2: must be >= 0"):
+        validate(cfg)
