@@ -213,7 +213,6 @@ def test_the_compilation_cache_is_turned_off_only_where_the_installed_jaxlib_han
 
 
 _EXIT_PAIR = """
-import os, sys
 from omnijax.train import launch
 launch.maybe_initialize_distributed()
 watch = launch.peer_watch()
@@ -225,7 +224,7 @@ multihost_utils.sync_global_devices("done")
 
 
 def test_a_finished_process_exits_cleanly_while_its_peer_watch_is_busy(tmp_path):
-    """CI saw a finished tiny_lm pair's process 0 abort at exit (SIGABRT, "FATAL: exception not rethrown"): a watch
+    """A clean-clone suite run saw a finished tiny_lm pair's process 0 abort at exit (SIGABRT, "FATAL: exception not rethrown"): a watch
     thread was inside a coordination-client call when the interpreter finalised. With the threads beating without
     pause, every pair aborted (10 of 10) before `PeerWatch.close` ran at exit; none since (30 of 30)."""
     from recipes.launch import free_port

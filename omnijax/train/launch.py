@@ -191,6 +191,7 @@ class PeerWatch:
         self.armed = False
         self._beat = 0
         self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
         self.lost: int | None = None
         self.arm(timeout_s, last_checkpoint, armed=False)
 
@@ -219,9 +220,9 @@ class PeerWatch:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop beating and wait for the watch threads to leave their client calls (at exit)."""
-        self._stop.set()
+        self.stop()
         deadline = time.monotonic() + timeout_s
-        for t in getattr(self, "_threads", ()):
+        for t in self._threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
 

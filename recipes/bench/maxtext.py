@@ -271,8 +271,7 @@ def prepare_mm_data(scratch: str, mt_python: str, shape: dict, timeout: int) -> 
     with open(os.path.join(out, "train.json"), "w") as f:  # LLaVA-style conversations for `recipes convert`
         json.dump([{"image": r["image"], "conversations": [{"from": "human", "value": "<image>\n" + r["question"]},
                                                             {"from": "gpt", "value": r["answer"]}]} for r in rows], f)
-    env = _child_env(1, None, None)
-    env.pop("PYTHONPATH", None)
+    env = _child_env(1, None, None, omnijax=False)
     rc, log, _, _ = _run([mt_python, "-c", _MM_MT_PREP, out], env, out, timeout)
     if rc != 0:
         raise _fail("MaxText data preparation", "mm", rc, log)
@@ -280,8 +279,7 @@ def prepare_mm_data(scratch: str, mt_python: str, shape: dict, timeout: int) -> 
             "shards": os.path.join(out, "shards")}
     cmd = [sys.executable, "-m", "recipes", "convert", f"input={os.path.join(out, 'train.json')}",
            f"output={data['shards']}", f"tokenizer.path={data['tokenizer']}"]
-    env = _child_env(1, None, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH", "")])])
+    env = _child_env(1, None, None, omnijax=True)
     rc, log, _, _ = _run(cmd, env, str(ROOT), timeout)
     if rc != 0:
         raise _fail("omnijax convert", "mm", rc, log)
@@ -370,8 +368,14 @@ def _run(cmd: list[str], env: dict, cwd: str, timeout: int) -> tuple[int, str, f
     return rc, out, wall, cpu
 
 
-def _child_env(devices: int, dump: str | None, preload: str | None) -> dict:
+def _child_env(devices: int, dump: str | None, preload: str | None, omnijax: bool) -> dict:
+    """A child's environment: its fake devices, dump folder and allocator; omnijax's children import this checkout,
+    MaxText's get no PYTHONPATH (its own environment only)."""
     env = dict(os.environ)
+    if omnijax:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH", "")])])
+    else:
+        env.pop("PYTHONPATH", None)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(("--xla_force_host_platform_device_count",
                                                                                "--xla_dump_to"))]
     if devices > 1:
@@ -393,8 +397,7 @@ def _fail(who: str, layout: str, rc: int, out: str) -> UserError:
 def run_omnijax(shape: dict, layout: str, opts: dict, remat: str, dump: str | None, preload: str | None,
                 data: dict | None = None) -> dict:
     """One omnijax process: `bench llm_step` for the llama shapes, a `tiny_omni` training run on `data` for mm."""
-    env = _child_env(1, dump, preload)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH", "")])])
+    env = _child_env(1, dump, preload, omnijax=True)
     env["OMNIJAX_RUNS"] = env.get("OMNIJAX_RUNS", "runs") + "/bench_maxtext"
     if data is None:
         args = omnijax_overrides(shape, layout, remat, opts["steps"], opts["oj_warmup"]) + opts["oj"]
@@ -431,9 +434,8 @@ def run_maxtext(shape: dict, layout: str, opts: dict, remat: str, base_yml: str,
             maxtext_mm_overrides(shape, data, opts["steps"], opts["warmup"])) + opts["mt"]
     args += [f"run_name=oj_cmp_{os.getpid()}_{time.time_ns()}", f"base_output_directory={scratch}"]
     cmd = [opts["mt_python"], "-m", "maxtext.trainers.pre_train.train", base_yml, *args]
-    env = _child_env(1 if layout == "1dev" else 8, dump, preload)
+    env = _child_env(1 if layout == "1dev" else 8, dump, preload, omnijax=False)
     env["DECOUPLE_GCLOUD"] = "TRUE"  # MaxText's switch for running without Google Cloud services
-    env.pop("PYTHONPATH", None)
     load = os.getloadavg()[0]
     rc, out, wall, cpu = _run(cmd, env, scratch, opts["timeout_s"])
     times = maxtext_step_times(out, opts["warmup"])
