@@ -39,6 +39,9 @@ class LearnedConfig:
                                    # runs under none or one of these families (sim.families), drawn uniformly
     anchor_workloads: int = 20     # generated workloads the warm start learns its lengths after a loss drop on
                                    # (residual.drop_anchor; 0: none)
+    class_lengths: bool = True     # remaining steps from finished jobs of the same application and batch size
+                                   # (residual.ClassLengths), before the drop anchor and the fit
+    aware: bool = True             # step times with fitted_aware's straggler and interference terms
     supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
                                    # the warm start is the fitted scheduler exactly)
     supervised_window_s: float = 0.0   # ... their window (0: window_s)

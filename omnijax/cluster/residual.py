@@ -11,9 +11,15 @@ Features the fitted model does not see: queue composition (waiting share, jobs p
 mix (share of active jobs of the job's own application), arrival burstiness (arrivals in the last
 30 minutes) and time of day, beside the job's own rank, size, age and share of the active work.
 
-Lengths after a loss drop (`DropWatch`, `drop_anchor`): a learning-rate decay shows as a sudden drop, which the
-fitted form reads as a job far from done; a warm-start step learned from finished jobs replaces its remaining
-steps once a drop is seen (`ResidualScheduler.remaining_steps`), and is silent on curves without one.
+Lengths from observed outcomes, where the fitted loss form is wrong (`ResidualScheduler.remaining_steps`):
+- `ClassLengths`: jobs of one class (application and batch size) recur, and the lengths of the finished ones
+  are observed online; a job whose class has finished jobs takes their lengths, whatever its loss curve looks
+  like;
+- `DropWatch`, `drop_anchor`: a learning-rate decay shows as a sudden drop, which the fitted form reads as a
+  job far from done; a warm-start step learned from finished jobs replaces its remaining steps once a drop is
+  seen, and is silent on curves without one.
+Step times (`aware`): the straggler and interference terms of `FittedAware`, estimated from measured step
+times and who shares which node.
 
 Training (`train_residual`): antithetic evolution strategies (a policy-gradient estimate without
 back-propagating through the simulator) with rank-shaped fitness; every iteration draws a workload from
@@ -31,11 +37,11 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from omnijax.cluster.aware import NodeSpeeds, neighbour_loads, slowdown, sync_share
+from omnijax.cluster.aware import FittedAware, neighbour_loads, slowdown, sync_share
 from omnijax.cluster.jobs import Cluster, Job
 from omnijax.cluster.schedulers import FittedModel, _geometric_mean
 from omnijax.cluster.traces import APPLICATIONS, JobSpec
@@ -89,16 +95,49 @@ class MLP:
         return self._split(theta)[3]
 
 
-class ResidualScheduler(FittedModel):
-    """The shadow-price plan with per-job ranking and beta scales from a policy (module docstring)."""
+def median_left(totals: np.ndarray, progress: float) -> float | None:
+    """The median, over the lengths in `totals` a job at `progress` has not yet outlived, of the steps left;
+    None when it has outlived them all."""
+    left = totals[totals > 1.02 * progress] - progress
+    return max(float(np.median(left)), 1.0) if left.size else None
+
+
+class ClassLengths:
+    """Lengths of finished jobs per job class (application, batch size), observed online.
+
+    Recurring jobs are the norm in production clusters, and their history predicts their run time better than
+    any curve fitted to one job's loss (3Sigma, Park et al., EuroSys'18; the Philly study, Jeon et al., ATC'19).
+    A job's remaining steps are the median over its class's lengths it has not yet outlived (`median_left`),
+    so a job that outlives its class's usual length is not called done."""
+
+    def __init__(self):
+        self.seen: dict[tuple[str, int], list[float]] = {}
+
+    def finished(self, job: Job) -> None:
+        self.seen.setdefault((job.application, job.batch_size), []).append(job.progress)
+
+    def remaining(self, job: Job) -> float | None:
+        lengths = self.seen.get((job.application, job.batch_size))
+        return median_left(np.asarray(lengths), job.progress) if lengths else None
+
+
+class ResidualScheduler(FittedAware):
+    """The shadow-price plan with per-job ranking and beta scales from a policy (module docstring).
+
+    `class_lengths` and `anchor` replace the fitted remaining steps where observed outcomes say more;
+    `aware` prices sizes with `FittedAware`'s straggler and interference terms and offers fast nodes first.
+    All off and the policy at zero, it is the fitted scheduler decision for decision."""
     name = "learned"
 
     def __init__(self, theta: np.ndarray | None = None, hidden: int = 16, seed: int = 0,
-                 anchor: Sequence[float] = (), **kw):
+                 anchor: Sequence[float] = (), class_lengths: bool = False, aware: bool = False, **kw):
         super().__init__(**kw)
         # learned quantiles of a job's length over the steps done when its first loss drop was seen (`drop_anchor`;
         # empty: off)
         self.anchor = np.sort(np.asarray(anchor, dtype=float))
+        self.class_lengths = bool(class_lengths)
+        self.aware = bool(aware)
+        self.lengths = ClassLengths()
         self.mlp = MLP(hidden=hidden)
         self.theta = self.mlp.init(seed) if theta is None else np.asarray(theta, dtype=float)
         if self.theta.shape != (self.mlp.size,):
@@ -106,7 +145,6 @@ class ResidualScheduler(FittedModel):
         self._arrivals: dict[str, float] = {}
         self._gpus = 1
         self.name = "learned"
-        self.nodes = NodeSpeeds()
         self._node_slow: np.ndarray | None = None
         self._node_features: np.ndarray | None = None
         self._loads: dict[str, float] = {}
@@ -116,7 +154,7 @@ class ResidualScheduler(FittedModel):
         super().reset()
         self._arrivals = {}
         self.drops = DropWatch()
-        self.nodes = NodeSpeeds()
+        self.lengths = ClassLengths()
         self._node_slow = None
         self._node_features = None
         self._loads = {}
@@ -170,7 +208,8 @@ class ResidualScheduler(FittedModel):
         """Per slot: node speed estimates and neighbour loads from the measured step times and placements."""
         for j in all_jobs:
             self.drops.update(j.name, j.loss_model)
-        self._node_slow = self.nodes.update(all_jobs, cluster)
+        FittedAware.observe(self, all_jobs, cluster)       # node speeds (one update per slot), alpha, own slowdowns
+        self._node_slow = self.nodes.slow
         self._loads = neighbour_loads(all_jobs, cluster)
         shares = {j.name: sync_share(j) for j in all_jobs if j.allocation}
         per_node = np.zeros((cluster.num_nodes, NODE_FEATURES))
@@ -183,25 +222,39 @@ class ResidualScheduler(FittedModel):
                         per_node[k, 2] += shares.get(j.name, 0.0)
         self._node_features = per_node
 
+    def job_finished(self, job):
+        super().job_finished(job)
+        self.lengths.finished(job)
+
     def remaining_steps(self, j: Job) -> float:
-        """After a sudden loss drop: the median remaining length over the learned lengths (anchor quantiles × the
-        steps at which the drop was first seen) this job has not yet outlived (a step-decay schedule's
-        milestones sit at fixed fractions of the job; the fitted form reads the plateau before a drop as
-        convergence, then the drop as a job far from done). Otherwise, with the anchor off, or for a job past
-        every learned length, the fitted model's remaining steps."""
+        """With `class_lengths`, from the finished jobs of the job's class (`ClassLengths`). Else, after a sudden
+        loss drop: the median remaining length over the learned lengths (anchor quantiles × the steps at which
+        the drop was first seen) this job has not yet outlived (a step-decay schedule's milestones sit at fixed
+        fractions of the job; the fitted form reads the plateau before a drop as convergence, then the drop as
+        a job far from done). Otherwise (both off, no finished job of its class and no drop seen, or a job past
+        every length they know) the fitted model's remaining steps."""
+        if self.class_lengths:
+            left = self.lengths.remaining(j)
+            if left is not None:
+                return left
         k = self.drops.first.get(j.name)
         if self.anchor.size and k:
-            totals = self.anchor * k
-            left = totals[totals > 1.02 * j.progress] - j.progress   # the lengths this job has not yet outlived
-            if left.size:
-                return max(float(np.median(left)), 1.0)
-        return super().remaining_steps(j)
+            left = median_left(self.anchor * k, j.progress)
+            if left is not None:
+                return left
+        return FittedModel.remaining_steps(self, j)
+
+    def remaining_times(self, j, sizes, cluster, nodes=None):
+        if self.aware:
+            return FittedAware.remaining_times(self, j, sizes, cluster, nodes)
+        return FittedModel.remaining_times(self, j, sizes, cluster, nodes)
 
     def node_order(self, cluster: Cluster) -> list[int] | None:
-        """Nodes by ascending learned score (zero weights: None, the default order)."""
+        """Nodes by ascending learned score; with zero weights fast nodes first (`aware`) or None, the default
+        order."""
         w = self.mlp.node_weights(self.theta)
         if not np.any(w) or self._node_features is None or len(self._node_features) != cluster.num_nodes:
-            return None
+            return FittedAware.node_order(self, cluster) if self.aware else None
         score = self._node_features @ w
         return sorted(range(cluster.num_nodes), key=lambda k: (score[k], k))
 
@@ -219,8 +272,9 @@ class ResidualScheduler(FittedModel):
 
     def allocate(self, now, jobs, cluster):
         self._gpus = cluster.gpus
+        self._gpn = cluster.gpus_per_node
         self.observe(jobs, cluster)
-        return super().allocate(now, jobs, cluster)
+        return FittedModel.allocate(self, now, jobs, cluster)
 
 
 _BLOCKS = (1, 2, 4, 8)     # DropWatch's block sizes
@@ -299,15 +353,16 @@ def generate_workload(pool: Sequence[Sequence[JobSpec]], rng: np.random.Generato
 
 
 def episode_score(theta: np.ndarray, specs: Sequence[JobSpec], sim_cfg, hidden: int, reference: float,
-                  anchor: Sequence[float] = ()) -> float:
-    """Average JCT of the policy on one workload over `reference` (the fitted scheduler's there)."""
+                  opts: Mapping | None = None) -> float:
+    """Average JCT of the policy on one workload over `reference` (the fitted scheduler's there); `opts`: the
+    scheduler's other warm-start parts (`anchor`, `class_lengths`, `aware`)."""
     from omnijax.cluster.simulator import run_workload
-    return run_workload(specs, ResidualScheduler(theta=theta, hidden=hidden, anchor=anchor), sim_cfg).avg_jct_s / reference
+    return run_workload(specs, ResidualScheduler(theta=theta, hidden=hidden, **(opts or {})), sim_cfg).avg_jct_s / reference
 
 
 def evolve(theta: np.ndarray, workloads: Sequence[Sequence[JobSpec]], sim_cfg, *, hidden: int = 16,
            pairs: int = 4, sigma: float = 0.3, lr: float = 0.3, seed: int = 0, log=None,
-           sims: Sequence | None = None, anchor: Sequence[float] = ()) -> tuple[np.ndarray, list[dict]]:
+           sims: Sequence | None = None, opts: Mapping | None = None) -> tuple[np.ndarray, list[dict]]:
     """Antithetic ES, one iteration per workload in `workloads`; returns (final parameters, history).
 
     Only the output layer is trained (the first layer stays a fixed random feature map): far fewer
@@ -325,7 +380,7 @@ def evolve(theta: np.ndarray, workloads: Sequence[Sequence[JobSpec]], sim_cfg, *
         ref = run_workload(specs, FittedModel(), cfg_it).avg_jct_s
         eps = np.zeros((pairs, len(theta)))
         eps[:, head:] = rng.standard_normal((pairs, len(theta) - head))
-        scores = np.array([[episode_score(theta + s * sigma * e, specs, cfg_it, hidden, ref, anchor) for s in (1.0, -1.0)]
+        scores = np.array([[episode_score(theta + s * sigma * e, specs, cfg_it, hidden, ref, opts) for s in (1.0, -1.0)]
                            for e in eps])
         ranks = np.argsort(np.argsort(scores.ravel())).reshape(scores.shape) / (scores.size - 1) - 0.5
         grad = ((ranks[:, 0] - ranks[:, 1])[:, None] * eps).sum(0) / (pairs * sigma)
@@ -441,7 +496,9 @@ def episode_configs(sim_cfg, families: Sequence[str], count: int, rng: np.random
 
 def save_policy(path: str, sched: "ResidualScheduler") -> None:
     np.savez(path, theta=sched.theta, hidden=sched.mlp.hidden, anchor=sched.anchor,
-             validation=getattr(sched, "validation_vs_fitted", np.nan), accepted=getattr(sched, "accepted", False))
+             class_lengths=sched.class_lengths, aware=sched.aware,
+             validation=getattr(sched, "validation_vs_fitted", np.nan), accepted=getattr(sched, "accepted", False),
+             kept=getattr(sched, "kept", ""))
 
 
 def load_policy(path: str) -> "ResidualScheduler":
@@ -449,12 +506,16 @@ def load_policy(path: str) -> "ResidualScheduler":
     from omnijax.errors import UserError
     try:
         data = np.load(path)
-        sched = ResidualScheduler(theta=data["theta"], hidden=int(data["hidden"]),
-                                  anchor=data["anchor"] if "anchor" in data else ())   # older files: no anchor
+        sched = ResidualScheduler(theta=data["theta"], hidden=int(data["hidden"]),     # older files: none of
+                                  anchor=data["anchor"] if "anchor" in data else (),   # anchor, class lengths, aware
+                                  class_lengths=bool(data["class_lengths"]) if "class_lengths" in data else False,
+                                  aware=bool(data["aware"]) if "aware" in data else False)
     except (OSError, KeyError, ValueError) as exc:
         raise UserError(f"learned.load={path!r}: not a saved learned policy ({exc})") from None
     sched.validation_vs_fitted = float(data["validation"])
     sched.accepted = bool(data["accepted"])
+    if "kept" in data and str(data["kept"]):
+        sched.kept = str(data["kept"])
     return sched
 
 
@@ -491,28 +552,41 @@ def train_residual(cfg) -> ResidualScheduler:
         start, stats = length_correction(sup, episode_configs(cfg.sim, lc.train_families, len(sup), srng),
                                          hidden=lc.hidden_es, seed=lc.seed, columns=lc.supervised_columns)
         print(f"# learned supervised: length correction on {len(sup)} generated workloads: {stats}", file=sys.stderr)
+    opts = {"anchor": anchor, "class_lengths": lc.class_lengths, "aware": lc.aware}
     theta, hist = evolve(start, episodes, cfg.sim, hidden=lc.hidden_es, pairs=lc.es_pairs,
-                         sigma=lc.es_sigma, lr=lc.es_lr, seed=lc.seed, sims=sims, anchor=anchor,
+                         sigma=lc.es_sigma, lr=lc.es_lr, seed=lc.seed, sims=sims, opts=opts,
                          log=lambda r: print(f"# learned es: {r}", file=sys.stderr))
-    # validation on fresh generated workloads (same distribution, none trained on): keep the trained
-    # policy only if it beats its warm start (the fitted scheduler) there with confidence
+    # validation on fresh generated workloads (same distribution, none trained on): keep the trained policy
+    # only if it beats the fitted scheduler there with confidence; else the warm start, on the same test;
+    # else the fitted scheduler's decisions
     held = [generate_workload(pool, rng, window_s=lc.window_s) for _ in range(lc.es_validation)]
     held_sims = episode_configs(cfg.sim, lc.train_families, lc.es_validation, frng)
-    scores = [episode_score(theta, s, c, lc.hidden_es, run_workload(s, FittedModel(), c).avg_jct_s, anchor)
-              for s, c in zip(held, held_sims)]
-    score = float(np.mean(scores)) if scores else 0.0
-    kept = accept(scores, lc.es_confidence)
-    print(f"# learned es: validation on {len(held)} generated workloads: {score:.4f} x fitted "
-          f"(per workload {[(c.families, round(x, 4)) for c, x in zip(held_sims, scores)]}); "
-          f"{'keeping the trained policy' if kept else 'keeping the warm start (fitted)'}", file=sys.stderr)
-    trained = theta
+    refs = [run_workload(s, FittedModel(), c).avg_jct_s for s, c in zip(held, held_sims)]
+
+    def validate(th: np.ndarray, what: str) -> tuple[list[float], bool]:
+        sc = [episode_score(th, s, c, lc.hidden_es, r, opts) for s, c, r in zip(held, held_sims, refs)]
+        ok = accept(sc, lc.es_confidence)
+        print(f"# learned es: validation of the {what} on {len(held)} generated workloads: "
+              f"{float(np.mean(sc)) if sc else 0.0:.4f} x fitted (per workload "
+              f"{[(c.families, round(x, 4)) for c, x in zip(held_sims, sc)]}); {'accepted' if ok else 'rejected'}",
+              file=sys.stderr)
+        return sc, ok
+
+    scores, kept = validate(theta, "trained policy")
+    kept_what, trained = "trained policy", theta
+    if not kept and lc.es_iterations and np.any(theta != start):
+        scores, kept = validate(start, "warm start")
+        theta, kept_what = start, "warm start"
     if not kept:
-        theta, anchor = mlp.init(lc.seed), np.zeros(0)
-    sched = ResidualScheduler(theta=theta, hidden=lc.hidden_es, anchor=anchor)
+        theta, opts, kept_what = mlp.init(lc.seed), {}, "fitted"
+    score = float(np.mean(scores)) if scores else 0.0
+    print(f"# learned: keeping the {kept_what}", file=sys.stderr)
+    sched = ResidualScheduler(theta=theta, hidden=lc.hidden_es, **opts)
     sched.history = hist
     sched.validation_vs_fitted = score
     sched.validation_scores = scores
     sched.accepted = kept
+    sched.kept = kept_what
     sched.trained_theta = trained
     if lc.save:
         save_policy(lc.save, sched)

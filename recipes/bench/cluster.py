@@ -103,6 +103,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
                 rows[name]["vs_fitted_aware"] = round(rows[name]["avg_jct_s"] / rows["fitted_aware"]["avg_jct_s"], 4)
             if name == "learned" and hasattr(proto, "accepted"):
                 rows[name]["policy_accepted"] = bool(proto.accepted)
+                rows[name]["policy_kept"] = getattr(proto, "kept", "trained policy" if proto.accepted else "fitted")
                 rows[name]["policy_validation_vs_fitted"] = round(float(proto.validation_vs_fitted), 4)
             if name == "fitted_oracle":
                 rows[name]["note"] = "not online: told the true job lengths (a bound for the fitted allocation)"
