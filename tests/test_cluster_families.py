@@ -274,3 +274,73 @@ def test_bench_seeds_rows_average_every_seed(tmp_path, monkeypatch):
     assert fitted["avg_jct_s"] == pytest.approx(np.mean(fitted["per_seed"]), abs=0.1)
     assert aware["vs"] == "fitted" and aware["ratio_per_run_range"][0] <= aware["ratio_per_run_mean"] <= \
         aware["ratio_per_run_range"][1]
+
+
+def test_class_lengths_predict_recurring_jobs_and_fall_back_when_outlived():
+    from types import SimpleNamespace as Seen
+    from omnijax.cluster.residual import ClassLengths
+    lengths = ClassLengths()
+    for done in (100.0, 120.0, 300.0):
+        lengths.finished(Seen(application="cifar10", batch_size=2048, progress=done))
+    job = lambda progress, batch=2048: Seen(application="cifar10", batch_size=batch, progress=progress)
+    assert lengths.remaining(job(0.0)) == 120.0                       # the median of the class's lengths
+    assert lengths.remaining(job(110.0)) == pytest.approx(210.0 - 110.0)   # ... of those it has not outlived
+    assert lengths.remaining(job(400.0)) is None                      # outlived them all: the fit decides
+    assert lengths.remaining(job(0.0, batch=4096)) is None            # another batch size is another class
+
+
+class _Estimates(ResidualScheduler):
+    """Records, every slot, each job's remaining-steps estimate against its true remaining steps."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.errors: list[float] = []
+
+    def allocate(self, now, jobs, cluster):
+        for j in jobs:
+            if self.lengths.remaining(j) is not None:
+                self.errors.append(abs(math.log(self.remaining_steps(j) / max(j.total_steps - j.progress, 1.0))))
+        return super().allocate(now, jobs, cluster)
+
+
+def test_class_lengths_read_recurring_jobs_where_the_step_decay_fit_is_wrong():
+    """Under step-decay losses the fitted form is far off; once a job of the same application and batch size has
+    finished, the learned scheduler reads the recurring job's remaining steps from it instead."""
+    from omnijax.cluster.simulator import simulate
+    specs = load_workload("workloads/workload-2", 24)
+    cfg = SimConfig(num_nodes=2, slot_s=120.0, families=("stepdecay",))
+    runs = {}
+    for on in (False, True):
+        sched = _Estimates(hidden=4, class_lengths=on)
+        jobs, step_time = jobs_from_specs(specs, cfg)
+        simulate(jobs, step_time, sched, cfg)
+        runs[on] = np.asarray(sched.errors)
+    assert min(runs[True].size, runs[False].size) > 20
+    assert np.median(runs[True]) < 0.05 < np.median(runs[False])      # exact for recurring jobs, the fit is not
+
+
+def test_training_keeps_the_trained_policy_else_the_warm_start_else_fitted(monkeypatch, tmp_path):
+    """The acceptance test decides what `learned` is: the ES-trained policy, else (on the same held-out workloads)
+    its warm start with class lengths, drop anchor and step-time terms, else the fitted scheduler's decisions."""
+    from omnijax.cluster import residual
+    from omnijax.cluster.config import ClusterConfig
+    from tests.conftest import CLUSTER_FIXTURES
+    cfg = ClusterConfig(sim=SimConfig(num_nodes=2, slot_s=300.0), learned=LearnedConfig(
+        train_sets=[str(CLUSTER_FIXTURES / "pollux" / "workloads")], es_iterations=1, es_pairs=1, es_sigma=0.5,
+        es_validation=2, hidden_es=4, anchor_workloads=0, window_s=3600.0, save=str(tmp_path / "p.npz")))
+    calls = []
+
+    def verdicts(*answers):
+        calls.clear()
+        monkeypatch.setattr(residual, "accept", lambda scores, z=2.0: answers[len(calls.append(1) or calls) - 1])
+
+    verdicts(False, True)
+    warm = residual.train_residual(cfg)
+    assert warm.kept == "warm start" and warm.class_lengths and warm.aware and len(calls) == 2
+    assert not np.array_equal(warm.theta, warm.trained_theta)           # the ES step moved it; the warm start is kept
+    back = load_policy(str(tmp_path / "p.npz"))
+    assert (back.kept, back.class_lengths, back.aware) == ("warm start", True, True)
+    verdicts(False, False)
+    fitted = residual.train_residual(cfg)
+    assert fitted.kept == "fitted" and not fitted.class_lengths and not fitted.aware and fitted.anchor.size == 0
+    assert not np.any(fitted.theta[fitted.mlp.head:])
