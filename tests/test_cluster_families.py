@@ -280,13 +280,33 @@ def test_class_lengths_predict_recurring_jobs_and_fall_back_when_outlived():
     from types import SimpleNamespace as Seen
     from omnijax.cluster.residual import ClassLengths
     lengths = ClassLengths()
-    for done in (100.0, 120.0, 300.0):
-        lengths.finished(Seen(application="cifar10", batch_size=2048, progress=done))
+    for i, done in enumerate((100.0, 120.0, 300.0)):
+        lengths.finished(Seen(application="cifar10", batch_size=2048, progress=done, name=f"c{i}"))
     job = lambda progress, batch=2048: Seen(application="cifar10", batch_size=batch, progress=progress)
     assert lengths.remaining(job(0.0)) == 120.0                       # the median of the class's lengths
     assert lengths.remaining(job(110.0)) == pytest.approx(210.0 - 110.0)   # ... of those it has not outlived
     assert lengths.remaining(job(400.0)) is None                      # outlived them all: the fit decides
     assert lengths.remaining(job(0.0, batch=4096)) is None            # another batch size is another class
+    # scored when jobs finish: a class whose lengths predicted worse than the other estimate is not trusted
+    other = Seen(application="bert", batch_size=384, progress=0.0, name="b1")
+    assert lengths.trusted(other)                                     # nothing scored yet
+    lengths.record(other, 1000.0, 410.0)
+    lengths.record(other, 900.0, 390.0)
+    lengths.finished(Seen(application="bert", batch_size=384, progress=400.0, name="b1"))
+    assert not lengths.trusted(other) and lengths.trusted(job(0.0))
+
+
+def test_length_spread_varies_jobs_of_one_class_and_off_is_the_profile_length():
+    specs = load_workload("workloads/workload-1", 10)
+    base = [j.total_steps for j in jobs_from_specs(specs, SimConfig(num_nodes=2))[0]]
+    prof = [load_profile(s.application).total_iterations(s.batch_size) for s in specs]
+    assert base == prof
+    spread = [j.total_steps for j in jobs_from_specs(specs, SimConfig(num_nodes=2, length_spread=0.5))[0]]
+    again = [j.total_steps for j in jobs_from_specs(specs, SimConfig(num_nodes=2, length_spread=0.5))[0]]
+    assert spread == again and all(a != b for a, b in zip(spread, base))
+    assert 0.2 < np.std(np.log(np.array(spread) / base)) < 1.0
+    with pytest.raises(ConfigError, match="length_spread"):
+        validate(ClusterConfig(sim=SimConfig(length_spread=-1.0)))
 
 
 class _Estimates(ResidualScheduler):

@@ -82,9 +82,9 @@ def validate(cfg: ClusterConfig) -> ClusterConfig:
                           f"{', '.join(FAMILIES)}")
     s = cfg.sim
     if (min(s.num_nodes, s.gpus_per_node, s.cpus_per_node) <= 0 or s.slot_s <= 0 or s.restart_s < 0
-            or (s.resize_restart_s or 0.0) < 0):
+            or (s.resize_restart_s or 0.0) < 0 or s.length_spread < 0):
         raise ConfigError("sim.num_nodes, sim.gpus_per_node, sim.cpus_per_node, sim.slot_s must be > 0 and "
-                          "sim.restart_s, sim.resize_restart_s >= 0")
+                          "sim.restart_s, sim.resize_restart_s, sim.length_spread >= 0")
     if not cfg.run_name or "/" in cfg.run_name:
         raise ConfigError(f"run_name={cfg.run_name!r}: must be a non-empty name without '/'")
     return cfg

@@ -103,18 +103,37 @@ def median_left(totals: np.ndarray, progress: float) -> float | None:
 
 
 class ClassLengths:
-    """Lengths of finished jobs per job class (application, batch size), observed online.
+    """Lengths of finished jobs per job class (application, batch size), observed online, and whether they
+    predict that class better than the scheduler's other estimate.
 
-    Recurring jobs are the norm in production clusters, and their history predicts their run time better than
-    any curve fitted to one job's loss (3Sigma, Park et al., EuroSys'18; the Philly study, Jeon et al., ATC'19).
-    A job's remaining steps are the median over its class's lengths it has not yet outlived (`median_left`),
-    so a job that outlives its class's usual length is not called done."""
+    Jobs recur in production clusters, and the lengths of earlier runs predict a recurring job's length where a
+    curve fitted to its own loss cannot (3Sigma, Park et al., EuroSys'18, schedules on run-time distributions
+    learned from job history). A job's remaining steps are the median over its class's lengths it has not yet
+    outlived (`median_left`), so a job that outlives its class's usual length is not called done.
+    How alike a class's jobs are is not assumed: every slot both estimates of each job's length are recorded
+    (`record`), scored when the job finishes, and a class's lengths are used only while their mean log error
+    over its finished jobs is at most the other estimate's (`trusted`; before any score, they are)."""
 
     def __init__(self):
         self.seen: dict[tuple[str, int], list[float]] = {}
+        self._pending: dict[str, list[tuple[float, float]]] = {}
+        self._error: dict[tuple[str, int], np.ndarray] = {}     # summed |log error|: class lengths, other; count
+
+    def record(self, job: Job, class_total: float, other_total: float) -> None:
+        self._pending.setdefault(job.name, []).append((class_total, other_total))
 
     def finished(self, job: Job) -> None:
-        self.seen.setdefault((job.application, job.batch_size), []).append(job.progress)
+        key = (job.application, job.batch_size)
+        self.seen.setdefault(key, []).append(job.progress)
+        guesses = np.asarray(self._pending.pop(job.name, []), dtype=float).reshape(-1, 2)
+        if guesses.size:
+            err = self._error.setdefault(key, np.zeros(3))
+            err[:2] += np.abs(np.log(np.maximum(guesses, 1.0) / max(job.progress, 1.0))).sum(0)
+            err[2] += len(guesses)
+
+    def trusted(self, job: Job) -> bool:
+        err = self._error.get((job.application, job.batch_size))
+        return err is None or err[0] <= err[1]
 
     def remaining(self, job: Job) -> float | None:
         lengths = self.seen.get((job.application, job.batch_size))
@@ -208,6 +227,10 @@ class ResidualScheduler(FittedAware):
         """Per slot: node speed estimates and neighbour loads from the measured step times and placements."""
         for j in all_jobs:
             self.drops.update(j.name, j.loss_model)
+            if self.class_lengths:
+                left = self.lengths.remaining(j)
+                if left is not None:
+                    self.lengths.record(j, j.progress + left, j.progress + self._remaining_observed(j))
         FittedAware.observe(self, all_jobs, cluster)       # node speeds (one update per slot), alpha, own slowdowns
         self._node_slow = self.nodes.slow
         self._loads = neighbour_loads(all_jobs, cluster)
@@ -227,16 +250,21 @@ class ResidualScheduler(FittedAware):
         self.lengths.finished(job)
 
     def remaining_steps(self, j: Job) -> float:
-        """With `class_lengths`, from the finished jobs of the job's class (`ClassLengths`). Else, after a sudden
+        """With `class_lengths`, from the finished jobs of the job's class while they predict it best
+        (`ClassLengths`). Else, after a sudden
         loss drop: the median remaining length over the learned lengths (anchor quantiles × the steps at which
         the drop was first seen) this job has not yet outlived (a step-decay schedule's milestones sit at fixed
         fractions of the job; the fitted form reads the plateau before a drop as convergence, then the drop as
         a job far from done). Otherwise (both off, no finished job of its class and no drop seen, or a job past
         every length they know) the fitted model's remaining steps."""
-        if self.class_lengths:
+        if self.class_lengths and self.lengths.trusted(j):
             left = self.lengths.remaining(j)
             if left is not None:
                 return left
+        return self._remaining_observed(j)
+
+    def _remaining_observed(self, j: Job) -> float:
+        """The job's remaining steps from its own observations: the drop anchor after a seen drop, else the fit."""
         k = self.drops.first.get(j.name)
         if self.anchor.size and k:
             left = median_left(self.anchor * k, j.progress)

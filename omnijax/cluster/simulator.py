@@ -41,6 +41,9 @@ class SimConfig:
     loss_noise: float = 0.01         # relative noise of loss observations
     loss_eps: float = 0.05           # a job has converged when l − c <= eps · (l(0) − c)
     profile_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)   # trial runs on arrival (Optimus-style profiling)
+    length_spread: float = 0.0       # log-normal spread of a job's length around its class's (application, batch
+                                     # size) length; 0: the profile's length for every job of a class (Pollux's
+                                     # assumption)
     seed: int = 0
     max_time_s: float = 30 * 24 * 3600.0
     # workload families where the fitted model forms break (omnijax/cluster/families.py); () = none, the default
@@ -107,11 +110,12 @@ def jobs_from_specs(specs: Sequence[JobSpec], cfg: SimConfig) -> tuple[list[Job]
     """Jobs with lengths from the validation files and speeds from the measured placement tables."""
     jobs = []
     profiles = {a: load_profile(a) for a in sorted({s.application for s in specs})}
-    for s in specs:
+    spread = np.exp(cfg.length_spread * np.random.default_rng([int(cfg.seed), 0x1E46]).standard_normal(len(specs)))
+    for s, scale in zip(specs, spread):
         prof = profiles[s.application]
         jobs.append(Job(
             name=s.name, arrival=s.time, application=s.application, batch_size=s.batch_size,
-            requested=s.num_replicas, total_steps=float(prof.total_iterations(s.batch_size)),
+            requested=s.num_replicas, total_steps=float(prof.total_iterations(s.batch_size)) * float(scale),
             cpus_per_replica=CPUS_PER_REPLICA[s.application],
             max_replicas=max(1, int(s.batch_size // prof.min_local_bsz)),
             loss_model=LossModel(eps=cfg.loss_eps), speed_model=SpeedModel("allreduce", s.batch_size)))
