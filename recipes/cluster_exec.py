@@ -45,11 +45,15 @@ def main(argv: list[str]) -> int:
     else:
         scheduler = make_scheduler(cfg.scheduler)
     runner = kinds[cfg.runner]()
+    if any(not a or not isinstance(a, str) for a in cfg.applications):
+        raise ConfigError(f"applications={cfg.applications}: each must be a non-empty name")
     if any(m < 1 for m in cfg.max_devices):
         raise ConfigError(f"max_devices={cfg.max_devices}: each must be >= 1")
     specs = [ExecJob(f"{cfg.run_name}-job{i}", cfg.steps[i], cfg.arrivals_s[i],
                      max_devices=cfg.max_devices[i] if i < len(cfg.max_devices) else 1 << 30,
-                     runner=kinds[cfg.runners[i]]() if i < len(cfg.runners) else None) for i in range(cfg.jobs)]
+                     runner=kinds[cfg.runners[i]]() if i < len(cfg.runners) else None,
+                     application=cfg.applications[i] if i < len(cfg.applications) else "omnijax")
+             for i in range(cfg.jobs)]
     ex = Executor(scheduler, runner, cfg.devices, run_root=out / "jobs", backend=cfg.backend, slot_s=cfg.slot_s)
     result = ex.run(specs)
     report = {"avg_jct_s": round(result.avg_jct_s, 1), "makespan_s": round(result.makespan_s, 1),

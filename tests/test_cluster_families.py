@@ -258,6 +258,9 @@ def test_executor_learned_needs_a_saved_policy_and_bench_needs_seeds(tmp_path, m
     monkeypatch.setenv("OMNIJAX_RUNS", str(tmp_path))
     with pytest.raises(ConfigError, match="policy=PATH"):
         cluster_exec.main(["scheduler=learned", "runner=toy", "jobs=1", "steps=[5]", "arrivals_s=[0]"])
+    with pytest.raises(ConfigError, match="applications"):
+        cluster_exec.main(["scheduler=fitted", "runner=toy", "jobs=1", "steps=[5]", "arrivals_s=[0]",
+                           'applications=[""]'])
     with pytest.raises(ConfigError, match="seeds"):
         list(bench_cluster.run(["schedulers=[fitted]", "seeds=0"]))
     with pytest.raises(ConfigError, match="unknown family"):

@@ -145,4 +145,6 @@ class ExecConfig:
     policy: str = ""               # scheduler=learned: a saved policy (.npz, `bench cluster learned.save=PATH`)
     max_devices: list[int] = field(default_factory=list)   # per job, the most devices it may hold (jobs then share
                                    # the machine at once: co-located); missing entries: no cap
+    applications: list[str] = field(default_factory=list)   # per job, its kind (jobs of one kind are one class
+                                   # for the learned scheduler's class lengths); missing entries: "omnijax"
     plot: bool = True

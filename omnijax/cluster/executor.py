@@ -148,6 +148,8 @@ class ExecJob:
     batch_size: int = 8
     max_devices: int = 1 << 30
     runner: Runner | None = None      # None: the executor's runner
+    application: str = "omnijax"      # the job's kind as the scheduler sees it: jobs of one kind and batch size
+                                      # are one class (the learned scheduler reads recurring jobs' lengths by class)
 
 
 @dataclass
@@ -234,7 +236,7 @@ class Executor:
 
     # ------------------------------------------------------------------ main loop
     def run(self, specs: Sequence[ExecJob]) -> ExecResult:
-        jobs = {s.name: Job(name=s.name, arrival=s.arrival_s, application="omnijax", batch_size=s.batch_size,
+        jobs = {s.name: Job(name=s.name, arrival=s.arrival_s, application=s.application, batch_size=s.batch_size,
                             requested=1, total_steps=float(s.steps), max_replicas=min(s.max_devices, self.cluster.gpus),
                             cpus_per_replica=1, loss_model=LossModel(), speed_model=SpeedModel("allreduce", s.batch_size))
                 for s in specs}
