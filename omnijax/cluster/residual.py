@@ -28,8 +28,9 @@ and their arrivals jittered) and scores each perturbation by its average JCT ove
 on that same workload. The training traces are the Pollux sets the bench does not report (0.5x, 1.5x and
 2x load); the bench evaluates on `workloads` and `workloads-realistic`. The trained policy is kept only if
 it beats the fitted scheduler on `learned.es_validation` further generated workloads with confidence
-(`accept`: the paired mean ratio plus `learned.es_confidence` standard errors below 1); otherwise the
-warm start (= fitted) is returned, so a training run whose gain is within the noise of a few workloads
+(`accept`: the paired mean ratio plus `learned.es_confidence` standard errors below 1); otherwise its warm
+start (class lengths, drop anchor, step-time terms, the supervised correction) on the same test; otherwise
+the fitted scheduler's decisions, so a training run whose gain is within the noise of a few workloads
 cannot make the scheduler worse on the files it is evaluated on.
 """
 from __future__ import annotations
