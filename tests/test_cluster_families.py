@@ -343,8 +343,9 @@ def test_class_lengths_read_recurring_jobs_where_the_step_decay_fit_is_wrong():
 
 
 def test_training_keeps_the_trained_policy_else_the_warm_start_else_fitted(monkeypatch, tmp_path):
-    """The acceptance test decides what `learned` is: the ES-trained policy, else (on the same held-out workloads)
-    its warm start with class lengths, drop anchor and step-time terms, else the fitted scheduler's decisions."""
+    """The acceptance test decides what `learned` is: the ES-trained policy if it beats fitted and its own warm
+    start, else (on the same held-out workloads) the warm start with class lengths, drop anchor and step-time
+    terms if it beats fitted, else the fitted scheduler's decisions."""
     from omnijax.cluster import residual
     from omnijax.cluster.config import ClusterConfig
     from tests.conftest import CLUSTER_FIXTURES
@@ -357,6 +358,10 @@ def test_training_keeps_the_trained_policy_else_the_warm_start_else_fitted(monke
         calls.clear()
         monkeypatch.setattr(residual, "accept", lambda scores, z=2.0: answers[len(calls.append(1) or calls) - 1])
 
+    verdicts(True, True, True)                                         # beats fitted and its warm start
+    assert residual.train_residual(cfg).kept == "trained policy" and len(calls) == 3
+    verdicts(True, True, False)                                        # beats fitted, not its warm start
+    assert residual.train_residual(cfg).kept == "warm start"
     verdicts(False, True)
     warm = residual.train_residual(cfg)
     assert warm.kept == "warm start" and warm.class_lengths and warm.aware and len(calls) == 2
