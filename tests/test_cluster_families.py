@@ -343,9 +343,9 @@ def test_class_lengths_read_recurring_jobs_where_the_step_decay_fit_is_wrong():
 
 
 def test_training_keeps_the_trained_policy_else_the_warm_start_else_fitted(monkeypatch, tmp_path):
-    """The acceptance test decides what `learned` is: the ES-trained policy if it beats fitted and its own warm
-    start, else (on the same held-out workloads) the warm start with class lengths, drop anchor and step-time
-    terms if it beats fitted, else the fitted scheduler's decisions."""
+    """The acceptance test decides what `learned` is, on the same held-out workloads: of the ES-trained policy and
+    its warm start (class lengths, drop anchor, step-time terms), the one that beats fitted; if both do, the
+    trained policy only if it also beats the warm start; if neither, the fitted scheduler's decisions."""
     from omnijax.cluster import residual
     from omnijax.cluster.config import ClusterConfig
     from tests.conftest import CLUSTER_FIXTURES
@@ -362,6 +362,8 @@ def test_training_keeps_the_trained_policy_else_the_warm_start_else_fitted(monke
     assert residual.train_residual(cfg).kept == "trained policy" and len(calls) == 3
     verdicts(True, True, False)                                        # beats fitted, not its warm start
     assert residual.train_residual(cfg).kept == "warm start"
+    verdicts(True, False)                                              # beats fitted; the warm start does not
+    assert residual.train_residual(cfg).kept == "trained policy" and len(calls) == 2
     verdicts(False, True)
     warm = residual.train_residual(cfg)
     assert warm.kept == "warm start" and warm.class_lengths and warm.aware and len(calls) == 2
