@@ -159,6 +159,22 @@ def test_fitted_aware_finds_the_slow_node_from_measured_step_times():
     assert sched.expected_slowdown(np.array([1, 3])).tolist() == pytest.approx([1.0 + 0.4 / 3, 1.4 - 0.4 * (2 / 3) ** 3])
 
 
+def test_learned_node_weights_adjust_the_fast_first_order_rather_than_replace_it():
+    cluster = Cluster(3, 4, 32)
+    sched = ResidualScheduler(hidden=4, aware=True)
+    sched.nodes.slow = np.array([1.0, 1.5, 1.0])
+    feats = np.zeros((3, 3))
+    feats[:, 0] = np.log(sched.nodes.slow)
+    feats[:, 1] = [0.5, 0.0, 0.25]                     # jobs on each node (x 0.25)
+    sched._node_features = feats
+    assert sched.node_order(cluster) == [0, 2, 1]      # zero weights: fitted_aware's order
+    sched.theta[sched.mlp.head + 2 * sched.mlp.features:][:3] = [0.0, 0.1, 0.0]   # small weight on occupancy
+    assert sched.mlp.node_weights(sched.theta).tolist() == [0.0, 0.1, 0.0]
+    assert sched.node_order(cluster) == [2, 0, 1]      # the emptier fast node first; the slow node still last
+    sched.aware = False
+    assert sched.node_order(cluster) == [1, 2, 0]      # without the fast-first term: occupancy alone
+
+
 def test_fitted_aware_and_untrained_learned_run_every_family():
     specs = load_workload("workloads/workload-2", 10)
     cfg = SimConfig(num_nodes=2, slot_s=300.0, families=fam.FAMILIES)

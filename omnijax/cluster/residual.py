@@ -279,12 +279,16 @@ class ResidualScheduler(FittedAware):
         return FittedModel.remaining_times(self, j, sizes, cluster, nodes)
 
     def node_order(self, cluster: Cluster) -> list[int] | None:
-        """Nodes by ascending learned score; with zero weights fast nodes first (`aware`) or None, the default
-        order."""
+        """Nodes by ascending score: the learned weights times the node features, plus, with `aware`, the log of
+        each node's estimated slowdown (the warm start's fast-first order, which small weights then only adjust:
+        the order moves continuously away from the warm start's as the weights grow). Zero weights: exactly the
+        warm start's order (`FittedAware.node_order`, or None, the default order)."""
         w = self.mlp.node_weights(self.theta)
         if not np.any(w) or self._node_features is None or len(self._node_features) != cluster.num_nodes:
             return FittedAware.node_order(self, cluster) if self.aware else None
         score = self._node_features @ w
+        if self.aware:
+            score = score + self._node_features[:, 0]
         return sorted(range(cluster.num_nodes), key=lambda k: (score[k], k))
 
     def _adjust(self, now, all_jobs, jobs, table, work):
