@@ -122,7 +122,7 @@ class FittedAware(FittedModel):
         """Update node speeds, alpha and the mean neighbour load of a shared node from this slot's view."""
         slow = self.nodes.update(jobs, cluster)
         self._ratio = {}
-        loads = neighbour_loads(jobs, cluster)
+        self._loads = loads = neighbour_loads(jobs, cluster)   # per running job; the learned scheduler reads it too
         num = den = 0.0
         for j in jobs:
             r = slowdown(j)

@@ -28,9 +28,9 @@ and their arrivals jittered) and scores each perturbation by its average JCT ove
 on that same workload. The training traces are the Pollux sets the bench does not report (0.5x, 1.5x and
 2x load); the bench evaluates on `workloads` and `workloads-realistic`. The trained policy is kept only if
 it beats the fitted scheduler on `learned.es_validation` further generated workloads with confidence
-(`accept`: the paired mean ratio plus `learned.es_confidence` standard errors below 1) and, where its warm start
-passes that test too, the warm start as well; otherwise its warm start (class lengths, drop anchor, step-time terms, the supervised correction) on the same test; otherwise
-the fitted scheduler's decisions, so a training run whose gain is within the noise of a few workloads
+(`accept`: the paired mean ratio plus `learned.es_confidence` standard errors below 1) and, where its warm
+start passes that test too, the warm start as well; otherwise its warm start (class lengths, drop anchor,
+step-time terms, the supervised correction) if it passes; otherwise the fitted scheduler's decisions, so a training run whose gain is within the noise of a few workloads
 cannot make the scheduler worse on the files it is evaluated on.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from omnijax.cluster.aware import FittedAware, neighbour_loads, slowdown, sync_share
+from omnijax.cluster.aware import FittedAware, slowdown, sync_share
 from omnijax.cluster.jobs import Cluster, Job
 from omnijax.cluster.schedulers import FittedModel, _geometric_mean
 from omnijax.cluster.traces import APPLICATIONS, JobSpec
@@ -165,7 +165,6 @@ class ResidualScheduler(FittedAware):
         self._arrivals: dict[str, float] = {}
         self._gpus = 1
         self.name = "learned"
-        self._node_slow: np.ndarray | None = None
         self._node_features: np.ndarray | None = None
         self._loads: dict[str, float] = {}
         self.drops = DropWatch()
@@ -175,7 +174,6 @@ class ResidualScheduler(FittedAware):
         self._arrivals = {}
         self.drops = DropWatch()
         self.lengths = ClassLengths()
-        self._node_slow = None
         self._node_features = None
         self._loads = {}
 
@@ -199,7 +197,7 @@ class ResidualScheduler(FittedAware):
         rank = np.argsort(np.argsort(keys, kind="stable"), kind="stable") / max(len(jobs), 1)
         total = float(np.sum(np.maximum(keys, 0.0))) or 1.0
         loads = self._loads
-        slow = self._node_slow
+        slow = self.nodes.slow
         x = np.zeros((len(jobs), NUM_FEATURES))
         for i, j in enumerate(jobs):
             r = slowdown(j)
@@ -232,12 +230,10 @@ class ResidualScheduler(FittedAware):
                 left = self.lengths.remaining(j)
                 if left is not None:
                     self.lengths.record(j, j.progress + left, j.progress + self._remaining_observed(j))
-        FittedAware.observe(self, all_jobs, cluster)       # node speeds (one update per slot), alpha, own slowdowns
-        self._node_slow = self.nodes.slow
-        self._loads = neighbour_loads(all_jobs, cluster)
+        FittedAware.observe(self, all_jobs, cluster)   # once a slot: node speeds, alpha, slowdowns, neighbour loads
         shares = {j.name: sync_share(j) for j in all_jobs if j.allocation}
         per_node = np.zeros((cluster.num_nodes, NODE_FEATURES))
-        per_node[:, 0] = np.log(np.maximum(self._node_slow, 1e-3))
+        per_node[:, 0] = np.log(np.maximum(self.nodes.slow, 1e-3))
         for j in all_jobs:
             if len(j.placement) == cluster.num_nodes:
                 for k, c in enumerate(j.placement):
@@ -252,8 +248,7 @@ class ResidualScheduler(FittedAware):
 
     def remaining_steps(self, j: Job) -> float:
         """With `class_lengths`, from the finished jobs of the job's class while they predict it best
-        (`ClassLengths`). Else, after a sudden
-        loss drop: the median remaining length over the learned lengths (anchor quantiles × the steps at which
+        (`ClassLengths`). Else, after a sudden loss drop: the median remaining length over the learned lengths (anchor quantiles × the steps at which
         the drop was first seen) this job has not yet outlived (a step-decay schedule's milestones sit at fixed
         fractions of the job; the fitted form reads the plateau before a drop as convergence, then the drop as
         a job far from done). Otherwise (both off, no finished job of its class and no drop seen, or a job past
