@@ -1,6 +1,7 @@
 """Small shared helpers."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -12,3 +13,12 @@ def runs_root() -> Path:
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete rows of a JSONL file another process may be appending to: a last line without its newline
+    is still being written (or was cut short by a kill) and is left out, so a reader never parses half a row."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(r) for r in text[: text.rfind("\n") + 1].splitlines() if r.strip()]

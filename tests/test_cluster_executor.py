@@ -108,3 +108,20 @@ def test_executor_resizes_a_ps_job_in_place(tmp_path):
     ref = _reference_chunk_losses(steps, chunk)
     np.testing.assert_allclose([r["loss"] for r in rows], ref, rtol=2e-3, atol=1e-4)
     assert rows[-1]["loss"] < 0.3 * rows[0]["loss"]
+
+
+def test_a_row_being_written_is_not_read_and_a_torn_row_is_dropped_on_resume(tmp_path, monkeypatch):
+    """The executor reads metrics.jsonl while the job appends to it: a last line without its newline is half a
+    row (a CI run once parsed one). A job killed mid-row resumes with that row gone and its file parseable."""
+    from omnijax.cluster import toy_job
+    from omnijax.utils import read_jsonl
+    monkeypatch.setenv("OMNIJAX_RUNS", str(tmp_path))
+    monkeypatch.setattr(toy_job.signal, "signal", lambda *a: None)   # leave pytest's SIGTERM handler alone
+    assert toy_job.main(["trainer.steps=4", "trainer.run_name=t", "trainer.checkpoint_every=2", "toy.work=64"]) == 0
+    metrics = tmp_path / "t" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"step": 5, "loss": 0.1, "step_ti')
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4]
+    assert toy_job.main(["trainer.steps=6", "trainer.run_name=t", "trainer.checkpoint_every=2", "toy.work=64"]) == 0
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4, 5, 6]
+    assert metrics.read_text().endswith("\n")

@@ -32,6 +32,7 @@ from omnijax.cluster.jobs import Cluster, Job, check_allocation
 from omnijax.cluster.perf_model import LossModel, SpeedModel
 from omnijax.cluster.schedulers import Scheduler
 from omnijax.errors import UserError
+from omnijax.utils import read_jsonl
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -217,10 +218,7 @@ class Executor:
         """New metrics rows -> progress, loss model, speed model (skipping the compile-laden first row of a
         start and rows marked `"warm": false`). A row's own `devices` wins over the allocation (an
         in-place resize takes effect at the job's next step boundary)."""
-        path = self.run_root / job.name / "metrics.jsonl"
-        if not path.exists():
-            return
-        rows = [json.loads(r) for r in path.read_text().splitlines() if r.strip()]
+        rows = read_jsonl(self.run_root / job.name / "metrics.jsonl")
         if rows:
             job.progress = float(rows[-1]["step"])
         for row in rows[run.rows_seen:]:

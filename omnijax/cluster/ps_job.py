@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from omnijax.utils import read_jsonl
+
 DIGITS_BATCH = 64
 
 
@@ -165,8 +167,8 @@ def main(argv: list[str]) -> int:
         trainer.restore(str(latest[-1]))
     metrics = run / "metrics.jsonl"
     if metrics.exists():   # drop rows past the checkpoint, as the trainer does
-        rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= trainer.step]
-        metrics.write_text("".join(r + "\n" for r in rows))
+        rows = [r for r in read_jsonl(metrics) if r["step"] <= trainer.step]   # a row cut short by the kill goes too
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     control, seq, warm = run / "control.json", -1, True

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from omnijax.utils import read_jsonl
+
 
 def main(argv: list[str]) -> int:
     opts = dict(a.split("=", 1) for a in argv)
@@ -39,8 +41,8 @@ def main(argv: list[str]) -> int:
         print(f"resumed at step {step} on {devices} devices", file=sys.stderr)
     metrics = run / "metrics.jsonl"
     if metrics.exists():   # drop rows past the checkpoint, as the trainer does
-        rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
-        metrics.write_text("".join(r + "\n" for r in rows))
+        rows = [r for r in read_jsonl(metrics) if r["step"] <= step]   # a row cut short by the kill goes too
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
 
