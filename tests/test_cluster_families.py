@@ -159,6 +159,20 @@ def test_fitted_aware_finds_the_slow_node_from_measured_step_times():
     assert sched.expected_slowdown(np.array([1, 3])).tolist() == pytest.approx([1.0 + 0.4 / 3, 1.4 - 0.4 * (2 / 3) ** 3])
 
 
+def test_fitted_aware_prices_the_size_a_job_holds_like_any_other():
+    """A job on a slow node, priced at its own measured slowdown, saw every other size as faster and moved each
+    slot to nodes as likely slow (restarts x2.8 on a generated straggler workload): the held size takes the
+    expected slowdown too, so the slow node does not push the job to resize."""
+    cluster = Cluster(3, 4, 32)
+    jobs = [_running("a", (4, 0, 0), 1.0), _running("b", (0, 4, 0), 1.8), _running("c", (0, 0, 4), 1.0)]
+    sched = FittedAware()
+    sched.observe(jobs, cluster)
+    on_slow, on_fast = (sched.remaining_times(j, np.array([4]), cluster) for j in jobs[1:])
+    assert on_slow == pytest.approx(on_fast)
+    expected = sched.remaining_steps(jobs[1]) * 1.0 * sched.expected_slowdown(np.array([1]))[0]   # profiled 1 s
+    assert on_slow[0] == pytest.approx(expected)
+
+
 def test_learned_node_weights_adjust_the_fast_first_order_rather_than_replace_it():
     cluster = Cluster(3, 4, 32)
     sched = ResidualScheduler(hidden=4, aware=True)

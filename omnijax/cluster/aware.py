@@ -12,9 +12,12 @@ first measurement the speed model holds for it), and which jobs share which node
 - Interference: r_j / (its slowest node) − 1 = alpha · (the sync shares of its neighbours); alpha by least
   squares through the origin over the running jobs. A job's sync share comes from its own speed fit
   (1 − compute term / step time).
-- Prediction: a size's step time is its profiled (or fitted) time × the slowdown of the fastest nodes
-  that many devices span × (1 + alpha · the mean neighbour load of a shared node) for sizes that do not
-  fill whole nodes; the size a job holds keeps its measured slowdown.
+- Prediction: a size's step time is its profiled (or fitted) time × the expected slowest of the nodes it
+  would span, drawn from the estimates (where a job lands is not known when it is sized) × (1 + alpha ·
+  the mean neighbour load of a shared node) for sizes that do not fill whole nodes. The size a job holds
+  is priced the same way, not at its own measured slowdown: that made a job on a slow node see every
+  other size as faster, so it resized, landed on another node as likely slow, and moved again (on a
+  generated straggler workload, 4.9 restarts a job against `fitted`'s 2.8; 7.95 with class lengths).
 - Placement: fast nodes first (`node_order`), so the largest jobs, placed first, land on them.
 """
 from __future__ import annotations
@@ -103,14 +106,12 @@ class FittedAware(FittedModel):
         self.nodes = NodeSpeeds()
         self.alpha = 0.0
         self._shared_load = 0.0
-        self._ratio: dict[str, float] = {}
         self._gpn = 1
 
     def reset(self):
         super().reset()
         self.nodes = NodeSpeeds()
         self.alpha = 0.0
-        self._ratio = {}
 
     def node_order(self, cluster: Cluster) -> list[int] | None:
         """Fast nodes first (ties: node index)."""
@@ -121,14 +122,12 @@ class FittedAware(FittedModel):
     def observe(self, jobs: Sequence[Job], cluster: Cluster) -> None:
         """Update node speeds, alpha and the mean neighbour load of a shared node from this slot's view."""
         slow = self.nodes.update(jobs, cluster)
-        self._ratio = {}
         self._loads = loads = neighbour_loads(jobs, cluster)   # per running job; the learned scheduler reads it too
         num = den = 0.0
         for j in jobs:
             r = slowdown(j)
             if r is None or j.name not in loads:
                 continue
-            self._ratio[j.name] = r
             worst = max(slow[i] for i, c in enumerate(j.placement) if c)
             num += (r / worst - 1.0) * loads[j.name]
             den += loads[j.name] ** 2
@@ -164,7 +163,4 @@ class FittedAware(FittedModel):
         nodes = np.asarray(nodes)
         st = np.array([profiled_step(j, int(s), int(m)) for s, m in zip(sizes, nodes)])
         factor = self.expected_slowdown(nodes) * (1.0 + self.alpha * self._shared_load * ((sizes % cluster.gpus_per_node) != 0))
-        mine = self._ratio.get(j.name)
-        if mine is not None and j.allocation:
-            factor = np.where((sizes == j.allocation) & (nodes == j.nodes), mine, factor)
         return self.remaining_steps(j) * st * factor
