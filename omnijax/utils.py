@@ -22,3 +22,10 @@ def read_jsonl(path: Path) -> list[dict]:
         return []
     text = path.read_text()
     return [json.loads(r) for r in text[: text.rfind("\n") + 1].splitlines() if r.strip()]
+
+
+def keep_rows_through(path: Path, step: int) -> None:
+    """A job resumed from the checkpoint at `step` rewrites its metrics.jsonl without the rows logged after it
+    (they are logged again) and without a row cut short by the kill."""
+    if path.exists():
+        path.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r["step"] <= step))

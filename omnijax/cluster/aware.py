@@ -106,12 +106,14 @@ class FittedAware(FittedModel):
         self.nodes = NodeSpeeds()
         self.alpha = 0.0
         self._shared_load = 0.0
+        self._loads: dict[str, float] = {}   # per running job: its neighbours' summed sync shares (this slot)
         self._gpn = 1
 
     def reset(self):
         super().reset()
         self.nodes = NodeSpeeds()
         self.alpha = 0.0
+        self._loads = {}
 
     def node_order(self, cluster: Cluster) -> list[int] | None:
         """Fast nodes first (ties: node index)."""
@@ -122,7 +124,7 @@ class FittedAware(FittedModel):
     def observe(self, jobs: Sequence[Job], cluster: Cluster) -> None:
         """Update node speeds, alpha and the mean neighbour load of a shared node from this slot's view."""
         slow = self.nodes.update(jobs, cluster)
-        self._loads = loads = neighbour_loads(jobs, cluster)   # per running job; the learned scheduler reads it too
+        self._loads = loads = neighbour_loads(jobs, cluster)   # the learned scheduler reads it too
         num = den = 0.0
         for j in jobs:
             r = slowdown(j)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from omnijax.utils import read_jsonl
+from omnijax.utils import keep_rows_through
 
 DIGITS_BATCH = 64
 
@@ -166,9 +166,7 @@ def main(argv: list[str]) -> int:
     if latest:
         trainer.restore(str(latest[-1]))
     metrics = run / "metrics.jsonl"
-    if metrics.exists():   # drop rows past the checkpoint, as the trainer does
-        rows = [r for r in read_jsonl(metrics) if r["step"] <= trainer.step]   # a row cut short by the kill goes too
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keep_rows_through(metrics, trainer.step)   # as the trainer does on resume
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     control, seq, warm = run / "control.json", -1, True

@@ -30,8 +30,9 @@ on that same workload. The training traces are the Pollux sets the bench does no
 it beats the fitted scheduler on `learned.es_validation` further generated workloads with confidence
 (`accept`: the paired mean ratio plus `learned.es_confidence` standard errors below 1) and, where its warm
 start passes that test too, the warm start as well; otherwise its warm start (class lengths, drop anchor,
-step-time terms, the supervised correction) if it passes; otherwise the fitted scheduler's decisions, so a training run whose gain is within the noise of a few workloads
-cannot make the scheduler worse on the files it is evaluated on.
+step-time terms, the supervised correction) if it passes; otherwise the fitted scheduler's decisions. So a
+training run whose gain is within the noise of a few workloads cannot make the scheduler worse on the files
+it is evaluated on.
 """
 from __future__ import annotations
 
@@ -166,7 +167,6 @@ class ResidualScheduler(FittedAware):
         self._gpus = 1
         self.name = "learned"
         self._node_features: np.ndarray | None = None
-        self._loads: dict[str, float] = {}
         self.drops = DropWatch()
 
     def reset(self):
@@ -175,7 +175,6 @@ class ResidualScheduler(FittedAware):
         self.drops = DropWatch()
         self.lengths = ClassLengths()
         self._node_features = None
-        self._loads = {}
 
     def features(self, now: float, all_jobs: Sequence[Job], jobs: Sequence[Job], work: dict[str, float],
                  gpus: int) -> np.ndarray:
@@ -248,11 +247,12 @@ class ResidualScheduler(FittedAware):
 
     def remaining_steps(self, j: Job) -> float:
         """With `class_lengths`, from the finished jobs of the job's class while they predict it best
-        (`ClassLengths`). Else, after a sudden loss drop: the median remaining length over the learned lengths (anchor quantiles × the steps at which
-        the drop was first seen) this job has not yet outlived (a step-decay schedule's milestones sit at fixed
-        fractions of the job; the fitted form reads the plateau before a drop as convergence, then the drop as
-        a job far from done). Otherwise (both off, no finished job of its class and no drop seen, or a job past
-        every length they know) the fitted model's remaining steps."""
+        (`ClassLengths`). Else, after a sudden loss drop: the median remaining length over the learned lengths
+        (anchor quantiles × the steps at which the drop was first seen) this job has not yet outlived (a
+        step-decay schedule's milestones sit at fixed fractions of the job; the fitted form reads the plateau
+        before a drop as convergence, then the drop as a job far from done). Otherwise (both off, no finished
+        job of its class and no drop seen, or a job past every length they know) the fitted model's remaining
+        steps."""
         if self.class_lengths and self.lengths.trusted(j):
             left = self.lengths.remaining(j)
             if left is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omnijax.utils import read_jsonl
+from omnijax.utils import keep_rows_through
 
 
 def main(argv: list[str]) -> int:
@@ -40,9 +40,7 @@ def main(argv: list[str]) -> int:
         w, step = saved["w"], int(saved["step"])
         print(f"resumed at step {step} on {devices} devices", file=sys.stderr)
     metrics = run / "metrics.jsonl"
-    if metrics.exists():   # drop rows past the checkpoint, as the trainer does
-        rows = [r for r in read_jsonl(metrics) if r["step"] <= step]   # a row cut short by the kill goes too
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keep_rows_through(metrics, step)   # as the trainer does on resume
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
 
