@@ -125,3 +125,6 @@ def test_a_row_being_written_is_not_read_and_a_torn_row_is_dropped_on_resume(tmp
     assert toy_job.main(["trainer.steps=6", "trainer.run_name=t", "trainer.checkpoint_every=2", "toy.work=64"]) == 0
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4, 5, 6]
     assert metrics.read_text().endswith("\n")
+    metrics.write_text(whole.replace('"step": 2', '"step": 2,,'))   # a damaged row inside the file: named, not skipped
+    with pytest.raises(UserError, match=r"metrics.jsonl:2: not a JSON row"):
+        read_jsonl(metrics)
