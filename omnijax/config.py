@@ -62,6 +62,9 @@ class LLMConfig:
     # attention implementation: auto (cudnn on GPUs where it fits, blockwise, dense for tiny lengths) |
     # reference (dense, the test oracle) | blockwise (pure-JAX flash) | cudnn (NVIDIA GPUs only)
     attention: Literal["auto", "reference", "blockwise", "cudnn"] = "auto"
+    # positions per row whose logits the loss holds at once (models/losses.py::head_cross_entropy);
+    # 0 = the full [tokens x vocabulary] logits (the old path)
+    loss_chunk: int = 512
 
 
 @dataclass
@@ -344,8 +347,9 @@ def load_yaml(path: str | Path) -> dict:
 
 def build(cls: type = Config, yaml_path: str | Path | None = None, overrides: list[str] | None = None,
           defaults: dict | None = None, check: Any = validate) -> Any:
-    """Defaults <- YAML file <- recipe defaults <- command-line overrides, then validated."""
-    tree = merge(load_yaml(yaml_path) if yaml_path else {}, defaults or {})
+    """Dataclass defaults <- recipe defaults <- YAML file (and its includes) <- command-line overrides, then
+    validated. A recipe's default (its run_name) gives way to a value the YAML sets."""
+    tree = merge(defaults or {}, load_yaml(yaml_path) if yaml_path else {})
     tree = merge(tree, parse_overrides(overrides or []))
     cfg = from_dict(cls, tree)
     return check(cfg) if check else cfg

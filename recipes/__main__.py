@@ -87,6 +87,10 @@ def main(argv: list[str]) -> int:
         recipes = recipe_names()
         if name not in recipes:
             return _unknown("recipe", name, list(recipes))
+        if name != "launch":  # (launch hands the arguments to the processes it starts, which read them so)
+            from recipes.common import before_jax
+
+            before_jax(name, rest)  # devices, threads, heartbeat: from the recipe's YAML too, before jax starts
         return int(importlib.import_module(recipes[name]).main(rest) or 0)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

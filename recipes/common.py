@@ -7,32 +7,84 @@ from typing import Sequence
 
 import numpy as np
 
-from omnijax.config import Config, build
+from omnijax.config import Config, build, load_yaml, merge, parse_overrides
 
 CONFIGS = Path(__file__).parent / "configs"
 
 
+# Settings that act before a recipe builds its config: the fake CPU devices and XLA:CPU's thread pool are fixed
+# when jax makes its client, jax.distributed's heartbeat limit when it starts, and the run folder is where a
+# supervisor of the process writes. They are read from the recipe's YAML and the command line alike.
+EARLY = ("parallel.cpu_devices", "parallel.cpu_threads", "trainer.peer_timeout_s", "trainer.run_name")
+PEER_TIMEOUT_ENV = "OMNIJAX_PEER_TIMEOUT_S"  # omnijax.train.launch sizes jax's heartbeat limit from it
+
+
+def early_settings(recipe: str, argv: list[str]) -> dict:
+    """The EARLY settings of `recipe` as its config will hold them: recipes/configs/<recipe>.yaml (with the files
+    it includes through `base:`) <- the `key=value` arguments. Keys set nowhere are absent; values are as
+    written (the config's own validation names a bad one)."""
+    path = CONFIGS / f"{recipe}.yaml"
+    tree = merge(load_yaml(path) if path.is_file() else {},
+                 parse_overrides([a for a in argv if "=" in a and not a.startswith("-")]))
+    out = {}
+    for key in EARLY:
+        node = tree
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            out[key] = node
+    return out
+
+
+def _positive_int(value) -> int | None:
+    text = str(value).strip()
+    return int(text) if not isinstance(value, bool) and text.isdigit() and int(text) > 0 else None
+
+
+def _devices_and_threads(devices, threads) -> None:
+    """The fake CPU device count into XLA_FLAGS, the thread count into NPROC: XLA reads both when it makes the
+    CPU client. A value that is not a positive integer is skipped (the config's validation names it)."""
+    devices, threads = _positive_int(devices), _positive_int(threads)
+    if devices:
+        flags = os.environ.get("XLA_FLAGS", "")
+        flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    if threads:
+        os.environ["NPROC"] = str(threads)
+
+
+def apply_early(settings: dict) -> None:
+    """Put the EARLY settings where jax and omnijax.train.launch read them, before jax starts (devices and
+    threads as _devices_and_threads, the peer timeout into PEER_TIMEOUT_ENV)."""
+    _devices_and_threads(settings.get("parallel.cpu_devices"), settings.get("parallel.cpu_threads"))
+    try:
+        timeout = float(settings.get("trainer.peer_timeout_s"))
+    except (TypeError, ValueError):
+        timeout = 0.0
+    if timeout > 0:
+        os.environ[PEER_TIMEOUT_ENV] = f"{timeout:g}"
+    else:  # set nowhere (or invalid, which the config names): never a parent process's value
+        os.environ.pop(PEER_TIMEOUT_ENV, None)
+
+
+def before_jax(recipe: str, argv: list[str]) -> dict:
+    """Every recipe's start (`python -m recipes NAME`): read the EARLY settings from its YAML and the command
+    line and apply them before jax starts; returns them."""
+    settings = early_settings(recipe, argv)
+    apply_early(settings)
+    return settings
+
+
 def setup_devices(overrides: list[str]) -> None:
-    """Honour `parallel.cpu_devices=N` and `parallel.cpu_threads=T` before jax starts: fakes N CPU devices
-    when no accelerator; sizes XLA:CPU's intra-op thread pool (XLA reads NPROC when it makes the client).
-    A value that is not a positive integer is left to the config's own validation, which names it."""
-    for item in overrides:
-        key, _, value = item.partition("=")
-        value = value.strip()
-        if not value.isdigit() or int(value) == 0:
-            continue
-        if key.strip() == "parallel.cpu_devices":
-            flags = os.environ.get("XLA_FLAGS", "")
-            flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={int(value)}".strip()
-        elif key.strip() == "parallel.cpu_threads":
-            os.environ["NPROC"] = value
+    """Honour `parallel.cpu_devices=N` and `parallel.cpu_threads=T` of `overrides` before jax starts (for code
+    started without `python -m recipes`, which applies the recipe's YAML too: see before_jax)."""
+    values = {k.strip(): v for k, _, v in (o.partition("=") for o in overrides)}
+    _devices_and_threads(values.get("parallel.cpu_devices"), values.get("parallel.cpu_threads"))
 
 
 def load_config(name: str, overrides: list[str], cls: type = Config) -> Config:
     """recipes/configs/<name>.yaml <- command-line overrides (run_name defaults to the recipe name)."""
-    return build(cls, CONFIGS / f"{name}.yaml", overrides, defaults={"trainer": {"run_name": name}}
-                 if not any(o.startswith("trainer.run_name=") for o in overrides) else None)
+    return build(cls, CONFIGS / f"{name}.yaml", overrides, defaults={"trainer": {"run_name": name}})
 
 
 class IndexedLoader:

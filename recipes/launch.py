@@ -63,11 +63,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _checkpoint_dir(recipe: str, overrides: list[str]) -> Path:
-    name = recipe
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key == "trainer.run_name":
-            name = value
+    from recipes.common import early_settings  # trainer.run_name from the recipe's YAML or the command line
+
+    try:
+        name = str(early_settings(recipe, overrides).get("trainer.run_name") or recipe)
+    except UserError:  # a malformed override: the recipe itself names it
+        name = recipe
     return Path(os.environ.get("OMNIJAX_RUNS", "runs")) / name / "checkpoints"
 
 

@@ -146,16 +146,13 @@ def _has_accelerator() -> bool:
 
 
 def _heartbeat_s() -> int:
-    """jax's own missed-heartbeat limit: the user's `trainer.peer_timeout_s` (read from the command line,
-    which this runs before the config is built) plus a margin, so PeerWatch reports first."""
-    timeout = DEFAULT_PEER_TIMEOUT_S
-    for arg in sys.argv[1:]:
-        key, _, value = arg.partition("=")
-        if key.strip() == "trainer.peer_timeout_s":
-            try:
-                timeout = float(value)
-            except ValueError:
-                pass  # the config's own validation names it
+    """jax's own missed-heartbeat limit: the user's `trainer.peer_timeout_s` (from the recipe's YAML or the
+    command line, put in OMNIJAX_PEER_TIMEOUT_S by `python -m recipes` before jax starts, since this runs before
+    the config is built) plus a margin, so PeerWatch reports first."""
+    try:
+        timeout = float(os.environ.get("OMNIJAX_PEER_TIMEOUT_S", DEFAULT_PEER_TIMEOUT_S))
+    except ValueError:
+        timeout = DEFAULT_PEER_TIMEOUT_S  # the config's own validation names it
     return int(timeout) + _BACKSTOP_S
 
 
