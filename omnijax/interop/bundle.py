@@ -154,9 +154,32 @@ def read_manifest(path: str | Path) -> dict:
         manifest = json.loads(file.read_text())
     except ValueError as exc:
         raise UserError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"{file}: not an export manifest (a JSON object with format, model and parts)")
     if manifest.get("format") != FORMAT:
         raise UserError(f"{file}: format {manifest.get('format')!r}, this omnijax reads format {FORMAT}")
+    for key in ("model", "parts"):
+        if not isinstance(manifest.get(key), dict):
+            raise UserError(f"{file}: no {key!r} mapping (damaged or hand-edited; export the run again)")
+    for name, part in manifest["parts"].items():
+        if not isinstance(part, dict) or not isinstance(part.get("folder"), str):
+            raise UserError(f"{file}: parts.{name} has no folder")
+        _inside(path, part["folder"], f"{file}: parts.{name}.folder")
+    tok = manifest.get("tokenizer") or ""
+    if not isinstance(tok, str):
+        raise UserError(f"{file}: tokenizer={tok!r} is not a folder name")
+    if tok:
+        _inside(path, tok, f"{file}: tokenizer")
     return manifest
+
+
+def _inside(root: Path, rel: str, where: str) -> Path:
+    """`root / rel` when it names a place inside `root` (after links are followed); else one line: a manifest
+    never sends a read outside its own folder."""
+    target = (root / rel).resolve()
+    if Path(rel).is_absolute() or not target.is_relative_to(root.resolve()):
+        raise UserError(f"{where}={rel!r} points outside the export folder {root}; a bundle holds its parts inside it")
+    return root / rel
 
 
 def bundle_config(path: str | Path) -> MMConfig:
@@ -184,10 +207,11 @@ def read_bundle(path: str | Path, target: Any | Callable[[MMConfig], Any] | None
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
     params = target
-    params["llm"] = pretrained.load_llm_params(path / "llm", target["llm"])
+    params["llm"] = pretrained.load_llm_params(path / manifest["parts"].get("llm", {}).get("folder", "llm"),
+                                               target["llm"])
     for name in encoder_configs(cfg):
         part = manifest["parts"].get(f"encoders.{name}", {})
-        sub = path / part.get("folder", f"encoders/{name}")
+        sub = path / part.get("folder", f"encoders/{name}")  # (checked inside the folder by read_manifest)
         if part.get("format") == "hf":
             params["encoders"][name] = pretrained.load_encoder_params(sub, target["encoders"][name])
         else:

@@ -47,16 +47,45 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
             if n > 100 << 20:
                 raise ValueError(f"header length {n} is implausible")
             header = json.loads(f.read(n))
+            data_bytes = os.fstat(f.fileno()).st_size - 8 - n
     except (OSError, ValueError) as exc:
         raise UserError(f"{path}: not a readable safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: not a readable safetensors file (its header is not a JSON object)")
     meta = header.pop("__metadata__", {}) or {}
     out = {}
     for name, h in header.items():
-        if h["dtype"] not in DTYPES:
-            raise UserError(f"{path}: tensor {name!r} has dtype {h['dtype']} which omnijax does not read")
-        out[name] = TensorInfo(path, np.dtype(DTYPES[h["dtype"]]), tuple(int(d) for d in h["shape"]),
-                               8 + n + int(h["data_offsets"][0]))
+        out[name] = _tensor_info(path, name, h, 8 + n, data_bytes)
+    spans = sorted((t.offset, t.offset + t.dtype.itemsize * int(np.prod(t.shape, dtype=np.int64)), name)
+                   for name, t in out.items())
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise UserError(f"{path}: tensors {first!r} and {second!r} claim the same bytes (data_offsets overlap); "
+                            "the file is damaged")
     return out, meta
+
+
+def _tensor_info(path: Path, name: str, h: object, base: int, data_bytes: int) -> TensorInfo:
+    """One header entry, checked: its byte range lies in the file's data and holds exactly shape x dtype
+    (a range that disagrees would read a neighbouring tensor's bytes as this one)."""
+    bad = f"{path}: tensor {name!r} has a malformed header entry"
+    if not isinstance(h, dict) or not {"dtype", "shape", "data_offsets"} <= set(h):
+        missing = sorted({"dtype", "shape", "data_offsets"} - set(h)) if isinstance(h, dict) else []
+        raise UserError(f"{bad} ({'no ' + ', '.join(missing) if missing else repr(h)}); the file is damaged")
+    if h["dtype"] not in DTYPES:
+        raise UserError(f"{path}: tensor {name!r} has dtype {h['dtype']} which omnijax does not read")
+    shape, offsets = h["shape"], h["data_offsets"]
+    if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+            or not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        raise UserError(f"{bad} (shape {shape!r}, data_offsets {offsets!r}); the file is damaged")
+    dtype = np.dtype(DTYPES[h["dtype"]])
+    begin, end = offsets
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if not 0 <= begin <= end <= data_bytes or end - begin != size:
+        raise UserError(f"{path}: tensor {name!r} claims bytes [{begin}, {end}) of the file's {data_bytes} data "
+                        f"bytes, but {h['dtype']} {list(shape)} is {size} bytes; the file is damaged or truncated")
+    return TensorInfo(path, dtype, tuple(shape), base + begin)
 
 
 class TensorIndex:
@@ -67,9 +96,16 @@ class TensorIndex:
         index = folder / "model.safetensors.index.json"
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text()).get("weight_map") or {}
+                data = json.loads(index.read_text())
             except json.JSONDecodeError as exc:
                 raise UserError(f"{index}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            weight_map = (data.get("weight_map") if isinstance(data, dict) else None) or {}
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{index}: weight_map is not a mapping of tensor names to files")
+            outside = [f for f in weight_map.values() if not isinstance(f, str) or Path(f).is_absolute()
+                       or Path(f).name != f]
+            if outside:
+                raise UserError(f"{index}: weight_map names {outside[0]!r}, not a file of this folder")
             files = sorted({folder / f for f in weight_map.values()})
             if not files:
                 raise UserError(f"{index}: empty weight_map")
@@ -90,14 +126,20 @@ class TensorIndex:
         return name in self.tensors
 
     def info(self, name: str) -> TensorInfo:
-        return self.tensors[name]
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise UserError(f"{self.folder}: no tensor {name!r} in {', '.join(f.name for f in self.files)} (a folder "
+                            "of another model, or incomplete?)") from None
 
     def read(self, name: str, rows: tuple[int, int] | None = None, rest: tuple[slice, ...] = ()) -> np.ndarray:
         """tensor[rows[0]:rows[1]][:, *rest] in its stored dtype, reading only rows [rows) from disk."""
-        t = self.tensors[name]
+        t = self.info(name)
         if not t.shape:
             return self._pread(t, 0, t.dtype.itemsize).view(t.dtype).reshape(())
         lo, hi = rows if rows is not None else (0, t.shape[0])
+        if not 0 <= lo <= hi <= t.shape[0]:
+            raise ValueError(f"{name}: rows [{lo}, {hi}) outside its {t.shape[0]} rows")
         row_elems = int(np.prod(t.shape[1:], dtype=np.int64))
         row_bytes = max(1, row_elems * t.dtype.itemsize)
         step = max(1, CHUNK_BYTES // row_bytes)
