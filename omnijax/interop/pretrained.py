@@ -526,7 +526,9 @@ class AtomicFolder:
         if jax.process_count() > 1 and exc_type is None:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"export {self.out}")
+            # named by the folder's own name: process 0 writes a nested folder under its temporary parent, the
+            # others name it under the final one, and every process must pass the same name
+            multihost_utils.sync_global_devices(f"export {self.out.name}")
 
 
 def _dump(path: Path, obj: dict) -> None:
