@@ -1,5 +1,7 @@
-"""`bench maxtext`: options, clear errors without a MaxText environment, the overrides both sides get, and
-the log/HLO readers. MaxText itself is never installed for the tests (it stays out of omnijax's dependencies)."""
+"""`bench maxtext` without MaxText: options, clear errors without a MaxText environment, the overrides both sides
+would get, the log/HLO readers, and the round order with stand-in trainers. None of these tests runs MaxText (it
+stays out of omnijax's dependencies and is not installed here): a wrong MaxText command line or a MaxText change
+that breaks the comparison is not caught here, only by `python -m recipes bench maxtext mt_python=...`."""
 from __future__ import annotations
 
 import sys
@@ -35,12 +37,12 @@ def test_mt_python_missing_or_without_maxtext(tmp_path):
         bm.maxtext_base_yml(sys.executable)  # the test environment has no maxtext
 
 
-def test_run_stops_before_measuring_without_maxtext():
+def test_run_stops_before_measuring_without_maxtext_installed():
     with pytest.raises(UserError, match="cannot import maxtext"):
         list(bm.run([f"mt_python={sys.executable}", "layouts=[1dev]", "rounds=1"]))
 
 
-def test_both_sides_get_the_same_shape_and_layout():
+def test_overrides_give_both_sides_the_same_shape_and_layout_maxtext_not_run():
     s = bm.LARGE
     oj = bm.omnijax_overrides(s, "fsdp8", "full", steps=4, warmup=2)
     mt = bm.maxtext_overrides(s, "fsdp8", "full", steps=4, warmup=2)
@@ -57,7 +59,7 @@ def test_both_sides_get_the_same_shape_and_layout():
                    if not a.startswith("parallel.remat"))
 
 
-def test_maxtext_log_reader_drops_warmup_steps():
+def test_maxtext_log_reader_drops_warmup_steps_on_a_canned_log():
     log = "\n".join(f"I1206 metric_logger.py:265] completed step: {k}, seconds: {t}, TFLOP/s/device: 1.0, loss: 9.0"
                     for k, t in enumerate([0.06, 0.4, 6.3, 3.7, 3.1, 3.2]))
     assert bm.maxtext_step_times(log, warmup=4) == [3.1, 3.2]
@@ -105,7 +107,7 @@ def test_train_step_module_is_picked_by_name(tmp_path):
     assert bm.train_step_hlo(str(tmp_path / "empty")) is None
 
 
-def test_mm_shape_is_one_device_and_both_sides_get_the_same_sizes(tmp_path):
+def test_mm_overrides_are_one_device_and_give_both_sides_the_same_sizes_maxtext_not_run(tmp_path):
     o = bm.parse_options(["shape=mm"])
     assert o["layouts"] == ["1dev"] and o["steps"] == 4 and o["oj_warmup"] == 2
     for bad in (["shape=mm", "layouts=[fsdp8]"], ["shape=mm", "remat=full"]):
@@ -136,7 +138,7 @@ def test_mm_shape_is_one_device_and_both_sides_get_the_same_sizes(tmp_path):
     assert bm.omnijax_metric_step_times(str(metrics), warmup=2) == [4.0, 3.9]
 
 
-def test_rounds_alternate_and_each_pair_is_reported_as_it_completes(monkeypatch, capsys):
+def test_rounds_alternate_and_each_pair_is_reported_with_stand_in_trainers_maxtext_not_run(monkeypatch, capsys):
     """The order of the trainers alternates by round, and each pair's ratio reaches stderr at once (a run stopped
     early keeps its figures); both trainers are stand-ins here with known step times."""
     calls = []
