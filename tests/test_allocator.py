@@ -45,7 +45,8 @@ def test_a_process_re_executes_itself_once_under_the_library(tmp_path):
     fake = tmp_path / "libtcmalloc_minimal.so.4"
     shutil.copy(libm, fake)
     code = ("import os; print('start', os.getpid(), flush=True); from omnijax.allocator import reexec_under_tcmalloc; "
-            "reexec_under_tcmalloc(); print('running', os.getpid(), os.environ.get('LD_PRELOAD'))")
+            "reexec_under_tcmalloc(); print('running', os.getpid(), os.environ.get('LD_PRELOAD'), "
+            f"{str(fake)!r} in open('/proc/self/maps').read())")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
     env.update({allocator.PATH_ENV: str(fake), "PYTHONPATH": str(ROOT)})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -55,11 +56,20 @@ def test_a_process_re_executes_itself_once_under_the_library(tmp_path):
     running = [line.split() for line in lines if line.startswith("running")]
     assert len(starts) == 2 and len(running) == 1, out.stdout  # ran again once, then carried on
     assert starts[0].split()[1] == starts[1].split()[1] == running[0][1]  # the same process
-    assert running[0][2] == str(fake)
+    assert running[0][2] == str(fake) and running[0][3] == "True"  # the library is loaded, not only named
     # OMNIJAX_ALLOCATOR=system keeps the process as it is
     out = subprocess.run([sys.executable, "-c", code], env={**env, allocator.ENV: "system"}, capture_output=True,
                          text=True, timeout=600)
-    assert out.stdout.count("start") == 1 and out.stdout.split("\n")[1].split()[2] == "None", out.stdout
+    assert out.stdout.count("start") == 1 and out.stdout.split("\n")[1].split()[2:] == ["None", "False"], out.stdout
+
+
+# run first in every process of the child interpreters below (before and after an exec): its pid, and at exit
+# whether the stand-in library is mapped into the process and named in LD_PRELOAD
+_PROBE = """import atexit, os, sys
+print('start', os.getpid(), flush=True)
+atexit.register(lambda: print('exit', os.getpid(), os.environ['PROBE_LIB'] in open('/proc/self/maps').read(),
+                              os.environ.get('LD_PRELOAD') == os.environ['PROBE_LIB'], flush=True))
+"""
 
 
 def test_a_named_library_that_is_missing_is_one_line(monkeypatch, tmp_path):
@@ -81,7 +91,19 @@ def test_main_called_in_process_never_replaces_its_caller(tmp_path):
     env.update({allocator.PATH_ENV: str(fake), "PYTHONPATH": str(ROOT)})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.stdout.count("start") == 1 and "back 2 None" in out.stdout, (out.stdout, out.stderr[-2000:])
-    # the module run as a program does re-execute (same command, the library preloaded)
+    # the module run as a program does re-execute: the same process (pid) starts twice, and the one that runs
+    # the command has the library loaded (a sitecustomize probe reports from inside it)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(_PROBE)
+    env.update(PYTHONPATH=f"{probe}{os.pathsep}{ROOT}", PROBE_LIB=str(fake))
     out = subprocess.run([sys.executable, "-m", "recipes", "no_such_recipe"], env=env, capture_output=True,
                          text=True, timeout=600, cwd=str(ROOT))
     assert out.returncode == 2 and "no_such_recipe" in out.stderr, out.stderr[-2000:]
+    starts = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("start")]
+    exits = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("exit")]
+    assert len(starts) == 2 and len(set(starts)) == 1 and exits == [[starts[0], "True", "True"]], out.stdout
+    # OMNIJAX_ALLOCATOR=system: one start, nothing loaded
+    out = subprocess.run([sys.executable, "-m", "recipes", "no_such_recipe"], env={**env, allocator.ENV: "system"},
+                         capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    assert out.stdout.count("start") == 1 and "False False" in out.stdout, out.stdout
