@@ -135,6 +135,17 @@ class OptimizerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (omnijax/models/adapters.py): rank 0 = off. The base of an adapted part stays frozen."""
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
+    parts: list[str] = field(default_factory=lambda: ["llm"])
+    base_dtype: Literal["float32", "nf4", "int8"] = "float32"  # QLoRA: the frozen base held quantised
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 300
     run_name: str = "default"
@@ -149,6 +160,7 @@ class TrainerConfig:
     progress: bool = True
     # the parts that train (`llm`, `projector`, encoder names); [] = all. Frozen parts hold no optimizer state.
     trainable: list[str] = field(default_factory=list)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters on trainer.lora.parts; trainable adds to them
     prefetch: int = 2        # batches read, planned and transferred ahead in a background thread (0 = inline)
     # Stale data parallelism (omnijax/train/staleness.py): apply the all-reduced gradient one step late.
     staleness: Literal["sync", "stale1", "stale1+dc", "stale1+wp", "stale1+dc+wp"] = "sync"
@@ -177,7 +189,7 @@ _POSITIVE = {
     "model.moe.mlp_dim", "data.seq_len", "data.batch_size", "trainer.steps", "trainer.log_every",
     "trainer.grad_accum", "trainer.keep_checkpoints", "trainer.max_nonfinite_in_row",
 }
-_NON_NEGATIVE = {"trainer.seed", "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip",
+_NON_NEGATIVE = {"model.loss_chunk", "trainer.seed", "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip",
                  "parallel.cpu_devices", "parallel.cpu_threads", "parallel.microbatches", "trainer.checkpoint_every",
                  "trainer.eval_every", "data.eval_batches", "data.workers",
                  "trainer.dc_lambda", "trainer.stale_warmup_steps", "trainer.prefetch"}

@@ -137,8 +137,12 @@ class LLM(nnx.Module):
         return jnp.einsum("bld,dv->blv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
 
     def forward_embeddings(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                           positions: jax.Array | None = None, remat: Any = None) -> tuple[jax.Array, dict]:
+                           positions: jax.Array | None = None, remat: Any = None,
+                           head: bool = True) -> tuple[jax.Array, dict]:
         """x [B, L, D] -> (logits [B, L, V] float32, aux scalars summed over layers).
+
+        ``head=False`` returns the final-normed hidden states [B, L, D] instead of logits: the loss
+        (``models.losses.head_cross_entropy``) applies the head chunk by chunk, never all logits at once.
 
         ``remat`` (``parallel.remat``): none | full | save_dots, per layer (see ``run_block``); None (the
         default) takes the mode in force (``omnijax.layers.remat.use_remat``, which the trainer enters with
@@ -154,7 +158,8 @@ class LLM(nnx.Module):
         for block in self.blocks:
             x, block_aux = run_block(lambda b, *a: b(*a), block, x, segment_ids, positions, remat=remat)
             aux = {k: aux[k] + block_aux[k] for k in AUX_KEYS}
-        return self.logits(self.final_norm(x)), aux
+        h = self.final_norm(x)
+        return (self.logits(h) if head else h), aux
 
     # ------------------------------------------------------------------ KV-cache path (generation)
     def prefill(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, last: jax.Array,

@@ -26,7 +26,7 @@ from omnijax.models.llm import LLM
 from omnijax.models.projector import Projector
 from omnijax.models.vision import VisionEncoder
 from omnijax.models.whisper import WhisperEncoder
-from omnijax.models.losses import masked_cross_entropy
+from omnijax.models.losses import head_cross_entropy
 
 
 class Component(Protocol):
@@ -128,8 +128,9 @@ def text_tokens(batch: dict, vocab_size: int) -> jax.Array:
 
 def mm_loss(model: MultimodalModel, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
     """Text-target cross entropy of the multimodal model: (loss_sum, token_count, aux)."""
-    logits, aux = model(batch)
-    loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    x = model.embed(batch)
+    h, aux = model.llm.forward_embeddings(x, batch["segment_ids"], batch["positions"], head=False)
+    loss_sum, count = head_cross_entropy(model.llm, h, batch["targets"], batch["loss_mask"])
     return loss_sum, count, aux
 
 

@@ -29,7 +29,7 @@ from omnijax.layers.attention import dot_product_attention
 from omnijax.models.llm import AUX_KEYS, LLM, default_packing, is_moe_layer, remat_mode, run_block, zero_aux
 from omnijax.parallel import context, embedding, expert, hosts, pipeline, rules as rules_lib
 from omnijax.parallel.mesh import Layout, make_mesh, parse_layout
-from omnijax.models.losses import masked_cross_entropy
+from omnijax.models.losses import head_cross_entropy
 from omnijax.models.objective import loss_and_grads
 
 _COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
@@ -307,8 +307,10 @@ class LLMParallel:
         return x, aux
 
     def forward_embeddings(self, model: nnx.Module, x: jax.Array, seg: jax.Array | None = None,
-                           pos: jax.Array | None = None, feed: tuple | None = None) -> tuple[jax.Array, dict]:
-        """Parallel counterpart of ``LLM.forward_embeddings``: ``x [B, L, D] -> (logits, aux)``.
+                           pos: jax.Array | None = None, feed: tuple | None = None,
+                           head: bool = True) -> tuple[jax.Array, dict]:
+        """Parallel counterpart of ``LLM.forward_embeddings``: ``x [B, L, D] -> (logits, aux)``
+        (``head=False``: the final-normed hidden states, for ``head_cross_entropy``).
 
         ``feed`` (pipelined layouts only): completes each microbatch's input inside the pipeline loop,
         see :func:`omnijax.parallel.pipeline.spmd_pipeline`."""
@@ -323,8 +325,10 @@ class LLMParallel:
             for blk in model.blocks:
                 x, a = run_block(self.block, blk, x, seg, pos, remat=self.remat)
                 aux = {kk: aux[kk] + a[kk] for kk in AUX_KEYS}
-        logits = model.logits(model.final_norm(x))
-        return self.constrain(logits, "batch", "seq", "vocab"), aux
+        h = self.constrain(model.final_norm(x), "batch", "seq", "embed")
+        if not head:
+            return h, aux
+        return self.constrain(model.logits(h), "batch", "seq", "vocab"), aux
 
     def _pipeline(self, model: PipelinedLLM, x, seg, pos, feed=None):
         sch = self.schedule
@@ -375,8 +379,8 @@ class LLMParallel:
     def loss_fn(self, model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
         """``LossFn`` for ``omnijax.train.step``: (loss_sum, token_count, aux) of the next-token loss."""
         x = self.embed(model, batch["tokens"])
-        logits, aux = self.forward_embeddings(model, x, batch["segment_ids"], batch["positions"])
-        loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+        h, aux = self.forward_embeddings(model, x, batch["segment_ids"], batch["positions"], head=False)
+        loss_sum, count = head_cross_entropy(model, h, batch["targets"], batch["loss_mask"])
         return loss_sum, count, aux
 
     # ---------------------------------------------------------------- explicit FSDP gradients
@@ -422,13 +426,14 @@ class LLMParallel:
                     x = embedding.local_lookup(model.embedding[...], mb["tokens"], mesh=self.mesh,
                                                table_spec=table_spec, ids_spec=b_specs["tokens"])
                 if lay.cp == 1:
-                    logits, aux = model.forward_embeddings(x, mb["segment_ids"], mb["positions"], remat=self.remat)
+                    h, aux = model.forward_embeddings(x, mb["segment_ids"], mb["positions"], remat=self.remat,
+                                                      head=False)
                 else:  # the sequence split over cp: this device's chunks, attention over the cp ring
                     seg, pos = mb["segment_ids"], mb["positions"]
                     for blk in model.blocks:
                         x, _ = run_block(self._manual_block, blk, x, seg, pos, remat=self.remat)
-                    logits, aux = model.logits(model.final_norm(x)), zero_aux()
-                loss_sum, count = masked_cross_entropy(logits, mb["targets"], mb["loss_mask"])
+                    h, aux = model.final_norm(x), zero_aux()
+                loss_sum, count = head_cross_entropy(model, h, mb["targets"], mb["loss_mask"])
                 return loss_sum, count, aux
 
             def full(p):

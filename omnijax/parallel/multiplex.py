@@ -25,7 +25,7 @@ from omnijax.models.encoder_layers import compute_dtype
 from omnijax.models.mllm import MultimodalModel
 from omnijax.parallel import context, hosts, routing, rules as rules_lib
 from omnijax.parallel.engine import LLMParallel
-from omnijax.models.losses import masked_cross_entropy
+from omnijax.models.losses import head_cross_entropy
 
 ALL = routing.MESH_AXES
 
@@ -122,7 +122,8 @@ def _stack_plans(plans: list[routing.Plan]) -> routing.Plan:
             stats[k] = sum(vals)
     real = stats["enc_rows_real"] + stats["llm_tokens_real"]
     stats["padded_fraction"] = 1.0 - real / max(stats["enc_rows_computed"] + stats["llm_tokens_computed"], 1)
-    return routing.Plan(arrays, stats, plans[0].capacities, plans[0].devices)
+    payload = None if plans[0].device_payload is None else sum(p.device_payload for p in plans)
+    return routing.Plan(arrays, stats, plans[0].capacities, plans[0].devices, payload)
 
 
 def _encoder_path(path) -> bool:
@@ -143,14 +144,27 @@ class Multiplexer:
     """
 
     growth: float = routing.BUCKET_GROWTH  # capacity bucket step (a planning-only instance keeps it)
+    hosts: int | None = None
+    payload_band, reuse_slack, max_programs, _resumed = 0.05, 0.03, 4, False
+    programs: list[dict] = []  # never mutated in place (a planning-only instance shares the empty one)
 
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
                  encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
                  balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None,
-                 interleave: bool = False, growth: float = routing.BUCKET_GROWTH):
-        """growth: the capacity bucket step (`routing.BUCKET_GROWTH` in training; benches may vary it)."""
+                 interleave: bool = False, growth: float = routing.BUCKET_GROWTH, hosts: int | None = None,
+                 payload_band: float = 0.05, reuse_slack: float = 0.03, max_programs: int = 4):
+        """growth: the capacity bucket step (`routing.BUCKET_GROWTH` in training; benches may vary it).
+        hosts: split the devices into this many contiguous hosts for the payload check of `size_window`
+        (None: the job's processes, where there are several). payload_band: every host decodes
+        1/hosts +- this of each step's payload. reuse_slack / max_programs: a window reuses a program
+        already compiled when its encoder buffers hold at most `reuse_slack` more rows than the window's
+        own fit; past `max_programs` programs, the one that holds the window with the fewest rows."""
         self.engine, self.mesh, self.mm_cfg = engine, engine.mesh, mm_cfg
         self.growth = float(growth)
+        self.hosts, self.payload_band = hosts, float(payload_band)
+        self.reuse_slack, self.max_programs = float(reuse_slack), int(max_programs)
+        self.programs: list[dict] = []   # the capacity sets windows were sized to so far (one program each)
+        self._resumed = False
         self.interleave = interleave
         if self.interleave and engine.schedule is None:
             raise ConfigError(f"parallel.interleave_encoders: layout {engine.layout} has no pipeline (pp=1); "
@@ -240,7 +254,33 @@ class Multiplexer:
         if any(dict(p.capacities) != grown for p in plans):
             plans = build(grown)
         self.capacities = grown
-        return plans[0] if not self.interleave else _stack_plans(plans)
+        plan = plans[0] if not self.interleave else _stack_plans(plans)
+        host_of = self.host_of()
+        if host_of is not None and plan.device_payload is not None:
+            shares = routing.host_payload_shares(plan.device_payload, host_of)
+            plan.stats["host_payload_share_min"] = float(shares.min())
+            plan.stats["host_payload_share_max"] = float(shares.max())
+        return plan
+
+    def host_of(self) -> np.ndarray | None:
+        """The host of every plan device (None: one host). `hosts` given: contiguous runs of the device
+        order; else the process of each device of the mesh (any device order)."""
+        D = self.grid.num_devices
+        if self.hosts is not None:
+            if self.hosts <= 1:
+                return None
+            if D % self.hosts:
+                raise ConfigError(f"{D} devices do not split over hosts={self.hosts}")
+            return np.arange(D) // (D // self.hosts)
+        if getattr(self, "mesh", None) is None or jax.process_count() == 1:
+            return None
+        if getattr(self, "_host_of", None) is None:
+            index = NamedSharding(self.mesh, P(ALL)).devices_indices_map((D,))
+            out = np.zeros(D, np.int64)
+            for dev, idx in index.items():
+                out[int(idx[0].start or 0)] = dev.process_index
+            self._host_of = out
+        return self._host_of
 
     @property
     def local_devices(self) -> list[int] | None:
@@ -279,27 +319,130 @@ class Multiplexer:
         return host_batch, plan
 
     def get_state(self) -> dict:
-        """The capacities reached so far: saved with checkpoints, so a resumed run places its steps in the
-        same buffers (and so the same way) as the run it continues."""
-        return {"capacities": dict(self.capacities or {})}
+        """The capacities of the window being run and the programs sized so far: saved with checkpoints,
+        so a resumed run places its steps in the same buffers (and so the same way) as the run it
+        continues, and later windows reuse the same programs."""
+        return {"capacities": dict(self.capacities or {}), "programs": [dict(p) for p in self.programs]}
 
     def set_state(self, state: dict) -> None:
         self.capacities = {str(k): int(v) for k, v in state.get("capacities", {}).items()} or None
+        self.programs = [{str(k): int(v) for k, v in p.items()} for p in state.get("programs", [])]
+        if self.capacities and self.capacities not in self.programs:
+            self.programs.append(dict(self.capacities))
+        self._resumed = self.capacities is not None
 
     def size_window(self, host_batches) -> dict:
         """The one window sizing, for the trainer (`reserve`) and every bench: capacities that hold every
-        plan of these upcoming batches, so the window's steps reuse one compiled program; returns them.
+        plan of these upcoming batches, so the window's steps run one compiled program; returns them.
 
-        Each batch gets its own cost-balanced placement (`plan`, placement only: nothing is decoded, so
-        its payloads are still read once, by `put_batch`), and the capacities so far grow to the bucket
-        that holds it where they do not; they never shrink (a resumed run keeps the ones it restored).
-        Not a joint fit of the window: capacities fitted jointly are tight for some batches, whose
-        placement then packs by room instead of cost and can put a step's whole encoder work (and
-        payload) on one host's devices (commit f9d5d03); sized per batch, every plan is the one its
-        own batch balances, so each host decodes about its share of every step's payload."""
-        for batch in host_batches:
-            self.plan(self.balanced(batch), fill=False)
-        return dict(self.capacities or {})
+        Placement only (nothing is decoded: payloads are still read once, by `put_batch`). The window is
+        fitted jointly (`routing.fit_capacities`: per encoder the smallest long/short pair every batch
+        fits), then checked against each batch's host balance: a batch whose placement would leave some
+        host decoding more than 1/hosts + `payload_band` of its payload (tight buffers pack by room, not
+        by cost, commit f9d5d03) gets roomier buffers, a bucket at a time, until every host is inside the
+        band. A program already compiled is reused where it holds the window within `reuse_slack` more
+        encoder rows (past `max_programs`, the one that holds it with the fewest), so a run compiles a
+        few programs, not one per window. A fit is a pure function of the window's batches; what a
+        resumed run needs is the window's capacities and the programs so far (`get_state`)."""
+        batches = [self.balanced(b) for b in host_batches]
+        if not batches:
+            return dict(self.capacities or {})
+        parts = [self.parts(b) for b in batches]
+        if self._resumed:  # resumed mid-window: the checkpointed capacities, which hold its batches
+            self._resumed = False
+            if self._holds(self.capacities, parts):
+                return dict(self.capacities)
+        caps = self._reuse(self._fit_window(parts), parts)
+        self.capacities = dict(caps)
+        if caps not in self.programs:
+            self.programs = [*self.programs, dict(caps)]
+        return dict(caps)
+
+    def _build(self, part: dict, caps: dict | None) -> routing.Plan:
+        return routing.build_plan(part, self.grid, self.reductions, self.dims, self.cost_fn,
+                                  order=context.balanced_order, mode=self.mode, long_short=self.long_short,
+                                  capacities=caps, first_stage_only=self.interleave, growth=self.growth,
+                                  fill_devices=())
+
+    def _imbalance(self, plans: list[routing.Plan]) -> float:
+        """How far the host furthest from an even share of the step's payload is from it (0: one host)."""
+        host_of = self.host_of()
+        if host_of is None:
+            return 0.0
+        shares = routing.host_payload_shares(sum(p.device_payload for p in plans), host_of)
+        return float(np.abs(shares - 1.0 / len(shares)).max())
+
+    def _holds(self, caps: dict | None, parts: list[list[dict]]) -> bool:
+        """Every batch plans inside `caps` (none grows) with every host inside the payload band."""
+        if not caps:
+            return False
+        for ps in parts:
+            try:
+                plans = [self._build(p, caps) for p in ps]
+            except ConfigError:
+                return False
+            if any(dict(p.capacities) != caps for p in plans) or self._imbalance(plans) > self.payload_band:
+                return False
+        return True
+
+    def _fit_window(self, parts: list[list[dict]]) -> dict:
+        """The window's joint fit, grown a bucket at a time where a batch's hosts are out of balance."""
+        flat = [p for ps in parts for p in ps]
+        caps = routing.fit_capacities(flat, self.grid, self.reductions, self.dims, self.cost_fn,
+                                      order=context.balanced_order, mode=self.mode, long_short=self.long_short,
+                                      first_stage_only=self.interleave, growth=self.growth)
+        if self.host_of() is None or self.mode != "balanced":  # the baselines place by arrival / on stage 0
+            return caps
+        best = None
+        for _ in range(8):  # a step whose payload no placement splits evenly (one long clip) stops it
+            worst = max(self._imbalance([self._build(p, caps) for p in ps]) for ps in parts)
+            if best is None or worst < best[0] - 1e-9:
+                best = (worst, caps)
+            if worst <= self.payload_band:
+                break
+            enc = self._roomier(caps)
+            caps = {**enc, "route": max(dict(self._build(p, enc).capacities)["route"] for p in flat)}
+        return best[1]
+
+    def _roomier(self, caps: dict) -> dict:
+        """Every encoder buffer in use one bucket larger (the route capacity left out: refitted)."""
+        out = {}
+        for k, v in caps.items():
+            if k != "route":
+                r = self.reductions[k.rsplit("_", 1)[0]]
+                out[k] = routing._bucket(v + 1, r, 16, self.growth) if v else 0
+        return out
+
+    def _enc_rows(self, caps: dict) -> int:
+        return sum(v for k, v in caps.items() if k != "route")
+
+    def _reuse(self, fit: dict, parts: list[list[dict]]) -> dict:
+        """The capacities the window runs with: a compiled program that holds it with at most
+        `reuse_slack` more encoder rows than its own fit, else the fit, as long as fewer than
+        `max_programs` programs exist. Past that, the program that holds the window with the fewest
+        rows, else the largest one grown to hold it too (one envelope that only grows, as every
+        window's capacities did before: the programs stay bounded by its bucket growths)."""
+        if fit in self.programs:
+            return dict(fit)
+        budget = self._enc_rows(fit) * (1.0 + self.reuse_slack)
+        full = len(self.programs) >= self.max_programs
+        for caps in sorted(self.programs, key=lambda c: (self._enc_rows(c), sorted(c.items()))):
+            if (full or self._enc_rows(caps) <= budget) and self._holds(caps, parts):
+                return dict(caps)
+        if not full:
+            return fit
+        top = max(self.programs, key=lambda c: (self._enc_rows(c), sorted(c.items())))
+        grown = {k: max(v, top.get(k, 0)) for k, v in fit.items()}
+        for _ in range(4):
+            for p in (p for ps in parts for p in ps):
+                try:
+                    plan = self._build(p, grown)
+                except ConfigError:  # the placement inside these pins is a heuristic: the part's own fit
+                    plan = self._build(p, None)
+                grown = {k: max(v, grown.get(k, 0)) for k, v in plan.capacities}
+            if self._holds(grown, parts):
+                return grown
+        return fit
 
     reserve = size_window  # the trainer's prefetcher reserves a data-plane window ahead with it
 
@@ -457,10 +600,10 @@ class Multiplexer:
         x = self.engine.constrain(x, "batch", "seq", "embed")
         part = EncoderPart(model.encoders, model.projectors)
         if self.interleave:
-            logits, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"],
-                                                         feed=self.feed(part, batch))
+            h, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"],
+                                                    feed=self.feed(part, batch), head=False)
         else:
             x = self.inject(part, x, batch)
-            logits, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"])
-        loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+            h, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"], head=False)
+        loss_sum, count = head_cross_entropy(model.llm, h, batch["targets"], batch["loss_mask"])
         return loss_sum, count, aux
