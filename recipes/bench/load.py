@@ -89,6 +89,47 @@ def _status(key: str) -> int:
     return 0
 
 
+def _expected(full, kind: str, shape: tuple):
+    """omnijax's array from the whole HF tensor, by the layout kinds of omnijax/interop/hf.py's weight_layout
+    (written out here from the formats' definitions, not through the loader's own slicing): HF Linear weights
+    are [out, in], omnijax kernels [in, *out] ("linear_in") or [*in, out] ("linear_out")."""
+    if kind == "same":
+        return full
+    if kind in ("linear_in", "linear_out"):
+        return full.T.reshape(shape)
+    if kind == "reshape":
+        return full.reshape(shape)
+    raise ValueError(f"no independent layout for kind {kind!r}")
+
+
+def values_match(folder: str | Path, cfg, loaded) -> bool:
+    """Every parameter's shards on this process equal the source files' tensors, each read whole by the
+    safetensors library (not the loader's reader) and laid out by _expected: every layout, every shard."""
+    import numpy as np
+    from flax import nnx
+    from safetensors import safe_open
+
+    from omnijax.interop import pretrained
+
+    folder = Path(folder)
+    files = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    flat = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(loaded)}
+    tensors = pretrained.llm_tensors(cfg)
+    if {t.path for t in tensors} != set(flat):
+        return False
+    for t in tensors:
+        with safe_open(str(folder / files[t.hf]), "np") as f:
+            full = f.get_tensor(t.hf)
+        if t.offset or tuple(full.shape) != t.hf_shape:  # a part of a fused tensor: not in a Llama folder
+            return False
+        want = _expected(full, t.kind, t.shape)
+        got = flat[t.path]
+        if want.shape != got.shape or not all(np.array_equal(np.asarray(s.data), want[s.index])
+                                              for s in got.addressable_shards):
+            return False
+    return True
+
+
 def child(folder: str, layout: str) -> None:
     """One process of the load: prints one JSON line with its own figures."""
     import jax
@@ -118,13 +159,8 @@ def child(folder: str, layout: str) -> None:
         peak = _status("VmHWM")
         local = sum(s.data.nbytes for a in leaves for s in a.addressable_shards)
         rows.append((seconds, peak - base, local, base))
-        # spot check: this host's shards of the embedding equal the file's values at those indices
-        emb = dict(nnx.to_flat_state(loaded))[("embedding",)].get_value()
-        from omnijax.interop.tensors import TensorIndex
-
-        ref = TensorIndex(folder).read("model.embed_tokens.weight")
-        ok = all(np.array_equal(np.asarray(s.data), ref[s.index]) for s in emb.addressable_shards)
-        del leaves, emb, ref
+        ok = values_match(folder, cfg, loaded)
+        del leaves
     seconds = min(r[0] for r in rows)
     above = max(r[1] for r in rows)
     # out again: every process takes part in the per-tensor gathers, process 0 writes; then compared with the
