@@ -124,6 +124,56 @@ def test_sampling_is_seeded_and_top_p_narrows_to_greedy(llama):
     assert [g.tokens for g in narrow] == [g.tokens for g in greedy]  # only the most likely token survives
 
 
+def _nucleus(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """softmax(logits / T) restricted to the smallest set of most likely tokens whose probability reaches top_p,
+    renormalised (float64, written here independently of the sampler)."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    keep = np.zeros_like(p, bool)
+    keep[order[before < top_p]] = True
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def test_first_token_follows_softmax_over_the_nucleus(llama):
+    """4096 first tokens of one prompt (1024 rows x 4 seeds: every draw has its own key) against
+    softmax(logits / T) cut to top_p: no token outside the nucleus is ever drawn, and a chi-square test does not
+    reject the distribution at 1e-3 (these seeds are fixed, so the test is deterministic; the level says how
+    far the counts may stray from the expected ones by chance). The same counts reject a sampler off by a little
+    in temperature or top_p, so the test has the power to see one."""
+    from scipy import stats
+
+    _, gen, _, _ = llama
+    model = nnx.merge(gen.graphdef, gen.params, gen.rest)
+    prompt = PROMPTS[0]
+    logits = np.asarray(jax.jit(lambda m, t: m(t))(model, jnp.asarray([prompt], jnp.int32)))[0, -1]
+    temperature, top_p, rows = 0.3, 0.8, 1024
+    draws = []
+    for seed in range(4):
+        cfg = SamplingConfig(max_new_tokens=1, temperature=temperature, top_p=top_p, seed=seed)
+        draws += [g.tokens[0] for g in gen.generate([prompt] * rows, cfg, batch_size=512)]
+    counts = np.bincount(draws, minlength=VOCAB)
+
+    def chi2_p(q: np.ndarray) -> float:
+        kept = q > 0
+        if counts[~kept].any():
+            return 0.0
+        expected = q[kept] * len(draws)
+        assert expected.min() >= 5, "cells too small for the chi-square approximation"
+        return stats.chisquare(counts[kept], expected).pvalue
+
+    want = _nucleus(logits, temperature, top_p)
+    assert 8 <= (want > 0).sum() < VOCAB // 4    # a real cut: several tokens kept, most of the tail dropped
+    assert not counts[want == 0].any()           # nothing outside the nucleus
+    assert chi2_p(want) > 1e-3
+    for t, p in ((temperature * 0.85, top_p), (temperature * 1.15, top_p), (temperature, top_p - 0.1),
+                 (temperature, top_p + 0.1)):
+        assert chi2_p(_nucleus(logits, t, p)) < 1e-6, (t, p)
+
+
 def test_eos_stops_each_row(llama):
     """With eos = a token some rows produce, each row ends right before its own first eos; others run on."""
     _, gen, greedy, _ = llama
