@@ -2,7 +2,9 @@
 
 `python -m recipes export RUN_DIR output=DIR`: DIR/llm an HF Llama/Qwen2 folder with the tokenizer,
 DIR/encoders/NAME an HF folder per pretrained encoder (SigLIP / Whisper names), DIR/projector.safetensors,
-DIR/omnijax.json (the model config; `recipes generate DIR` reads it). Written tensor by tensor from the
+DIR/omnijax.json (the model config; `recipes generate DIR` reads it). A LoRA run (trainer.lora) also writes
+DIR/llm_adapter in PEFT's format over the base in DIR/llm, or with merge=true its adapters merged into DIR/llm
+(omnijax/interop/peft.py). Written tensor by tensor from the
 parameters restored sharded over this machine's devices, into a temporary folder renamed when complete.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ DESCRIPTION = "a run's latest checkpoint -> HF folders (LLM + tokenizer, SigLIP/
 @dataclass
 class ExportConfig:
     output: str = ""                 # the export folder (must not exist)
+    merge: bool = False              # a LoRA run: adapters merged into DIR/llm, not written to DIR/llm_adapter (PEFT)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
@@ -57,7 +60,14 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"{run_dir}: not a multimodal run (its config.json has no model.llm); export reads "
                           "finetune / tiny_omni runs")
     model_cfg = from_dict(MMConfig, saved["model"], prefix="model.")
-    abstract = nnx.state(nnx.eval_shape(lambda: MultimodalModel(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    from omnijax.interop import peft
+    from omnijax.models import adapters
+
+    lora = peft.lora_of(saved)  # a LoRA run: its adapters restored too (interop/peft.py writes them)
+    if cfg.merge and lora is None:
+        raise ConfigError(f"merge=true: {run_dir} has no adapters (trainer.lora); drop merge")
+    abstract = nnx.state(nnx.eval_shape(lambda: adapters.attach(MultimodalModel(model_cfg, rngs=nnx.Rngs(0)), lora)),
+                         nnx.Param)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     n = mesh.size
 
@@ -68,9 +78,12 @@ def main(argv: list[str]) -> int:
 
     params, step = warmstart.params_from_run(run_dir, jax.tree.map(sharded, abstract), key="RUN_DIR")
     src = warmstart.origins(run_dir)
+    trained, params = params, (peft.export_params(params, cfg.merge) if lora else params)
     write_bundle(out, model_cfg, params, llm_from=src["llm"], encoders_from=src["encoders"],
                  tokenizer=src["tokenizer"] or None,
                  extra={"run": str(run_dir.resolve()), "step": step, "tokenizer_from": src["tokenizer"]})
+    if lora and not cfg.merge:
+        peft.write_adapter(out / peft.ADAPTER_DIR, trained["llm"], lora, src["llm"])
     print(f"exported {run_dir} step {step} -> {out} ({time.perf_counter() - t0:.0f} s); generate with "
           f"`python -m recipes generate {out} prompts=FILE output=OUT.jsonl`", file=sys.stderr)
     return 0

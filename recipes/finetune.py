@@ -171,6 +171,8 @@ def main(argv: list[str], name: str = "finetune") -> int:
     from flax import nnx
 
     from omnijax.data.tokenizer import load_tokenizer
+    from omnijax.interop import peft
+    from omnijax.models import adapters
     from omnijax.models.mllm import MultimodalModel, mm_loss
     from omnijax.train import warmstart
     from omnijax.train.loop import Trainer
@@ -190,11 +192,17 @@ def main(argv: list[str], name: str = "finetune") -> int:
     resuming = trainer.checkpointer is not None and trainer.checkpointer.latest_step() is not None
     if not resuming:  # a fresh start: the parameters come from init.*; a resumed run from its own checkpoint
         params = trainer.state.params
-        if cfg.init.checkpoint:
-            params, step = warmstart.params_from_run(cfg.init.checkpoint, params)
+        if cfg.init.checkpoint:  # adapters come from a LoRA run; from a run without them they start fresh
+            from_run = lambda p: warmstart.params_from_run(cfg.init.checkpoint, p)  # noqa: E731
+            if adapters.has_adapters(params) and not peft.lora_of(warmstart.run_config(cfg.init.checkpoint)):
+                step = warmstart.latest_step(cfg.init.checkpoint)
+                params = adapters.with_base(params, lambda base: from_run(base)[0])
+            else:
+                params, step = from_run(params)
             print(f"{name}: parameters of {cfg.init.checkpoint} step {step}", file=sys.stderr)
-        elif cfg.init.llm or cfg.init.encoders:
-            params = warmstart.load_pretrained(params, cfg.init.llm, cfg.init.encoders)
+        elif cfg.init.llm or cfg.init.encoders:  # into the base; trainer.lora's adapters stay as initialised
+            params = adapters.with_base(params, lambda base: warmstart.load_pretrained(base, cfg.init.llm,
+                                                                                      cfg.init.encoders))
             froms = ([f"llm <- {cfg.init.llm}"] if cfg.init.llm else []) + [
                 f"{k} <- {v}" for k, v in cfg.init.encoders.items()]
             print(f"{name}: pretrained " + ", ".join(froms), file=sys.stderr)

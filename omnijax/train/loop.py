@@ -20,6 +20,7 @@ from omnijax.config import Config, to_dict
 from omnijax.errors import UserError
 from omnijax.train import metrics as metrics_lib
 from omnijax.train.checkpoint import Checkpointer, CheckpointSaveError, abstract_like
+from omnijax.models import adapters
 from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
 from omnijax.train.parts import Partition
 from omnijax.train.placement import DataParallel
@@ -116,6 +117,7 @@ class Trainer:
         self.hooks = hooks
         self.placement = placement or DataParallel()
         self.run_dir = run_dir or runs_root() / cfg.trainer.run_name
+        model = adapters.attach(model, getattr(cfg.trainer, "lora", None), cfg.trainer.seed)  # trainer.lora
         self.partition = self._partition(model)
         self.optimizer = make_optimizer(cfg.optimizer, cfg.trainer.steps, self.partition)
         self.lr_schedule = learning_rate_schedule(cfg.optimizer, cfg.trainer.steps)

@@ -1,4 +1,4 @@
-"""Which parameters train: the model's parameter tree split into parts (`llm`, `projector`, encoder names).
+"""Which parameters train: the model's parameter tree split into parts (`llm`, `projector`, encoder names, `lora`).
 
 A stage of LLaVA-style training is a choice of parts (`trainer.trainable`): the optimizer is an optax
 partition over these labels (frozen parts map to `set_to_zero`, so they hold no optimizer state and take
@@ -13,27 +13,15 @@ from typing import Any, Sequence
 import jax
 
 from omnijax.errors import ConfigError
+from omnijax.models import adapters
 
-LLM, PROJECTOR = "llm", "projector"
-
-
-def _key(entry: Any) -> Any:
-    return getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", None)))
+LLM, PROJECTOR, LORA = "llm", "projector", adapters.LORA
 
 
 def part_of(path: Sequence[Any]) -> str:
-    """The part a parameter at `path` belongs to: `llm`, `projector` or its encoder's name.
-
-    A text-only LLM's parameters (no `llm` prefix) are all `llm`."""
-    keys = [_key(k) for k in path]
-    for i, k in enumerate(keys):
-        if k == "llm":
-            return LLM
-        if k == "projectors":
-            return PROJECTOR
-        if k == "encoders" and i + 1 < len(keys):
-            return str(keys[i + 1])
-    return LLM
+    """The part a parameter at `path` belongs to: `llm`, `projector`, its encoder's name, or `lora` for an
+    adapter (omnijax/models/adapters.py). A text-only LLM's parameters (no `llm` prefix) are all `llm`."""
+    return adapters.part_of(path)
 
 
 def labels(params: Any) -> list[str]:
@@ -58,6 +46,14 @@ class Partition:
         self.sizes = sizes
         self.parts = list(sizes)
         known = ", ".join(self.parts)
+        if LORA in sizes:  # adapters train, with trainer.trainable's parts beside them; adapted bases stay frozen
+            adapted = {adapters.base_part(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+                       if adapters.is_adapter(path)}
+            clash = sorted(adapted & set(trainable or []))
+            if clash:
+                raise ConfigError(f"trainer.trainable={list(trainable or [])}: {', '.join(clash)} carries adapters "
+                                  "(trainer.lora.parts), whose base stays frozen; drop it from trainer.trainable")
+            trainable = [LORA, *(p for p in (trainable or []) if p != LORA)]
         trainable = list(trainable or self.parts)
         for part in trainable:
             if part not in sizes:
