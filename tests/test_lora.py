@@ -28,10 +28,16 @@ LORA = LoraConfig(rank=4, alpha=8.0)
 
 
 def _with_b(params, value: float = 0.02):
-    """Adapters with B != 0 (as after training), the same in every layout: B = value everywhere."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: jnp.full_like(x, value) if any(str(getattr(k, "key", "")).endswith(lora.B_SUFFIX) for k in p)
-        else x, params)
+    """Adapters with B != 0 (as after training), the same in every layout: B = value·sin(index) over each
+    layer's own B (a pipelined stack repeats it over its leading [stage, repeat, layer] axes)."""
+    def fill(path, x):
+        keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        if not any(k.endswith(lora.B_SUFFIX) for k in keys):
+            return x
+        core = x.shape[3:] if "stages" in keys else x.shape
+        one = value * jnp.sin(jnp.arange(math.prod(core), dtype=x.dtype)).reshape(core)
+        return jnp.broadcast_to(one, x.shape)
+    return jax.tree_util.tree_map_with_path(fill, params)
 
 
 def _mask(params) -> list[bool]:
@@ -133,3 +139,98 @@ def test_bad_lora_settings_are_one_line_errors():
     with pytest.raises(ConfigError, match="llm carries adapters"):
         Partition(p, ["llm"])
     assert adapters.attach(model, LoraConfig()) is model  # rank 0: no adapters
+
+
+def test_encoder_layout_matches_single_device():
+    """Adapters on the LLM and the vision encoder under the joint step (fsdp8 LLM, edp8 encoders) give the
+    single-device loss and adapter gradients."""
+    from omnijax.data.packing import SamplePacker as Packer
+    from omnijax.data.world import World
+    from omnijax.parallel.multiplex import Multiplexer
+    from test_multiplex_step import ENCODERS, LLM as MM_LLM, WORLD as MX_WORLD
+
+    cfg = from_dict(MMConfig, {"llm": MM_LLM, "encoders": ENCODERS})
+    both = LoraConfig(rank=4, alpha=8.0, parts=["llm", "vision"])
+    batch, _ = Packer(cfg, 8, 64, {"vision": 512, "audio": 256}).pack(World(MX_WORLD).sample(i) for i in range(80))
+    model = adapters.adapt(mllm.MultimodalModel(cfg, rngs=nnx.Rngs(0)), both)
+    g, p, r = nnx.split(model, nnx.Param, ...)
+    p = _with_b(p)
+    mask = _mask(p)
+    ref_loss, ref_grads, _ = jax.jit(lambda q, b: loss_and_grads(g, r, mllm.mm_loss, q, b, trainable=mask))(
+        p, {k: jnp.asarray(v) for k, v in batch.items()})
+    mx = Multiplexer(LLMParallel("fsdp8", cfg.llm), cfg, encoder_layout="edp8")
+    model = adapters.adapt(mx.prepare(mllm.MultimodalModel(cfg, rngs=nnx.Rngs(0))), both)
+    g, p, r = nnx.split(model, nnx.Param, ...)
+    p = mx.put_state(_with_b(p))
+    loss, grads, _ = jax.jit(lambda q, b: loss_and_grads(g, r, mx.loss_fn, q, b, trainable=mask))(p, mx.put_batch(batch))
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert_grads_close(nnx.to_pure_dict(jax.device_get(grads)), nnx.to_pure_dict(jax.device_get(ref_grads)))
+    vision = [k for k, _ in nnx.to_flat_state(p) if k[0] == "encoders" and str(k[-1]).endswith(lora.A_SUFFIX)]
+    assert vision  # the encoder really carries adapters
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """Two AdamW steps of the joint step (fsdp8 LLM, edp8 encoders) with rank-16 adapters on the LLM and the
+    projector trainable, checkpointed at step 2."""
+    from omnijax.data.loader import Loader, LoaderConfig, TrainerBatches
+    from omnijax.parallel.multiplex import Multiplexer
+    from omnijax.train.loop import Trainer
+    from test_data_trainer import LOADER
+    from test_mllm import MM, WORLD
+
+    run_dir = tmp_path_factory.mktemp("lora")
+    mm = from_dict(MMConfig, MM)
+    cfg = from_dict(Config, {"model": {}, "trainer": {"steps": 2, "log_every": 1, "checkpoint_every": 2,
+                                                      "progress": False, "trainable": ["projector"],
+                                                      "lora": {"rank": 16, "alpha": 32.0}},
+                             "optimizer": {"warmup_steps": 0, "weight_decay": 0.5}})
+    placement = Multiplexer(LLMParallel("fsdp8", mm.llm), mm, encoder_layout="edp8", balance_rows=False)
+    loader = TrainerBatches(Loader(LoaderConfig(**{**LOADER, "fixed_shapes": False}), mm_cfg=mm, world_cfg=WORLD))
+    trainer = Trainer(cfg, lambda: placement.prepare(mllm.MultimodalModel(mm, rngs=nnx.Rngs(0))), placement.loss_fn,
+                      loader, placement=placement, run_dir=run_dir)
+    before = jax.device_get(trainer.state.params)
+    result = trainer.fit()
+    return trainer, before, jax.device_get(result.state.params), run_dir
+
+
+def test_lora_run_freezes_base_and_keeps_state_for_adapters_only(lora_run):
+    trainer, before, after, run_dir = lora_run
+    assert trainer.partition.trainable == ["lora", "projector"]
+    changed = {}
+    for (path, a), (_, b) in zip(nnx.to_flat_state(before), nnx.to_flat_state(after)):
+        changed[path] = not (np.array_equal(a[...], b[...]) and np.array_equal(np.signbit(a[...]), np.signbit(b[...])))
+    for path, moved in changed.items():
+        part = adapters.part_of(path)
+        if part in ("lora", "projector"):
+            continue
+        assert not moved, path  # every base weight (LLM and encoders) bitwise as it was
+    assert any(moved for p, moved in changed.items() if adapters.is_adapter(p) and str(p[-1]).endswith("_lora_b"))
+    # Adam moments for the adapters and the projector only
+    sizes = trainer.partition.sizes
+    moments = sum(int(x.size) for x in jax.tree.leaves(trainer.state.opt_state) if x.ndim > 0)
+    assert moments == 2 * (sizes["lora"] + sizes["projector"])
+    # the checkpoint holds the base once, the adapters, and those moments
+    import orbax.checkpoint as ocp
+
+    meta = ocp.StandardCheckpointer().metadata((run_dir / "checkpoints" / "2" / "state").absolute())
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+    saved = sum(int(np.prod(m.shape)) for m in jax.tree.leaves(tree["opt_state"]) if getattr(m, "shape", ()))
+    assert saved == moments
+    names = ["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+             for path, _ in jax.tree_util.tree_flatten_with_path(tree["params"])[0]]
+    llm = [n for n in names if n.startswith("llm/")]  # one layer: its q once, its adapter once
+    assert sum("attn/q_lora_a" in n for n in llm) == 1 and sum(n.split("/")[-2:] in (["attn", "q"], ["q", "value"])
+                                                               for n in llm) == 1
+
+
+def test_init_checkpoint_carries_adapters(lora_run):
+    """A later stage started from the LoRA run's checkpoint gets its trained adapters (warmstart.params_from_run)."""
+    from omnijax.train import warmstart
+
+    trainer, _, after, run_dir = lora_run
+    fresh = trainer.state.params
+    restored, step = warmstart.params_from_run(run_dir, fresh)
+    assert step == 2
+    for (path, a), (_, b) in zip(nnx.to_flat_state(jax.device_get(restored)), nnx.to_flat_state(after)):
+        np.testing.assert_array_equal(a[...], b[...], err_msg=str(path))
