@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"prompts={cfg.prompts}: file not found; write one JSON record per line "
                           "({\"segments\": [...]} or a LLaVA conversation without the answer)")
     t0 = time.perf_counter()
-    served = load(folders[0])
+    served = load(folders[0], layout=cfg.parallel.llm)  # straight into the layout's shardings
     prompts = read_prompts(cfg.prompts, served.tokenizer)
     tok = served.tokenizer
     gen = Generator(served.model, layout=cfg.parallel.llm, eos_ids=cfg.eos_ids or served.eos_ids, pad_id=tok.pad,

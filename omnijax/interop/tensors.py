@@ -153,6 +153,41 @@ class TensorIndex:
             return np.zeros((0,) + t.shape[1:], t.dtype)[(slice(None),) + tuple(rest)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def read_box(self, name: str, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
+        """tensor viewed as 2-D [rows, columns] (trailing dims flattened; 1-D as one column), block
+        [rows[0]:rows[1], cols[0]:cols[1]], reading only that block's bytes: whole rows in bounded chunks
+        when it spans (almost) every column, else each row's column span by itself."""
+        t = self.info(name)
+        n_rows = t.shape[0] if t.shape else 1
+        width = int(np.prod(t.shape[1:], dtype=np.int64)) if t.shape else 1
+        (r0, r1), (c0, c1) = rows, cols
+        if not (0 <= r0 <= r1 <= n_rows and 0 <= c0 <= c1 <= width):
+            raise ValueError(f"{name}: block rows [{r0}, {r1}) x columns [{c0}, {c1}) outside {n_rows} x {width}")
+        size = t.dtype.itemsize
+        if (c1 - c0) * 10 >= width * 9:  # reading the rest of each row costs at most 1.1x
+            out = np.empty((r1 - r0, c1 - c0), t.dtype)
+            step = max(1, CHUNK_BYTES // max(1, width * size))
+            for a in range(r0, r1, step):
+                b = min(r1, a + step)
+                block = self._pread(t, a * width * size, (b - a) * width * size).view(t.dtype).reshape(b - a, width)
+                out[a - r0: b - r0] = block[:, c0:c1]
+            return out
+        out = np.empty((r1 - r0, c1 - c0), t.dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        span = (c1 - c0) * size
+        fd = os.open(t.file, os.O_RDONLY)
+        try:
+            for i in range(r1 - r0):
+                view, done, at = memoryview(flat[i * span: (i + 1) * span]), 0, t.offset + ((r0 + i) * width + c0) * size
+                while done < span:
+                    n = os.preadv(fd, [view[done:]], at + done)
+                    if n <= 0:
+                        raise UserError(f"{t.file}: truncated (tensor data ends early); the file is incomplete")
+                    done += n
+        finally:
+            os.close(fd)
+        return out
+
     @staticmethod
     def _pread(t: TensorInfo, start: int, size: int) -> np.ndarray:
         buf = bytearray(size)

@@ -10,7 +10,10 @@ so a sampled answer does not change with the batch it lands in.
 
 Layouts: the parameters and the cache live on the training mesh of `parallel.llm` (dp / fsdp / tp; the
 cache sharded over kv heads under tp and over rows under dp/fsdp); GSPMD inserts the collectives.
-Pipeline and context parallelism are training layouts only (a ConfigError names them).
+Pipeline and context parallelism are training layouts only (a ConfigError names them). `serve.load.load(DIR,
+layout=...)` reads the parameters straight into these shardings (`param_target`), so no device and no host
+holds the whole model. A prompt whose length plus `max_new_tokens` exceeds the model's context
+(`model.max_seq_len`) is refused with one line before anything runs.
 """
 from __future__ import annotations
 
@@ -93,15 +96,7 @@ class Generator:
         self.multimodal = isinstance(model, MultimodalModel)
         self.llm_cfg = model.llm.config if self.multimodal else model.config
         self.mm_cfg = model.config if self.multimodal else None
-        devices = list(jax.devices() if devices is None else devices)
-        parsed = parse_layout(layout or "dp1")
-        if parsed.pp > 1 or parsed.cp > 1 or parsed.ep > 1:
-            raise ConfigError(f"parallel.llm={layout}: generation runs on dp/fsdp/tp layouts; pp, cp and ep are "
-                              "training layouts (use e.g. tp2 or dp2xtp2)")
-        if parsed.num_devices > len(devices):
-            raise ConfigError(f"parallel.llm={layout} needs {parsed.num_devices} devices, {len(devices)} are present")
-        self.layout = parsed
-        self.mesh = make_mesh(parsed, devices[:parsed.num_devices], self.llm_cfg)
+        self.layout, self.mesh = _layout_mesh(self.llm_cfg, layout, devices)
         self.rules = rules_lib.load_rules(rules)
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.pad_id, self.placeholder = int(pad_id), placeholder
@@ -227,9 +222,14 @@ class Generator:
         rows = -(-max(1, batch_size) // shards) * shards
         flats = [self._flatten(p) if isinstance(p, Sample) else
                  packing.Flat(np.asarray(list(p), np.int32), np.zeros(0, bool), []) for p in prompts]
+        context = self.llm_cfg.max_seq_len
         for k, f in enumerate(flats):
             if f.tokens.size == 0:
                 raise ConfigError(f"prompt {k} is empty: give it at least one token")
+            if f.tokens.size + cfg.max_new_tokens > context:
+                raise ConfigError(f"prompt {k} has {f.tokens.size} tokens; with max_new_tokens={cfg.max_new_tokens} "
+                                  f"that exceeds the model's context of {context} tokens (model.max_seq_len): "
+                                  "shorten the prompt or lower max_new_tokens")
         out: list[Generation] = []
         for lo in range(0, len(flats), rows):
             part = flats[lo: lo + rows]
@@ -274,6 +274,30 @@ class Generator:
                                   "length" if end is None else "eos"))
         return out
 
+
+
+def _layout_mesh(llm_cfg: Any, layout: str, devices: Sequence[Any] | None) -> tuple[Any, jax.sharding.Mesh]:
+    devices = list(jax.devices() if devices is None else devices)
+    parsed = parse_layout(layout or "dp1")
+    if parsed.pp > 1 or parsed.cp > 1 or parsed.ep > 1:
+        raise ConfigError(f"parallel.llm={layout}: generation runs on dp/fsdp/tp layouts; pp, cp and ep are "
+                          "training layouts (use e.g. tp2 or dp2xtp2)")
+    if parsed.num_devices > len(devices):
+        raise ConfigError(f"parallel.llm={layout} needs {parsed.num_devices} devices, {len(devices)} are present")
+    return parsed, make_mesh(parsed, devices[:parsed.num_devices], llm_cfg)
+
+
+def param_target(model: LLM | MultimodalModel, layout: str = "", rules: str = "llm_5d",
+                 devices: Sequence[Any] | None = None) -> Any:
+    """The Param state of `model` (abstract is enough: ``nnx.eval_shape``) as ``jax.ShapeDtypeStruct`` leaves in
+    the shardings ``Generator(model, layout=...)`` runs it in: what a loader reads straight into, so no
+    device (and no host) ever holds the whole model."""
+    llm_cfg = model.llm.config if isinstance(model, MultimodalModel) else model.config
+    _, mesh = _layout_mesh(llm_cfg, layout, devices)
+    params = nnx.state(model, nnx.Param)
+    shardings = rules_lib.state_shardings(params, rules_lib.load_rules(rules), mesh)
+    return jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.get_value())),
+                        params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _concrete(x: Any) -> bool:

@@ -68,35 +68,50 @@ def _eos_ids(tok: Any, hf_folder: Path | None = None) -> tuple[int, ...]:
     return (int(tok.eos),) if getattr(tok, "eos", None) is not None else ()
 
 
-def load(path: str | Path) -> Served:
-    """The model, tokenizer and end ids of a run, export or Hugging Face folder (see the module doc)."""
+def load(path: str | Path, layout: str = "", devices: list | None = None) -> Served:
+    """The model, tokenizer and end ids of a run, export or Hugging Face folder (see the module doc), its
+    parameters read straight into the shardings of `layout` (``Generator(model, layout=...)``'s): each host
+    reads only its shards, no device and no host holds the whole model."""
     kind = folder_kind(path)
     if kind == "run":
-        return load_run(path)
+        return load_run(path, layout, devices)
     if kind == "hf":
-        return load_hf(path)
-    return load_export(path)
+        return load_hf(path, layout, devices)
+    return load_export(path, layout, devices)
 
 
-def load_hf(path: str | Path) -> Served:
+def _target(layout: str, devices: list | None):
+    """abstract model -> its Param state as ShapeDtypeStructs in the layout's shardings."""
+    from omnijax.serve.generate import param_target
+
+    return lambda model: param_target(model, layout, devices=devices)
+
+
+def load_hf(path: str | Path, layout: str = "", devices: list | None = None) -> Served:
+    """A Llama/Qwen2 folder read with sharded safetensors slices (``interop.pretrained.load_llm_params``)."""
     from omnijax.data.tokenizer import load_tokenizer
-    from omnijax.interop import hf
+    from omnijax.interop import pretrained
+    from omnijax.models.llm import LLM
 
     p = Path(path)
     if not (p / "tokenizer.json").is_file():
         raise UserError(f"{p}: no tokenizer.json next to the weights; copy the model's tokenizer files into it")
-    model = hf.load_model(p)
+    cfg = pretrained.llm_config_from_folder(p)
+    abstract = nnx.eval_shape(lambda: LLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
+    model = nnx.merge(graphdef, pretrained.load_llm_params(p, _target(layout, devices)(abstract)), rest)
     tok = load_tokenizer(str(p))
     return Served(model, tok, _eos_ids(tok, p), "hf", {"folder": str(p)})
 
 
-def load_export(path: str | Path) -> Served:
+def load_export(path: str | Path, layout: str = "", devices: list | None = None) -> Served:
     """An export folder (omnijax.json + llm/ + encoders/ + projector.safetensors) through `bundle.read_bundle`."""
     from omnijax.data.tokenizer import check_llm_vocab, load_tokenizer
     from omnijax.interop import bundle
     from omnijax.models.mllm import MultimodalModel
 
-    got = bundle.read_bundle(path)
+    target = _target(layout, devices)
+    got = bundle.read_bundle(path, lambda cfg: target(nnx.eval_shape(lambda: MultimodalModel(cfg, rngs=nnx.Rngs(0)))))
     graphdef, _, rest = nnx.split(nnx.eval_shape(lambda: MultimodalModel(got.config, rngs=nnx.Rngs(0))),
                                   nnx.Param, ...)
     model = nnx.merge(graphdef, got.params, rest)
@@ -123,9 +138,9 @@ def _tokenizer_path(cfg: dict) -> str:
     return str(tok)
 
 
-def load_run(path: str | Path) -> Served:
-    """A run folder's latest checkpoint (parameters only, through `train.warmstart.params_from_run`) on this
-    host's first device, with the run's model config and tokenizer."""
+def load_run(path: str | Path, layout: str = "", devices: list | None = None) -> Served:
+    """A run folder's latest checkpoint (parameters only, through `train.warmstart.params_from_run`) restored
+    into the layout's shardings, with the run's model config and tokenizer."""
     from omnijax.data.tokenizer import check_llm_vocab, load_tokenizer
     from omnijax.models.llm import LLM
     from omnijax.models.mllm import MultimodalModel
@@ -139,10 +154,9 @@ def load_run(path: str | Path) -> Served:
     multimodal = not isinstance(model_cfg, LLMConfig)
     build = (lambda: MultimodalModel(model_cfg, rngs=nnx.Rngs(0))) if multimodal else \
         (lambda: LLM(model_cfg, rngs=nnx.Rngs(0)))
-    graphdef, abstract, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-    params, step = warmstart.params_from_run(run, target, key="DIR")
+    abstract_model = nnx.eval_shape(build)
+    graphdef, _, rest = nnx.split(abstract_model, nnx.Param, ...)
+    params, step = warmstart.params_from_run(run, _target(layout, devices)(abstract_model), key="DIR")
     model = nnx.merge(graphdef, params, rest)
     tok_path = _tokenizer_path(cfg)
     tok = load_tokenizer(tok_path)

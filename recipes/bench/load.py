@@ -6,7 +6,10 @@ over 8 CPU devices, as one process x 8 devices and as 2 processes x 4 devices (a
 job on 127.0.0.1 with gloo). Each process reports its resident-set peak during the load above its
 resident set just before it (the peak counter is reset there), over the model's parameter bytes:
 a process whose devices hold half of the model should stay near 0.5 (target <= 0.65 for each of the
-two processes), which it can only do if it never reads or materialises the other half. Each run then
+two processes), which it can only do if it never reads or materialises the other half. Each process also
+reports the bytes it read during the load (`/proc/self/io` rchar) against its share (the distinct shards its
+devices hold): <= 1.1x, whichever axis the layout splits (fsdp splits HF rows of some weights and columns of
+others; a host reads each of its bytes once, not once per local device). Each run then
 exports the loaded model again (`export_llm`, one tensor gathered at a time, process 0 writing) and
 checks the written tensors against the source files bit for bit.
 """
@@ -39,6 +42,7 @@ class BenchConfig:
     layout: str = "fsdp8"        # parallel.llm layout of the 8 devices
     target: float = 0.65         # each of the 2 processes: peak RSS above baseline <= target x model bytes
     repeats: int = 2             # best of (seconds); the RSS ratio reported is the largest seen
+    read_target: float = 1.1     # each process: bytes read (/proc/self/io rchar) <= read_target x its share
     seed: int = 0
 
 
@@ -130,6 +134,27 @@ def values_match(folder: str | Path, cfg, loaded) -> bool:
     return True
 
 
+def _rchar() -> int:
+    """Bytes this process has passed through read syscalls (/proc/self/io `rchar`: page-cache hits count
+    too, so a file read twice counts twice even when the disk served it once)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _share_bytes(leaves) -> int:
+    """Bytes of the distinct shards this process holds (replicas on its devices counted once): what it must
+    read from the files (written float32 like the parameters)."""
+    total = 0
+    for a in leaves:
+        seen = {}
+        for s in a.addressable_shards:
+            seen[tuple((i.start, i.stop) for i in s.index)] = s.data.nbytes
+        total += sum(seen.values())
+    return total
+
+
 def child(folder: str, layout: str) -> None:
     """One process of the load: prints one JSON line with its own figures."""
     import jax
@@ -151,14 +176,14 @@ def child(folder: str, layout: str) -> None:
     for _ in range(int(os.environ.get("BENCH_REPEATS", "1"))):
         base = _status("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
-        t0 = time.perf_counter()
+        read0, t0 = _rchar(), time.perf_counter()
         loaded = pretrained.load_llm_params(folder, target)
         leaves = [v.get_value() for _, v in nnx.to_flat_state(loaded)]
         jax.block_until_ready(leaves)
-        seconds = time.perf_counter() - t0
+        seconds, read = time.perf_counter() - t0, _rchar() - read0
         peak = _status("VmHWM")
         local = sum(s.data.nbytes for a in leaves for s in a.addressable_shards)
-        rows.append((seconds, peak - base, local, base))
+        rows.append((seconds, peak - base, local, base, read, _share_bytes(leaves)))
         ok = values_match(folder, cfg, loaded)
         del leaves
     seconds = min(r[0] for r in rows)
@@ -186,6 +211,7 @@ def child(folder: str, layout: str) -> None:
     print("BENCH " + json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
                                  "devices": jax.local_device_count(), "seconds": round(seconds, 3),
                                  "rss_base": rows[0][3], "rss_peak_above_base": above, "local_param_bytes": rows[0][2],
+                                 "bytes_read": max(r[4] for r in rows), "share_bytes": rows[0][5],
                                  "values_ok": ok, "export_s": round(export_s, 3), "export_rss_peak_above_base":
                                  export_above, "export_bit_exact": same}), flush=True)
 
@@ -233,6 +259,10 @@ def run(overrides: list[str]) -> Iterator[dict]:
                    "seconds": max(r["seconds"] for r in rows),
                    "peak_rss_above_base_over_params": [round(x, 3) for x in ratios],
                    "local_param_bytes_over_params": [round(r["local_param_bytes"] / total, 3) for r in rows],
+                   "bytes_read": [r["bytes_read"] for r in rows], "share_bytes": [r["share_bytes"] for r in rows],
+                   "bytes_read_over_share": [round(r["bytes_read"] / max(1, r["share_bytes"]), 4) for r in rows],
+                   "read_target": b.read_target,
+                   "read_met": all(r["bytes_read"] <= b.read_target * r["share_bytes"] for r in rows),
                    "values_ok": all(r["values_ok"] for r in rows),
                    "export_s": max(r["export_s"] for r in rows),
                    "export_peak_rss_above_base_over_params": [round(r["export_rss_peak_above_base"] / total, 3)
