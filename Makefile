@@ -22,13 +22,17 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setup: $(VENV) on $$($(PY) --version)"
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,gpu]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+# The gpu extra's CUDA plugin compiles for GPUs anywhere (dryrun target=...); on a machine without one, jax is
+# told to stay on the CPU instead of logging its failed driver probe (a JAX_PLATFORMS you set wins).
+NO_GPU := $(if $(wildcard /dev/nvidia0),,1)
+
 run: $(STAMP)
-	$(PY) -m recipes $(RECIPE)
+	$(if $(NO_GPU),JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} )$(PY) -m recipes $(RECIPE)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) tests

@@ -1,30 +1,202 @@
-"""Validate a multimodal recipe on the CPU for the accelerator count it is laid out for."""
+"""Validate a recipe on the CPU for the accelerators it is laid out for.
+
+Without `target=`: the analytic check (config, meshes, shardings, estimated memory per device, step shapes).
+With `target=h100x8` (h100, h200, a100; CARDxN, more than 8 are hosts of 8): the recipe's own train step
+(the trainer's jit, its layout, encoders and multiplexing) compiled by XLA:GPU for abstract devices of that
+card, nothing allocated; a report per device, the last line one JSON object (docs/real-size.md).
+"""
 from __future__ import annotations
 
 import json
+import os
+import sys
+import tempfile
 
-DESCRIPTION = ("check a recipe's config, meshes, shardings, per-device memory (state + LLM activations at parallel.remat) "
-               "and step shapes without running it: dryrun NAME [devices=N]")
+DESCRIPTION = ("check a recipe without running it: dryrun NAME [devices=N] (analytic), or dryrun NAME target=h100x8 "
+               "(its own step compiled for that GPU here: memory, largest buffers, kernels, collectives, FLOPs)")
+LLM_RECIPES = ("tiny_lm",)
 
 
 def main(argv: list[str]) -> int:
     from omnijax.errors import UserError
 
     if not argv or "=" in argv[0]:
-        raise UserError("usage: python -m recipes dryrun NAME [devices=64] [key=value ...], e.g. dryrun omni_8b")
+        raise UserError("usage: python -m recipes dryrun NAME [devices=64 | target=h100x8] [key=value ...], "
+                        "e.g. dryrun omni_8b target=h100x64")
     name, rest = argv[0], argv[1:]
-    devices = 64
-    overrides = []
+    devices, target, overrides = 64, None, []
     for item in rest:
         key, _, value = item.partition("=")
         if key == "devices":
             devices = int(value)
+        elif key == "target":
+            target = value
         else:
             overrides.append(item)
+    if target is not None:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; run nothing, on no device
+        return compiled_dryrun(name, target, overrides)
     from omnijax.train.dryrun import dry_run
-    from recipes.tiny_omni import load, training_capacity
 
-    cfg = load(overrides, name)
-    training_capacity(cfg)  # capacity.* left out: sized from data.sources' metadata, as training does
+    cfg = _load_multimodal(name, overrides)
     print(json.dumps(dry_run(cfg, devices), indent=2))
     return 0
+
+
+def _load_multimodal(name: str, overrides: list[str]):
+    """The recipe's config as it trains (capacity.* left out: sized from data.sources' metadata)."""
+    from recipes.tiny_omni import load, training_capacity
+
+    if name.startswith("finetune"):
+        cfg = _load_finetune(name, overrides)
+    else:
+        cfg = load(overrides, name)
+    training_capacity(cfg)
+    return cfg
+
+
+def _load_finetune(name: str, overrides: list[str]):
+    """finetune's config (model from init.* folders or model.* overrides) without its shards: a dryrun reads
+    no data when capacity.* is given, and plans from the built-in world's metadata otherwise."""
+    from omnijax.config import build
+    from recipes import finetune, tiny_omni
+    from recipes.common import CONFIGS
+
+    named = any(o.startswith("trainer.run_name=") for o in overrides)
+    cfg = build(finetune.FinetuneConfig, CONFIGS / f"{name}.yaml", overrides,
+                defaults=None if named else {"trainer": {"run_name": name}}, check=None)
+    return tiny_omni.check(finetune.resolve(cfg, overrides))
+
+
+def _llm_parts(cfg, devices):
+    """tiny_lm's trainer wiring (recipes/tiny_lm.py) on `devices`."""
+    from flax import nnx
+
+    from omnijax.models.llm import LLM
+    from omnijax.models.losses import lm_loss
+    from omnijax.parallel.mesh import Layout
+    from omnijax.train.placement import DataParallel
+
+    model = lambda: LLM(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))  # noqa: E731
+    if cfg.parallel.llm:
+        from omnijax.parallel.engine import LLMParallel
+
+        placement = LLMParallel.from_config(cfg, devices=devices)
+        return (lambda: placement.prepare(model())), placement.loss_fn, placement, placement.layout
+    return model, lm_loss, DataParallel(devices), Layout(dp=len(devices))
+
+
+def _multimodal_parts(cfg, devices):
+    """tiny_omni / finetune / omni_8b / omni_moe's trainer wiring on `devices`."""
+    from flax import nnx
+
+    from omnijax.models.mllm import MultimodalModel, mm_loss
+    from omnijax.parallel.mesh import Layout
+    from omnijax.train.placement import DataParallel, multimodal_placement
+
+    build = lambda: MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))  # noqa: E731
+    placement = multimodal_placement(cfg.parallel, cfg.model, devices=devices)
+    if placement is None:
+        return build, mm_loss, DataParallel(devices), Layout(dp=len(devices))
+    return (lambda: placement.prepare(build())), placement.loss_fn, placement, placement.engine.layout
+
+
+def _plan_capacities(cfg, mux) -> dict[str, int]:
+    """The encoder-buffer and route capacities the trainer's first window would reserve: one data-plane
+    window of the recipe's sources (metadata only, nothing decoded) sized by `Multiplexer.size_window`."""
+    from recipes import tiny_omni
+
+    tok = None
+    if cfg.tokenizer.path:
+        from omnijax.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(cfg.tokenizer.path)
+    loader = tiny_omni.make_loader(cfg, tok, None)
+    window = [next(loader) for _ in range(loader.window)]
+    return mux.size_window(window)
+
+
+def compiled_dryrun(name: str, target_name: str, overrides: list[str]) -> int:
+    from omnijax import targets
+    from omnijax.train import dryrun as lib
+
+    target = targets.parse_target(target_name)
+    info = targets.device_info(target.card)
+    devices = targets.devices(target)
+    overrides = overrides + ["trainer.checkpoint_every=0", "trainer.progress=false"]
+
+    import jax
+    import jax.numpy as jnp
+
+    from omnijax.train.metrics import llm_flops_per_token
+
+    if name in LLM_RECIPES:
+        from recipes.common import load_config
+
+        cfg = load_config(name, overrides)
+        llm_cfg, aux = cfg.model, {"moe_aux_loss": 1.0}
+        model, loss_fn, placement, layout = _llm_parts(cfg, devices)
+    else:
+        cfg = _load_multimodal(name, overrides)
+        llm_cfg, aux = cfg.model.llm, None
+        model, loss_fn, placement, layout = _multimodal_parts(cfg, devices)
+    B, L = cfg.data.batch_size, cfg.data.seq_len
+    trainer = lib.abstract_trainer_class()(cfg, model, loss_fn, iter(()), placement=placement, aux_weights=aux)
+    batch = lib.llm_batch(placement if not hasattr(placement, "engine") else placement.engine, B, L)
+    if name not in LLM_RECIPES:
+        if hasattr(placement, "engine"):
+            batch.update(lib.plan_batch(placement, _plan_capacities(cfg, placement)))
+        else:
+            batch.update(lib.encoder_batch(placement, cfg.model, cfg.capacity))
+
+    # the estimate dryrun printed before compiling: 16 B per parameter on the fullest device + saved LLM activations
+    params_dev = sum(_shard_elems(x) for x in jax.tree.leaves(trainer.state.params))
+    act = lib.llm_activation_bytes(llm_cfg, layout, B, L, cfg.parallel.remat, jnp.dtype(cfg.trainer.compute_dtype).itemsize)
+    analytic = {"state_gib_per_device": round(params_dev * lib.BYTES_PER_PARAM / lib.GiB, 2),
+                "activation_gib_per_device": round(act / lib.GiB, 2),
+                "total_gib_per_device": round((params_dev * lib.BYTES_PER_PARAM + act) / lib.GiB, 2)}
+    model_flops = llm_flops_per_token(llm_cfg, L) * B * L / target.devices
+    with tempfile.TemporaryDirectory(prefix="omnijax_dryrun_") as dump:
+        compiled, calls, compile_s = lib.compile_step(trainer, batch, dump)
+        report = lib.target_report(compiled, calls, dump, target=target, info=info, analytic=analytic,
+                                   model_flops_per_device=model_flops, compile_s=compile_s)
+    report = {"recipe": name, **report, "layout": str(layout), "remat": str(cfg.parallel.remat),
+              "compute_dtype": cfg.trainer.compute_dtype, "batch_size": B, "seq_len": L,
+              "encoder_layout": cfg.parallel.encoder if name not in LLM_RECIPES else None}
+    _print_report(report, info)
+    print(json.dumps(report))
+    return 0
+
+
+def _shard_elems(x) -> int:
+    import math
+
+    return math.prod(x.sharding.shard_shape(x.shape))
+
+
+def _print_report(r: dict, info: dict) -> None:
+    """The human half, on stderr (stdout's last line is the JSON object)."""
+    GiB = 1 << 30
+    out = sys.stderr
+    print(f"{r['recipe']} compiled for {r['devices']} x {info['device_kind']} ({r['hosts']} host(s)), layout "
+          f"{r['layout']}, remat {r['remat']}, {r['compute_dtype']}, batch {r['batch_size']} x {r['seq_len']} "
+          f"({r['compile_s']} s to compile)", file=out)
+    print(f"  per device: arguments {r['argument_bytes'] / GiB:.2f} GiB, outputs {r['output_bytes'] / GiB:.2f} GiB "
+          f"(aliased {r['alias_bytes'] / GiB:.2f}), temporaries {r['temp_bytes'] / GiB:.2f} GiB -> peak "
+          f"{r['peak_bytes_per_device'] / GiB:.2f} of {r['device_memory_bytes'] / GiB:.1f} GiB "
+          f"({r['peak_fraction']:.0%}; {'fits' if r['fits'] else 'does NOT fit'} with 10% headroom)", file=out)
+    for b in r["largest_buffers_detail"]:
+        print(f"  buffer {b['shape']:<28} {b['bytes'] / GiB:7.2f} GiB  {b['op']} {b['instruction']}  {b['source'][-90:]}",
+              file=out)
+    print(f"  attention: {r['attention_kernels']} (cuDNN custom calls {r['cudnn_custom_calls']})", file=out)
+    print(f"  collectives: {r['collectives']}", file=out)
+    flops = r["xla_flops"]
+    print(f"  FLOPs per device: XLA {flops or 0:.4g} (custom calls count 0) vs the trainer's MFU formula "
+          f"{r['model_flops_per_device']:.4g} (6N + 12·L·H·Dh·T per token)", file=out)
+    a = r.get("analytic")
+    if a:
+        print(f"  analytic estimate: state {a['state_gib_per_device']} GiB + activations {a['activation_gib_per_device']} "
+              f"GiB = {a['total_gib_per_device']} GiB" + (f"; off by >20%: {'; '.join(r['estimate_check'])}"
+                                                          if r.get("estimate_check") else ""), file=out)
+    if r.get("advice"):
+        print("  " + r["advice"], file=out)

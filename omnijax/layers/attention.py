@@ -14,6 +14,10 @@ Implementations (`impl`, carried by configs as `model.attention` / `model.encode
   (`lax.cond`), goes to ``blockwise``. On other backends it is a ConfigError.
 - ``auto``: ``reference`` for tiny problems (Lq*Lk <= 128*128), else ``cudnn`` where it applies on a GPU,
   else ``blockwise``.
+
+"On a GPU" means the devices the step is compiled for (`compiling_for`, which the train step sets from its
+layout's mesh), not `jax.default_backend()`: a step compiled on a CPU host for H100s (`recipes dryrun
+target=h100`) picks cuDNN as it would on the H100. `recording_kernels` lists each call's choice at trace time.
 """
 from __future__ import annotations
 
@@ -97,7 +101,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment
         raise ConfigError(f"attention impl={impl!r}: must be one of {', '.join(IMPLS)}")
     if impl == "cudnn" and not cudnn_available():
         raise ConfigError(f"attention impl='cudnn' (model.attention or model.encoders.<name>.attention) needs an "
-                          f"NVIDIA GPU with cuDNN (backend here: {jax.default_backend()}); use attention=auto or "
+                          f"NVIDIA GPU with cuDNN (compiling for: {_target()[0]}); use attention=auto or "
                           "attention=blockwise")
     kw = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
               kv_positions=kv_positions, causal=causal, scale=scale)
@@ -108,31 +112,111 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment
             impl = "cudnn"
         else:
             impl = "blockwise"
+    if impl == "cudnn" and not _cudnn_shapes_fit(q, k, v, return_lse):
+        impl = "blockwise"
+    call = _record(impl, q, k)
     if impl == "reference":
         return reference_attention(q, k, v, return_lse=return_lse, **kw)
     blockwise = functools.partial(blockwise_attention, block_q=block_q, block_k=block_k, **kw)
-    if impl == "cudnn" and _cudnn_shapes_fit(q, k, v, return_lse):
-        return _cudnn_or_blockwise(q, k, v, blockwise, **kw)
+    if impl == "cudnn":
+        return _cudnn_or_blockwise(q, k, v, blockwise, call=call, **kw)
     out, lse = blockwise(q, k, v)
     return (out, lse) if return_lse else out
 
 
-# ------------------------------------------------------------------------------------------ cuDNN
+# ------------------------------------------------------------------------------------ the target
+# (platform, compute capability, NVIDIA?) of the devices being compiled for; None: the default backend's
+_TARGET: contextvars.ContextVar[tuple[str, tuple[int, ...], bool] | None] = contextvars.ContextVar(
+    "omnijax_attention_target", default=None)
+_KERNELS: contextvars.ContextVar[list | None] = contextvars.ContextVar("omnijax_attention_kernels", default=None)
+
+
+def _describe(device) -> tuple[str, tuple[int, ...], bool]:
+    cc = str(getattr(device, "compute_capability", "") or "0.0")
+    nvidia = device.platform == "gpu" and "nvidia" in str(getattr(device, "device_kind", "")).lower()
+    return device.platform, tuple(int(x) for x in cc.split(".") if x.isdigit()) or (0,), nvidia
+
+
+@contextlib.contextmanager
+def compiling_for(devices) -> Iterator[None]:
+    """Choose kernels for `devices` (e.g. a mesh's, possibly abstract H100s of a deviceless compile) while
+    tracing the enclosed code; None or empty leaves the default backend's choice."""
+    devices = list(devices or [])
+    target = _describe(devices[0]) if devices else None
+    token = _TARGET.set(target)
+    try:
+        with _jax_checks_for(target):
+            yield
+    finally:
+        _TARGET.reset(token)
+
+
+@contextlib.contextmanager
+def _jax_checks_for(target: tuple[str, tuple[int, ...], bool] | None) -> Iterator[None]:
+    """jax's cuDNN attention asks the *local* backend for the compute capability at trace time
+    (`fused_attention_stablehlo.check_compute_capability`), so a step traced on a CPU host for H100s would
+    be refused cuDNN (and silently take blockwise). While tracing for a GPU target that is not the local
+    backend, those two checks answer for the target instead."""
+    if target is None or not target[2] or _default_target()[0] == "gpu":
+        yield
+        return
+    from jax._src.cudnn import fused_attention_stablehlo as fused  # private: the checks have no public hook
+
+    cc = target[1]
+    parse = lambda c: tuple(int(x) for x in c.split("."))  # noqa: E731
+    saved = fused.check_compute_capability, fused.is_cuda_compute_capability_equal
+    fused.check_compute_capability = lambda c: cc >= parse(c)
+    fused.is_cuda_compute_capability_equal = lambda c: cc == parse(c)
+    try:
+        yield
+    finally:
+        fused.check_compute_capability, fused.is_cuda_compute_capability_equal = saved
+
+
 @functools.cache
-def cudnn_available() -> bool:
-    """Whether the default backend is an NVIDIA GPU (CUDA), where cuDNN's fused attention exists."""
+def _default_target() -> tuple[str, tuple[int, ...], bool]:
     import jax.extend
 
     try:
         version = str(jax.extend.backend.get_backend().platform_version).lower()
     except RuntimeError:  # no usable backend: no cuDNN
-        return False
-    return jax.default_backend() == "gpu" and "cuda" in version
+        return "none", (0,), False
+    platform, cc, _ = _describe(jax.devices()[0])
+    return platform, cc, platform == "gpu" and "cuda" in version
+
+
+def _target() -> tuple[str, tuple[int, ...], bool]:
+    return _TARGET.get() or _default_target()
+
+
+@contextlib.contextmanager
+def recording_kernels() -> Iterator[list[dict]]:
+    """Collect, while tracing, which implementation each attention call became (with its q/k shapes)."""
+    calls: list[dict] = []
+    token = _KERNELS.set(calls)
+    try:
+        yield calls
+    finally:
+        _KERNELS.reset(token)
+
+
+def _record(impl: str, q: jax.Array, k: jax.Array) -> dict:
+    call = {"impl": impl, "q": tuple(q.shape), "k": tuple(k.shape), "dtype": str(q.dtype)}
+    calls = _KERNELS.get()
+    if calls is not None:
+        calls.append(call)
+    return call
+
+
+# ------------------------------------------------------------------------------------------ cuDNN
+def cudnn_available() -> bool:
+    """Whether the devices compiled for are NVIDIA GPUs (CUDA), where cuDNN's fused attention exists."""
+    platform, _, nvidia = _target()
+    return platform == "gpu" and nvidia
 
 
 def _compute_capability() -> tuple[int, ...]:
-    cc = getattr(jax.devices()[0], "compute_capability", "0.0")
-    return tuple(int(x) for x in str(cc).split("."))
+    return _target()[1]
 
 
 def _cudnn_shapes_fit(q: jax.Array, k: jax.Array, v: jax.Array, return_lse: bool) -> bool:
@@ -175,7 +259,7 @@ def cudnn_layout(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, q_position
 
 
 def _cudnn_or_blockwise(q, k, v, blockwise: Callable, *, q_segment_ids, kv_segment_ids, q_positions,
-                        kv_positions, causal, scale):
+                        kv_positions, causal, scale, call: dict | None = None):
     """cuDNN where the buffer's layout fits it (decided at run time by `lax.cond`), blockwise otherwise.
 
     Hopper and later: jax's packed cuDNN API (per-segment lengths and offsets). Earlier GPUs: only one
@@ -215,7 +299,9 @@ def _cudnn_or_blockwise(q, k, v, blockwise: Callable, *, q_segment_ids, kv_segme
 
     try:
         return jax.lax.cond(fits, run_cudnn, lambda q, k, v: blockwise(q, k, v)[0], q, k, v)
-    except (NotImplementedError, RuntimeError):  # this cuDNN/GPU cannot take the shape: blockwise
+    except (NotImplementedError, RuntimeError) as exc:  # this cuDNN/GPU cannot take the shape: blockwise
+        if call is not None:
+            call.update(impl="blockwise", cudnn_refused=str(exc).splitlines()[0][:200])
         return blockwise(q, k, v)[0]
 
 

@@ -1,18 +1,25 @@
-"""Validate a recipe that cannot run here (e.g. 64 GPUs) on the CPU: config, meshes, shardings,
-per-device memory of the training state and of the LLM's saved activations at the configured
-``parallel.remat``, and the abstract shapes of one step (`jax.eval_shape`).
+"""Validate a recipe that cannot run here (e.g. 64 GPUs) on the CPU.
 
-Nothing is allocated: the model is built with `nnx.eval_shape` and the step is traced only.
+Two halves: the analytic check (`dry_run`: config, meshes, shardings, per-device memory of the training
+state and of the LLM's saved activations at the configured ``parallel.remat``, the abstract shapes of one
+step) and the compiled one (`abstract_trainer_class`, `compile_step`, `target_report`): the recipe's own
+train step compiled by XLA:GPU for abstract devices of a target card (`omnijax.targets`), whose memory,
+buffers, kernels and collectives are XLA's. Nothing is allocated in either.
 """
 from __future__ import annotations
 
+import collections
 import math
+import os
+import re
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from omnijax.errors import ConfigError
 from omnijax.models import mllm
@@ -135,3 +142,249 @@ def dry_run(cfg: Any, num_devices: int, device_memory_gib: float = 80.0) -> dict
 
 def _bubble(pp: int, microbatches: int) -> float:
     return 0.0 if pp == 1 else (pp - 1) / (microbatches + pp - 1)
+
+
+# ============================================================================ compiled for a GPU target
+# The recipe's own train step (the Trainer's jit, its placement and loss) compiled by XLA:GPU for abstract
+# devices of the target (omnijax.targets): nothing is allocated, nothing runs. XLA's own figures (memory per
+# device, the buffers, kernels and collectives of the optimised program) are the evidence a shape fits.
+
+HEADROOM = 0.10  # a shape "fits" with 10% of the card's memory left (fragmentation, NCCL and cuDNN workspaces)
+_SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128)\[([0-9,]*)\]")
+_BITS = {"pred": 8, "s4": 4, "s8": 8, "s16": 16, "s32": 32, "s64": 64, "u4": 4, "u8": 8, "u16": 16, "u32": 32,
+         "u64": 64, "f8e4m3fn": 8, "f8e5m2": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
+
+
+def _shape_bytes(dtype: str, dims: str) -> int:
+    return math.prod(int(d) for d in dims.split(",") if d) * _BITS[dtype] // 8
+
+
+def abstract_trainer_class():
+    """A Trainer whose state is abstract (ShapeDtypeStructs in the placement's shardings): everything else
+    (optimizer, partition, remat, the step and its `jax.jit`) is the Trainer's own."""
+    from omnijax.train.loop import Trainer
+    from omnijax.train.state import init_state
+
+    class AbstractTrainer(Trainer):
+        def _initial_state(self, model):
+            graph: list = []
+
+            def init():
+                module = model if isinstance(model, nnx.Module) else model()
+                graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+                graph[:] = [graphdef]
+                return init_state(params, self.optimizer), rest
+
+            state, rest = jax.eval_shape(init)
+            self.graphdef = graph[0]
+            # non-parameter variables are constants of the step (none in omnijax's models today)
+            self.rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), rest)
+            shardings = self.placement.state_shardings(state)
+            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
+    return AbstractTrainer
+
+
+def llm_batch(placement: Any, batch_size: int, seq_len: int) -> dict:
+    """The abstract LLM batch a placement's `put_batch` makes ([B, L] token arrays in its shardings)."""
+    host = {k: np.zeros((1, 1), np.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
+    host["loss_mask"] = np.zeros((1, 1), np.float32)
+    shardings = placement.batch_sharding(host)
+    return {k: jax.ShapeDtypeStruct((batch_size, seq_len), v.dtype, sharding=shardings[k]) for k, v in host.items()}
+
+
+def encoder_batch(placement: Any, mm_cfg: Any, capacity: dict[str, int]) -> dict:
+    """Abstract encoder arrays of the plain data-parallel multimodal step (no joint-step placement)."""
+    from omnijax.data.packing import encoder_specs
+
+    rows = NamedSharding(placement.mesh, P(placement.mesh.axis_names))
+    out = {}
+    for name, spec in encoder_specs(mm_cfg).items():
+        n = int(capacity[name])
+        out[f"{name}_inputs"] = jax.ShapeDtypeStruct((n, spec.dim), jnp.float32, sharding=rows)
+        out[f"{name}_segment_ids"] = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rows)
+        out[f"{name}_positions"] = jax.ShapeDtypeStruct((n, 3), jnp.int32, sharding=rows)
+        out[f"{name}_dest"] = jax.ShapeDtypeStruct((n // spec.group,), jnp.int32, sharding=rows)
+    return out
+
+
+def plan_batch(mux: Any, capacities: dict[str, int]) -> dict:
+    """Abstract encoder buffers and routing tables of a `Multiplexer` step with these plan capacities
+    (`Multiplexer.size_window`'s: `<enc>_short`, `<enc>_long`, `route`), as `put_batch` lays them out:
+    one row per device (and per pipeline microbatch when encoders are interleaved)."""
+    from omnijax.parallel.multiplex import ALL
+
+    D = mux.grid.num_devices
+    lead = (D, mux.engine.schedule.microbatches) if mux.interleave else (D,)
+    rows = NamedSharding(mux.mesh, P(ALL))
+    out = {}
+    for name in sorted(mux.reductions):
+        for part in ("short", "long"):
+            cap = int(capacities.get(f"{name}_{part}", 0))
+            out[f"{name}_{part}_inputs"] = jax.ShapeDtypeStruct((*lead, cap, mux.dims[name]), jnp.float32, sharding=rows)
+            out[f"{name}_{part}_segment_ids"] = jax.ShapeDtypeStruct((*lead, cap), jnp.int32, sharding=rows)
+            out[f"{name}_{part}_positions"] = jax.ShapeDtypeStruct((*lead, cap, 3), jnp.int32, sharding=rows)
+    C = int(capacities["route"])
+    for k in ("route_send", "route_recv"):
+        out[k] = jax.ShapeDtypeStruct((*lead, D, C), jnp.int32, sharding=rows)
+    return out
+
+
+def compile_step(trainer: Any, batch: dict, dump_dir: str) -> tuple[Any, list[dict], float]:
+    """Lower and compile the trainer's own jitted step for the devices of its placement; returns
+    (compiled, the attention calls as traced, compile seconds). XLA dumps its buffer assignment to `dump_dir`."""
+    from omnijax.layers.attention import recording_kernels
+
+    t0 = time.perf_counter()
+    with recording_kernels() as calls:
+        lowered = trainer._step.lower(trainer.state, batch)
+    compiled = lowered.compile(compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True})
+    return compiled, calls, time.perf_counter() - t0
+
+
+def _instructions(hlo: str) -> dict[str, dict]:
+    """name -> {opcode, shape text, op_name} of every instruction in optimised HLO text."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ([\w\-$]+)\((.*)$", hlo, re.M):
+        meta = re.search(r'op_name="([^"]*)"', m.group(4))
+        target = re.search(r'custom_call_target="([^"]*)"', m.group(4))
+        out[m.group(1)] = {"opcode": m.group(3), "shape": m.group(2), "op_name": meta.group(1) if meta else "",
+                           "target": target.group(1) if target else ""}
+    return out
+
+
+def largest_buffers(buffer_assignment: str, instructions: dict[str, dict], n: int = 5) -> list[dict]:
+    """The `n` largest values of XLA's buffer assignment (one device): shape, bytes, the op that makes each."""
+    seen: dict[tuple, dict] = {}
+    for m in re.finditer(r"value: <\d+ ([\w.\-]+) @(\{?[0-9,]*\}?)> \(size=(\d+),offset=\d+\): (\S+)", buffer_assignment):
+        name, index, size, shape = m.group(1), m.group(2), int(m.group(3)), m.group(4)
+        key = (name, index)
+        if key in seen:
+            continue
+        info = instructions.get(name, {})
+        seen[key] = {"shape": re.sub(r"\{[^}]*\}$", "", shape), "bytes": size, "instruction": name,
+                     "op": info.get("opcode", "?"), "source": info.get("op_name", "")[-160:]}
+    return sorted(seen.values(), key=lambda v: -v["bytes"])[:n]
+
+
+def collectives(hlo: str) -> dict[str, dict]:
+    """Collectives of the optimised program by kind: how many, and the bytes of their results (one device;
+    one occurrence in the program text each: a collective inside a loop runs once per iteration)."""
+    out: dict[str, dict] = {}
+    pattern = re.compile(r"= (\(.*?\)|\S+) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+    for m in pattern.finditer(hlo):
+        shapes = [_shape_bytes(d, s) for d, s in _SHAPE.findall(m.group(1))]
+        kind, start = m.group(2), bool(m.group(3))
+        if start and kind == "all-gather":
+            nbytes = sum(shapes[len(shapes) // 2:])  # (operands..., outputs...)
+        elif start and kind == "collective-permute":
+            nbytes = shapes[0] if shapes else 0      # (operand, output, contexts...)
+        else:
+            nbytes = sum(shapes)
+        row = out.setdefault(kind, {"count": 0, "bytes": 0})
+        row["count"] += 1
+        row["bytes"] += nbytes
+    return dict(sorted(out.items()))
+
+
+def cudnn_calls(instructions: dict[str, dict]) -> dict[str, int]:
+    """cuDNN fused-attention custom calls in the optimised program: forward and backward kernels."""
+    fwd = sum(1 for i in instructions.values() if i["target"].startswith("__cudnn$fmha") and "Backward" not in i["target"])
+    bwd = sum(1 for i in instructions.values() if i["target"].startswith("__cudnn$fmha") and "Backward" in i["target"])
+    return {"forward": fwd, "backward": bwd}
+
+
+def xla_flops(compiled: Any) -> float | None:
+    """XLA's HloCostAnalysis FLOPs of the optimised per-device program (custom calls, e.g. cuDNN attention,
+    count 0 there). The deviceless executable has no cost analysis of its own: the module is analysed with
+    the host's backend, which runs the same HloCostAnalysis over the GPU-optimised HLO."""
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    try:
+        modules = compiled.runtime_executable().hlo_modules()
+        return float(sum(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), m).get("flops", 0.0)
+                         for m in modules))
+    except Exception:  # a jaxlib without the entry point: report none rather than a guess
+        return None
+
+
+def _read_dump(dump_dir: str) -> tuple[str, str]:
+    files = sorted(os.listdir(dump_dir))
+    hlo = [f for f in files if f.endswith("after_optimizations.txt")]
+    ba = [f for f in files if f.endswith("after_optimizations-buffer-assignment.txt")]
+    read = lambda f: open(os.path.join(dump_dir, f)).read()  # noqa: E731
+    return (read(hlo[-1]) if hlo else "", read(ba[-1]) if ba else "")
+
+
+# the setting that shrinks a buffer, by what makes it (first match wins)
+_SHRINK = [
+    (r"logits|lm_head|cross_entropy|log_softmax|vocab", "a vocabulary-chunked loss, or tp (splits the vocabulary), "
+                                                        "or fewer tokens per device (data.batch_size / fsdp)"),
+    (r"attention|fmha|flash|blockwise", "parallel.remat=full, cp (splits the sequence), or fewer tokens per device"),
+    (r"encoder|vision|audio|vit|whisper", "parallel.encoder with more esp, encoder_rules=encoder_fsdp, or smaller capacity.*"),
+    (r"adam|opt_state|mu|nu", "more fsdp (shards optimizer state) or pp"),
+    (r"", "parallel.remat=full, more fsdp/tp/pp, or a smaller data.batch_size"),
+]
+
+
+def shrink_advice(buffer: dict) -> str:
+    text = f"{buffer.get('source', '')} {buffer.get('instruction', '')}".lower()
+    for pattern, advice in _SHRINK:
+        if re.search(pattern, text):
+            return advice
+    return _SHRINK[-1][1]
+
+
+def target_report(compiled: Any, calls: list[dict], dump_dir: str, *, target: Any, info: dict,
+                  analytic: dict | None, model_flops_per_device: float | None, compile_s: float) -> dict:
+    """The per-device report of a step compiled for `target` (see `recipes dryrun`)."""
+    mem = compiled.memory_analysis()
+    hlo, assignment = _read_dump(dump_dir)
+    instr = _instructions(hlo)
+    args, outs = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
+    alias, temp = int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes)
+    code = int(getattr(mem, "generated_code_size_in_bytes", 0) or 0)
+    peak = args + outs - alias + temp + code
+    device_mem = int(info["device_memory_bytes"])
+    buffers = largest_buffers(assignment, instr)
+    kinds = collections.Counter(c["impl"] for c in calls)
+    colls = collectives(hlo)
+    flops = xla_flops(compiled)
+    report = {
+        "target": target.name, "card": target.card, "device_kind": info["device_kind"], "devices": target.devices,
+        "hosts": target.hosts, "argument_bytes": args, "output_bytes": outs, "alias_bytes": alias,
+        "temp_bytes": temp, "generated_code_bytes": code, "peak_bytes_per_device": peak,
+        "device_memory_bytes": device_mem, "peak_fraction": round(peak / device_mem, 4),
+        "fits": peak <= (1 - HEADROOM) * device_mem,
+        "largest_buffers": [b["shape"] for b in buffers], "largest_buffers_detail": buffers,
+        "attention_kernels": dict(sorted(kinds.items())), "cudnn_custom_calls": cudnn_calls(instr),
+        "collectives": colls, "collective_bytes": sum(c["bytes"] for c in colls.values()),
+        "xla_flops": flops, "model_flops_per_device": model_flops_per_device,
+        "compile_s": round(compile_s, 1),
+    }
+    if flops and model_flops_per_device:
+        report["xla_flops_over_model_flops"] = round(flops / model_flops_per_device, 3)
+    if analytic:
+        report["analytic"] = analytic
+        report["estimate_check"] = estimate_check(analytic, args, temp + outs - alias)
+    if not report["fits"] and buffers:
+        b = buffers[0]
+        report["advice"] = (f"does not fit: peak {peak / GiB:.1f} GiB of {device_mem / GiB:.1f} GiB "
+                            f"(needs {HEADROOM:.0%} headroom); the biggest buffer is {b['shape']} "
+                            f"({b['bytes'] / GiB:.2f} GiB, {b['op']} {b['instruction']}); shrink it with "
+                            + shrink_advice(b))
+    return report
+
+
+def estimate_check(analytic: dict, argument_bytes: int, working_bytes: int) -> list[str]:
+    """Where the analytic estimate and XLA differ by more than 20%: which term (state: the arguments;
+    activations: what the step allocates beyond them)."""
+    out = []
+    for term, est_gib, xla in (("state", analytic["state_gib_per_device"], argument_bytes),
+                               ("activations", analytic["activation_gib_per_device"], working_bytes)):
+        est = est_gib * GiB
+        if xla > 0 and abs(est - xla) > 0.2 * xla:
+            out.append(f"{term}: estimate {est_gib:.2f} GiB vs XLA {xla / GiB:.2f} GiB")
+    return out

@@ -48,9 +48,9 @@ class DataParallel:
         return {k: hosts.put_local(shardings[k], v, global_rows) for k, v in batch.items()}
 
 
-def multimodal_placement(parallel: Any, mm_cfg: Any) -> Any:
+def multimodal_placement(parallel: Any, mm_cfg: Any, devices: list | None = None) -> Any:
     """The joint-step placement (`Multiplexer`) of a multimodal model for `parallel.llm`/`parallel.encoder`
-    layouts (`parallel`: a ParallelConfig); None: plain DP on one process.
+    layouts (`parallel`: a ParallelConfig) over `devices` (default: all); None: plain DP on one process.
 
     Several processes always take the joint step (all devices on dp/edp when no layout is named): its
     placement is fed the global batch every host plans identically, where plain DP expects host rows."""
@@ -60,7 +60,7 @@ def multimodal_placement(parallel: Any, mm_cfg: Any) -> Any:
     from omnijax.parallel.engine import LLMParallel
     from omnijax.parallel.multiplex import Multiplexer
 
-    engine = LLMParallel(p.llm, mm_cfg.llm, rules=p.rules, microbatches=p.microbatches,
+    engine = LLMParallel(p.llm, mm_cfg.llm, devices=devices, rules=p.rules, microbatches=p.microbatches,
                          schedule=p.pipeline_schedule, remat=p.remat)
     # the data plane balanced its rows over the ranks already (and laid them out per host): not again
     return Multiplexer(engine, mm_cfg, encoder_layout=p.encoder, encoder_rules=p.encoder_rules,

@@ -12,8 +12,21 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from omnijax.layers.attention import compiling_for
 from omnijax.models.objective import LossFn, cast_floating, loss_and_grads, split_microbatches  # noqa: F401
 from omnijax.train.state import TrainState
+
+
+def target_devices(shardings: Any) -> list | None:
+    """The devices a step laid out by `shardings` is compiled for (the first sharding's mesh; None if none).
+
+    Kernel choices (cuDNN attention) follow them, not `jax.default_backend()`: a step compiled on a CPU host
+    for abstract H100s (`recipes dryrun target=h100`) picks what it would pick on the H100s."""
+    for s in jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)):
+        if isinstance(s, jax.sharding.Sharding):
+            return sorted(s.device_set, key=lambda d: d.id)
+    return None
+
 
 def apply_update(state: TrainState, grads: Any, optimizer: optax.GradientTransformation,
                  finite: jax.Array, trainable: list[bool] | None = None) -> TrainState:
@@ -54,15 +67,18 @@ def make_train_step(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, optimize
     (XLA:CPU does not make that rewrite by itself), and keeps the new state in the layout it came in.
     `grads_fn` replaces `loss_and_grads` (same signature), e.g. a placement's explicit-collective version.
     `trainable` (one bool per parameter leaf, omnijax/train/parts.py): gradients of the trainable leaves
-    only, frozen leaves untouched by the update (a placement's own `grads_fn` is not used then)."""
+    only, frozen leaves untouched by the update (a placement's own `grads_fn` is not used then).
+    Attention kernels are chosen for the devices of `state_shardings` (`target_devices`)."""
     partial = trainable is not None and not all(trainable)
     if partial:
         grads_fn = functools.partial(loss_and_grads, trainable=trainable)
+    devices = target_devices(state_shardings)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads, aux = (grads_fn or loss_and_grads)(graphdef, rest, loss_fn, state.params, batch,
-                                                        grad_accum=grad_accum, compute_dtype=compute_dtype,
-                                                        aux_weights=aux_weights)
+        with compiling_for(devices):  # kernels for the layout's devices, whatever backend traces the step
+            loss, grads, aux = (grads_fn or loss_and_grads)(graphdef, rest, loss_fn, state.params, batch,
+                                                            grad_accum=grad_accum, compute_dtype=compute_dtype,
+                                                            aux_weights=aux_weights)
         if state_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
         grad_norm = optax.global_norm(grads)
