@@ -3,6 +3,7 @@ single-device loss and adapter gradients, the base stays bitwise frozen with no 
 the adapters, and PEFT over the original Hugging Face folder computes what omnijax computes."""
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -234,3 +235,48 @@ def test_init_checkpoint_carries_adapters(lora_run):
     assert step == 2
     for (path, a), (_, b) in zip(nnx.to_flat_state(jax.device_get(restored)), nnx.to_flat_state(after)):
         np.testing.assert_array_equal(a[...], b[...], err_msg=str(path))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_peft_loads_our_adapter_and_merge_equals_peft(tmp_path, family):
+    """The exported adapter under PEFT over the original folder gives omnijax's logits (1e-4), and the merged
+    export equals PEFT's merge_and_unload (1e-5)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from omnijax.interop import hf, peft as peft_io, pretrained
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+    hf_model = (LlamaForCausalLM(LlamaConfig(**kw, tie_word_embeddings=False)) if family == "llama" else
+                Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=True)))
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.normal_(0.0, 0.05)
+    hf_model.save_pretrained(tmp_path / "base", safe_serialization=True)
+    cfg = LoraConfig(rank=4, alpha=12.0)
+    model = adapters.adapt(hf.load_model(tmp_path / "base"), cfg)
+    g, params, rest = nnx.split(model, nnx.Param, ...)
+    key = iter(jax.random.split(jax.random.key(1), 64))
+    params = jax.tree_util.tree_map_with_path(   # trained-looking adapters: A and B both non-zero
+        lambda p, x: 0.2 * jax.random.normal(next(key), x.shape) if adapters.is_adapter(p) else x, params)
+    ids = np.array([[5, 17, 33, 60, 90, 120, 7, 8, 9, 44, 51, 52]])
+    ours = np.asarray(nnx.merge(g, params, rest)(jnp.asarray(ids)))
+    peft_io.write_adapter(tmp_path / "adapter", params, cfg, str(tmp_path / "base"))
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["r"] == 4 and written["lora_alpha"] == 12 and written["base_model_name_or_path"]
+    assert sorted(written["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"])
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = peft_model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() <= 1e-4
+    llm_cfg = pretrained.llm_config_from_folder(tmp_path / "base")
+    pretrained.export_llm(adapters.merged_base(params), llm_cfg, tmp_path / "merged", like=tmp_path / "base")
+    merged = peft_model.merge_and_unload().state_dict()
+    ours_merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    assert sorted(merged) == sorted(ours_merged)
+    assert max(float((merged[k] - ours_merged[k]).abs().max()) for k in merged) <= 1e-5
