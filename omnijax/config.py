@@ -42,6 +42,9 @@ class RopeConfig:
     beta_fast: float = 32.0          # yarn: ramp bounds in rotations over original_max_position
     beta_slow: float = 1.0
     attention_factor: float = 0.0    # yarn: cos/sin scale; 0 = 0.1*ln(factor)+1
+    # M-RoPE (Qwen2-VL / Qwen2.5-VL): rotary pairs turned by the temporal, height and width position of
+    # each token (sums to head_dim / 2); [] = one position per token (omnijax/layers/mrope.py)
+    mrope_section: list[int] = field(default_factory=list)
 
 
 @dataclass

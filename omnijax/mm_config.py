@@ -49,6 +49,38 @@ class VisionConfig:
 
 
 @dataclass
+class QwenVisionConfig(VisionConfig):
+    """Qwen2.5-VL's vision tower (omnijax/models/qwen_vision.py), or Qwen2-VL's (`window_size` 0).
+
+    Patches of `patch` px over `temporal_patch` frames (images are repeated to fill it), 2-D rotary (h, w)
+    positions, full attention within each temporal patch-frame on the `fullatt_block_indexes` layers
+    (every layer when there are no windows) and attention within `window_size` px tiles elsewhere;
+    RMSNorm/SwiGLU blocks (Qwen2.5-VL) or LayerNorm/QuickGELU blocks (Qwen2-VL, `norm`/`mlp`); the 2x2
+    patch merger is this kind's projector (`out_dim` = the LLM width). Images and frames are resized to
+    multiples of patch*merge px with between `min_pixels` and `max_pixels` pixels (Qwen's smart resize)."""
+    kind: str = "qwen_vit"
+    patch: int = 14
+    temporal_patch: int = 2
+    merge: int = 2
+    max_side: int = 1 << 30         # unused: min_pixels/max_pixels bound the resolution
+    embed_dim: int = 64
+    num_heads: int = 4
+    mlp_dim: int = 128
+    out_dim: int = 64               # merger output width (the LLM's hidden size)
+    norm: Literal["rms", "layer"] = "rms"
+    mlp: Literal["swiglu", "quick_gelu"] = "swiglu"
+    window_size: int = 112          # window side in pixels; 0 = no windows (Qwen2-VL)
+    fullatt_block_indexes: list[int] = field(default_factory=list)
+    post_norm: bool = False
+    patch_bias: bool = False
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    tokens_per_second: float = 2.0  # M-RoPE temporal positions per second of video
+    image_mean: list[float] = field(default_factory=lambda: [0.48145466, 0.4578275, 0.40821073])
+    image_std: list[float] = field(default_factory=lambda: [0.26862954, 0.26130258, 0.27577711])
+
+
+@dataclass
 class AudioConfig:
     """Log-mel frames -> group `reduction` frames (never across clips) -> transformer."""
     kind: str = "audio"
@@ -102,7 +134,8 @@ class MMConfig:
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
 
 
-ENCODER_CONFIGS: dict[str, type] = {"vit": VisionConfig, "audio": AudioConfig, "whisper": WhisperConfig}
+ENCODER_CONFIGS: dict[str, type] = {"vit": VisionConfig, "qwen_vit": QwenVisionConfig, "audio": AudioConfig,
+                                    "whisper": WhisperConfig}
 
 
 def register_encoder_config(kind: str, cls: type) -> None:
@@ -139,6 +172,15 @@ def validate_encoder(name: str, cfg: Any) -> Any:
                               f"{cfg.patch * cfg.merge}")
         if len(cfg.image_mean) != 3 or len(cfg.image_std) != 3 or min(cfg.image_std) <= 0:
             raise ConfigError(f"{where}.image_mean/image_std: three values each, std > 0")
+    if isinstance(cfg, QwenVisionConfig):
+        if cfg.out_dim <= 0 or cfg.min_pixels <= 0 or cfg.max_pixels < cfg.min_pixels:
+            raise ConfigError(f"{where}: out_dim > 0 and 0 < min_pixels <= max_pixels required")
+        unit = cfg.patch * cfg.merge
+        if cfg.window_size and (cfg.window_size % unit or cfg.window_size < unit):
+            raise ConfigError(f"{where}.window_size={cfg.window_size}: must be 0 or a multiple of patch*merge={unit}")
+        bad = [i for i in cfg.fullatt_block_indexes if not 0 <= i < cfg.num_layers]
+        if bad:
+            raise ConfigError(f"{where}.fullatt_block_indexes: {bad} outside 0..{cfg.num_layers - 1}")
     if isinstance(cfg, AudioConfig):
         for f in ("n_mels", "n_fft", "hop", "reduction", "sample_rate"):
             if getattr(cfg, f) <= 0:
@@ -203,6 +245,38 @@ def vision_grid(shape: tuple[int, ...], patch: int, temporal_patch: int = 1, mer
     return math.ceil(frames / temporal_patch), th // patch, tw // patch
 
 
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
+                 max_pixels: int = 28 * 28 * 1280) -> tuple[int, int]:
+    """Qwen2-VL's target size: both sides multiples of `factor`, area within [min_pixels, max_pixels],
+    the aspect ratio kept as closely as that allows (the rule of transformers' Qwen2VLImageProcessor)."""
+    if min(height, width) <= 0:
+        raise BadSample(f"empty image ({height}x{width})")
+    if max(height, width) / min(height, width) > 200:
+        raise BadSample(f"image of {height}x{width}: aspect ratio above 200 (Qwen2-VL's limit)")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen_grid(shape: tuple[int, ...], cfg: "QwenVisionConfig") -> tuple[int, int, int]:
+    """(t, h, w) patch grid of an image [H, W, 3] or video [T, H, W, 3] under Qwen's smart resize."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) not in (3, 4) or shape[-1] != 3:
+        raise BadSample(f"vision input of shape {shape}: expected [H, W, 3] or [T, H, W, 3]")
+    frames, (h, w) = (1, shape[:2]) if len(shape) == 3 else (shape[0], shape[1:3])
+    if frames <= 0:
+        raise BadSample(f"video with zero frames (shape {shape})")
+    th, tw = smart_resize(h, w, cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels)
+    return math.ceil(frames / cfg.temporal_patch), th // cfg.patch, tw // cfg.patch
+
+
 def audio_frames(n_samples: int, hop: int = 160) -> int:
     """Number of log-mel frames of a clip: one per started hop."""
     if n_samples <= 0:
@@ -232,7 +306,10 @@ def encoder_tokens(modality: str, shape: tuple[int, ...], cfg: Any) -> tuple[int
             raise BadSample(f"modality {modality!r} needs a vision encoder config, got {type(enc).__name__}")
         if modality == "image" and len(shape) != 3 or modality == "video" and len(shape) != 4:
             raise BadSample(f"{modality} of shape {tuple(shape)}: wrong rank")
-        t, gh, gw = vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side, enc.image_size)
+        if isinstance(enc, QwenVisionConfig):
+            t, gh, gw = qwen_grid(shape, enc)
+        else:
+            t, gh, gw = vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side, enc.image_size)
         n = t * gh * gw
         return n, n // (enc.merge * enc.merge)
     if modality == "audio":

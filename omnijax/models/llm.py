@@ -23,6 +23,7 @@ from omnijax.config import LLMConfig
 from omnijax.layers.remat import REMAT_MODES, parse_remat as remat_mode, remat_policy  # noqa: F401 (re-exported)
 from omnijax.layers.remat import remat_mode as remat_in_force
 from omnijax.layers.attention import Attention
+from omnijax.layers import mrope
 from omnijax.layers.mlp import MLP
 from omnijax.layers.moe import MoE
 from omnijax.layers.norms import RMSNorm
@@ -50,9 +51,15 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.is_moe = moe
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg.embed_dim, cfg.mlp_dim, rngs=rngs)
+        self.mrope_section = tuple(cfg.rope.mrope_section)  # static; M-RoPE when rope_positions are given
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
-        x = x + self.attn(self.attn_norm(x), segment_ids, positions)
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+                 rope_positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        h = self.attn_norm(x)
+        if rope_positions is None:
+            x = x + self.attn(h, segment_ids, positions)
+        else:  # [B, L, 3] (t, h, w) rotary positions beside the causal positions (omnijax/layers/mrope.py)
+            x = x + mrope.attention(self.attn, h, segment_ids, positions, rope_positions, self.mrope_section)
         h = self.mlp_norm(x)
         if self.is_moe:
             y, aux = self.mlp(h, segment_ids)
@@ -138,7 +145,7 @@ class LLM(nnx.Module):
 
     def forward_embeddings(self, x: jax.Array, segment_ids: jax.Array | None = None,
                            positions: jax.Array | None = None, remat: Any = None,
-                           head: bool = True) -> tuple[jax.Array, dict]:
+                           head: bool = True, rope_positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """x [B, L, D] -> (logits [B, L, V] float32, aux scalars summed over layers).
 
         ``head=False`` returns the final-normed hidden states [B, L, D] instead of logits: the loss
@@ -151,12 +158,16 @@ class LLM(nnx.Module):
         aux["moe_aux_loss"] is already multiplied by cfg.moe.aux_loss_weight (add it to the loss as
         is); aux["moe_lb_loss"] is the unweighted sum; aux["moe_dropped_tokens"] counts (token, expert)
         assignments that overflowed capacity. All are 0 for a dense model.
+
+        ``rope_positions`` [B, L, 3] (M-RoPE models, ``model.rope.mrope_section``): each token's temporal,
+        height and width rotary positions, carried per token like ``positions``, which still decide causality.
         """
         segment_ids, positions = default_packing(x.shape, segment_ids, positions)
         remat = remat_in_force() if remat is None else remat
         aux = zero_aux()
+        extra = () if rope_positions is None else (rope_positions,)
         for block in self.blocks:
-            x, block_aux = run_block(lambda b, *a: b(*a), block, x, segment_ids, positions, remat=remat)
+            x, block_aux = run_block(lambda b, *a: b(*a), block, x, segment_ids, positions, *extra, remat=remat)
             aux = {k: aux[k] + block_aux[k] for k in AUX_KEYS}
         h = self.final_norm(x)
         return (self.logits(h) if head else h), aux

@@ -24,6 +24,7 @@ from omnijax.errors import ConfigError
 from omnijax.models.audio import AudioEncoder
 from omnijax.models.llm import LLM
 from omnijax.models.projector import Projector
+from omnijax.models.qwen_vision import QwenVisionEncoder
 from omnijax.models.vision import VisionEncoder
 from omnijax.models.whisper import WhisperEncoder
 from omnijax.models.losses import head_cross_entropy
@@ -39,7 +40,8 @@ class Component(Protocol):
     def cost(self, segment_shape: tuple[int, ...]) -> float: ...
 
 
-ENCODERS: dict[str, type] = {"vit": VisionEncoder, "audio": AudioEncoder, "whisper": WhisperEncoder}
+ENCODERS: dict[str, type] = {"vit": VisionEncoder, "qwen_vit": QwenVisionEncoder, "audio": AudioEncoder,
+                             "whisper": WhisperEncoder}
 
 
 def register_encoder(kind: str, config_cls: type, module_cls: type) -> None:
@@ -65,8 +67,7 @@ class MultimodalModel(nnx.Module):
                 raise ConfigError(f"model.encoders.{name}.kind={c.kind!r}: no module registered")
         self.llm = LLM(cfg.llm, rngs=rngs)
         self.encoders = nnx.Dict({name: ENCODERS[c.kind](c, rngs=rngs) for name, c in encs.items()})
-        self.projectors = nnx.Dict({name: Projector(self.encoders[name].out_dim, cfg.llm.embed_dim, cfg.projector, rngs=rngs)
-                                    for name in encs})
+        self.projectors = nnx.Dict({name: _projector(self.encoders[name], cfg, rngs) for name in encs})
         self.modalities = tuple(sorted(cfg.modalities.items()))
 
     @property
@@ -101,7 +102,8 @@ class MultimodalModel(nnx.Module):
     def __call__(self, batch: dict, *, zero_encoders: bool = False) -> tuple[jax.Array, dict]:
         """(logits [B, L, V] float32, aux scalars)."""
         x = self.embed(batch, zero_encoders=zero_encoders)
-        return self.llm.forward_embeddings(x, batch["segment_ids"], batch["positions"])
+        return self.llm.forward_embeddings(x, batch["segment_ids"], batch["positions"],
+                                           rope_positions=batch.get("rope_positions"))
 
     def cost(self, modality: str, segment_shape: tuple[int, ...]) -> float:
         """Forward FLOPs of one segment: its encoder (if any) plus its LLM tokens in isolation."""
@@ -111,6 +113,15 @@ class MultimodalModel(nnx.Module):
         if modality != "text":
             total += self.encoders[dict(self.modalities)[modality]].cost(tuple(segment_shape))
         return total
+
+
+def _projector(encoder: nnx.Module, cfg: MMConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """An encoder that brings its own projector (Qwen's patch merger: `make_projector`) gets it; others the
+    configured LayerNorm-MLP."""
+    make = getattr(encoder, "make_projector", None)
+    if make is not None:
+        return make(cfg.llm.embed_dim, rngs=rngs)
+    return Projector(encoder.out_dim, cfg.llm.embed_dim, cfg.projector, rngs=rngs)
 
 
 def text_tokens(batch: dict, vocab_size: int) -> jax.Array:
@@ -129,7 +140,8 @@ def text_tokens(batch: dict, vocab_size: int) -> jax.Array:
 def mm_loss(model: MultimodalModel, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
     """Text-target cross entropy of the multimodal model: (loss_sum, token_count, aux)."""
     x = model.embed(batch)
-    h, aux = model.llm.forward_embeddings(x, batch["segment_ids"], batch["positions"], head=False)
+    h, aux = model.llm.forward_embeddings(x, batch["segment_ids"], batch["positions"], head=False,
+                                          rope_positions=batch.get("rope_positions"))
     loss_sum, count = head_cross_entropy(model.llm, h, batch["targets"], batch["loss_mask"])
     return loss_sum, count, aux
 

@@ -1,0 +1,265 @@
+"""Qwen2.5-VL / Qwen2-VL as a starting point: the `qwen_vit` tower, M-RoPE and the folder reader, against
+transformers run in-process on tiny random models saved with save_pretrained (weights widened so a wrong
+load cannot hide behind near-zero values).
+
+Checks: the vision tower (window + full layers, merger) equals Qwen2_5_VisionTransformerPretrainedModel on
+three aspect ratios and a video in one packed buffer (and Qwen2-VL's tower); window attention matters (all
+layers full attention is measurably different); M-RoPE positions equal `get_rope_index`; LLM logits and
+the loss equal Qwen2_5_VLForConditionalGeneration on image, video and text-only prompts; a packed row of
+three samples equals each sample run alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from omnijax.data import features  # noqa: E402
+from omnijax.errors import UserError  # noqa: E402
+from omnijax.interop import qwen_vl  # noqa: E402
+from omnijax.layers import mrope  # noqa: E402
+from omnijax.mm_config import encoder_config  # noqa: E402
+from omnijax.models.mllm import MultimodalModel, mm_loss  # noqa: E402
+
+IMAGE, VIDEO, V_START, V_END = 120, 121, 122, 123
+PATCH, TP, MERGE = 2, 2, 2
+
+
+def _widen(model):
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _text_cfg():
+    return dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+
+    root = tmp_path_factory.mktemp("qwen_vl")
+    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START, vision_end_token_id=V_END)
+    torch.manual_seed(0)
+    cfg = Qwen2_5_VLConfig(text_config=_text_cfg(), vision_config=dict(
+        depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=PATCH, temporal_patch_size=TP,
+        spatial_merge_size=MERGE, window_size=8, out_hidden_size=32, fullatt_block_indexes=[1],
+        tokens_per_second=2), tie_word_embeddings=False, **ids)
+    cfg._attn_implementation = "eager"
+    q25 = _widen(Qwen2_5_VLForConditionalGeneration(cfg)).eval()
+    q25.save_pretrained(root / "qwen2_5_vl")
+    cfg2 = Qwen2VLConfig(text_config=_text_cfg(), vision_config=dict(
+        depth=2, embed_dim=32, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=PATCH, temporal_patch_size=TP,
+        spatial_merge_size=MERGE), tie_word_embeddings=False, **ids)
+    cfg2._attn_implementation = "eager"
+    q2 = _widen(Qwen2VLForConditionalGeneration(cfg2)).eval()
+    q2.save_pretrained(root / "qwen2_vl")
+    return {"root": root, "qwen2_5_vl": q25, "qwen2_vl": q2}
+
+
+def _omni(folder):
+    cfg, info = qwen_vl.config_from_folder(folder)
+    model = nnx.eval_shape(lambda: MultimodalModel(cfg, rngs=nnx.Rngs(0)))
+    nnx.update(model, qwen_vl.load_params(folder, nnx.state(model, nnx.Param)))
+    return model, cfg, info
+
+
+GRIDS = [(1, 6, 10), (1, 8, 8), (1, 12, 4), (3, 6, 6)]  # three aspect ratios and a 6-frame video (t=3)
+
+
+def _pixels(grid, seed):
+    """HF's pixel rows [n, C*tp*p*p] (its processor's layout) and the same rows in omnijax's (tp, p, p, C)."""
+    n = int(np.prod(grid))
+    hf_rows = np.random.RandomState(seed).randn(n, 3 * TP * PATCH * PATCH).astype(np.float32)
+    ours = hf_rows.reshape(n, 3, TP, PATCH, PATCH).transpose(0, 2, 3, 4, 1).reshape(n, -1)
+    return hf_rows, ours
+
+
+def _buffer(grids, pad=8):
+    hf_rows, rows, pos, seg = [], [], [], []
+    for i, g in enumerate(grids):
+        h, o = _pixels(g, i)
+        hf_rows.append(h), rows.append(o), pos.append(features.patch_positions(g, MERGE))
+        seg.append(np.full(len(o), i + 1, np.int32))
+    rows.append(np.zeros((pad, rows[0].shape[1]), np.float32))  # padding rows (segment 0) at the end
+    pos.append(np.zeros((pad, 3), np.int32)), seg.append(np.zeros(pad, np.int32))
+    return np.concatenate(hf_rows), *(np.concatenate(x) for x in (rows, pos, seg))
+
+
+def _tower(model, rows, pos, seg):
+    enc, merger = model.encoders["vision"], model.projectors["vision"]
+    return jax.jit(lambda r, s, p: merger(enc(r, s, p)))(jnp.asarray(rows), jnp.asarray(seg), jnp.asarray(pos))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_vision_tower_matches_transformers(folders, family):
+    model, cfg, _ = _omni(folders["root"] / family)
+    hf_rows, rows, pos, seg = _buffer(GRIDS)
+    with torch.no_grad():
+        ref = folders[family].model.visual(torch.tensor(hf_rows), grid_thw=torch.tensor(GRIDS)).pooler_output.numpy()
+    out = np.asarray(_tower(model, rows, pos, seg))
+    n = len(ref)
+    assert out.shape[0] == n + 2 and _rel(out[:n], ref) < 1e-4
+    if family == "qwen2_5_vl":  # the windows are real: the same weights with every layer full differ
+        full = dataclasses.replace(encoder_config("vision", cfg.encoders["vision"]), window_size=0)
+        alt = nnx.eval_shape(lambda: MultimodalModel(dataclasses.replace(
+            cfg, encoders={"vision": dataclasses.asdict(full)}), rngs=nnx.Rngs(0)))
+        nnx.update(alt, nnx.state(model, nnx.Param))
+        assert _rel(np.asarray(_tower(alt, rows, pos, seg))[:n], ref) > 1e-3
+
+
+def test_window_and_frame_ids():
+    from omnijax.models.qwen_vision import attention_ids
+
+    pos = features.patch_positions((2, 4, 8), MERGE)
+    seg = np.ones(len(pos), np.int32)
+    frame, window = map(np.asarray, attention_ids(jnp.asarray(seg), jnp.asarray(pos), 4))
+    assert len(set(frame.tolist())) == 2 and len(set(window.tolist())) == 4
+    for i in range(len(pos)):  # same window <=> same (t, h // 4, w // 4)
+        same = (pos[:, 0] == pos[i, 0]) & (pos[:, 1] // 4 == pos[i, 1] // 4) & (pos[:, 2] // 4 == pos[i, 2] // 4)
+        assert np.array_equal(window == window[i], same)
+
+
+# ------------------------------------------------------------------------------ LLM + M-RoPE
+def _sample(kind, grid=None, before=3, after=4, seed=0):
+    """(tokens, segments for rope_index, mm types, grid): text, <start> placeholders <end>, text."""
+    rng = np.random.RandomState(seed)
+    tok = list(rng.randint(0, 100, before))
+    segs = []
+    if kind == "text":
+        tok += list(rng.randint(0, 100, after))
+        return np.asarray(tok), [("text", len(tok))], np.zeros(len(tok), np.int32)
+    n = int(np.prod(grid)) // (MERGE * MERGE)
+    tok += [V_START] + [IMAGE if kind == "image" else VIDEO] * n + [V_END] + list(rng.randint(0, 100, after))
+    segs = [("text", before + 1), (kind, grid), ("text", after + 1)]
+    types = np.zeros(len(tok), np.int32)
+    types[before + 1:before + 1 + n] = 1 if kind == "image" else 2
+    return np.asarray(tok), segs, types
+
+
+def _hf_forward(hf_model, tokens, types, grid, kind):
+    kw = {}
+    if kind == "image":
+        kw = dict(pixel_values=torch.tensor(_pixels(grid, 7)[0]), image_grid_thw=torch.tensor([grid]))
+    elif kind == "video":
+        kw = dict(pixel_values_videos=torch.tensor(_pixels(grid, 7)[0]), video_grid_thw=torch.tensor([grid]))
+    ids = torch.tensor(tokens[None])
+    labels = ids.clone()
+    with torch.no_grad():
+        out = hf_model(input_ids=ids, mm_token_type_ids=torch.tensor(types[None]), labels=labels, **kw)
+        pos = None
+        if kind != "text":
+            pos, _ = hf_model.model.get_rope_index(ids, torch.tensor(types[None]),
+                                                   image_grid_thw=kw.get("image_grid_thw"),
+                                                   video_grid_thw=kw.get("video_grid_thw"))
+    return out.logits[0].numpy(), float(out.loss), pos
+
+
+CASES = [("image", (1, 6, 10)), ("image", (1, 12, 4)), ("video", (3, 6, 6)), ("text", None)]
+
+
+def _batch(samples, length):
+    """One packed row of `samples` [(tokens, segs, types, grid, kind)] padded to `length`."""
+    toks, seg, pos, rpos, targets, mask = [], [], [], [], [], []
+    vis_rows, vis_pos, vis_seg, dest = [], [], [], []
+    offset = 0
+    for i, (tokens, segs, types, grid, kind) in enumerate(samples):
+        n = len(tokens)
+        toks.append(tokens), seg.append(np.full(n, i + 1)), pos.append(np.arange(n))
+        rpos.append(mrope.rope_index(segs, MERGE, 2.0))
+        targets.append(np.concatenate([tokens[1:], [0]])), mask.append(np.r_[np.ones(n - 1), 0.0])
+        if kind != "text":
+            rows = _pixels(grid, 7)[1]
+            vis_rows.append(rows), vis_pos.append(features.patch_positions(grid, MERGE))
+            vis_seg.append(np.full(len(rows), len(vis_seg) + 1))
+            dest.append(offset + np.flatnonzero(types))
+        offset += n
+    pad = length - offset
+    cat = lambda xs, fill, shape=(): np.concatenate(xs + [np.full((pad,) + shape, fill)])  # noqa: E731
+    batch = {"tokens": cat(toks, 0)[None], "segment_ids": cat(seg, 0)[None], "positions": cat(pos, 0)[None],
+             "rope_positions": cat(rpos, 0, (3,))[None], "targets": cat(targets, 0)[None],
+             "loss_mask": cat(mask, 0.0)[None]}
+    if vis_rows:
+        batch.update(vision_inputs=np.concatenate(vis_rows), vision_positions=np.concatenate(vis_pos),
+                     vision_segment_ids=np.concatenate(vis_seg), vision_dest=np.concatenate(dest))
+    return {k: jnp.asarray(v.astype(np.float32 if k.endswith(("inputs", "loss_mask")) else np.int32))
+            for k, v in batch.items()}
+
+
+@pytest.fixture(scope="module")
+def omni25(folders):
+    model, cfg, info = _omni(folders["root"] / "qwen2_5_vl")
+    forward = jax.jit(lambda b: model(b)[0])
+    loss = jax.jit(lambda b: mm_loss(model, b)[:2])
+    return model, forward, loss
+
+
+@pytest.mark.parametrize("kind,grid", CASES)
+def test_llm_logits_loss_and_positions_match_transformers(folders, omni25, kind, grid):
+    _, forward, loss = omni25
+    tokens, segs, types = _sample(kind, grid)
+    ref_logits, ref_loss, ref_pos = _hf_forward(folders["qwen2_5_vl"], tokens, types, grid, kind)
+    if ref_pos is not None:  # position ids equal get_rope_index's
+        assert np.array_equal(mrope.rope_index(segs, MERGE, 2.0), ref_pos[:, 0].numpy().T)
+    batch = _batch([(tokens, segs, types, grid, kind)], len(tokens) + 5)
+    n = len(tokens)
+    assert _rel(np.asarray(forward(batch))[0, :n], ref_logits) < 1e-4
+    loss_sum, count = loss(batch)
+    assert int(count) == n - 1 and abs(float(loss_sum) / float(count) - ref_loss) / ref_loss < 1e-4
+    if (kind, grid) == CASES[0]:  # M-RoPE is real: one position per token gives other logits
+        plain = {k: v for k, v in batch.items() if k != "rope_positions"}
+        assert _rel(np.asarray(forward(plain))[0, :n], ref_logits) > 1e-3
+
+
+def test_packed_row_equals_samples_alone(folders, omni25):
+    _, forward, loss = omni25
+    samples = []
+    for seed, (kind, grid) in enumerate([("image", (1, 6, 10)), ("text", None), ("video", (3, 6, 6))]):
+        samples.append((*_sample(kind, grid, before=2 + seed, seed=seed), grid, kind))
+    total = sum(len(s[0]) for s in samples)
+    packed = np.asarray(forward(_batch(samples, total + 3)))[0]
+    start, sums = 0, 0.0
+    for s in samples:
+        n = len(s[0])
+        alone_batch = _batch([s], n + 3)
+        alone = np.asarray(forward(alone_batch))[0, :n]
+        assert _rel(packed[start:start + n], alone) < 1e-5
+        ref_logits, ref_loss, _ = _hf_forward(folders["qwen2_5_vl"], *s[:1], s[2], s[3], s[4])
+        assert _rel(alone, ref_logits) < 1e-4
+        sums += float(loss(alone_batch)[0])
+        start += n
+    assert abs(float(loss(_batch(samples, total + 3))[0]) - sums) / sums < 1e-5
+
+
+def test_rope_index_rules():
+    pos = mrope.rope_index([("text", 2), ("image", (1, 4, 6)), ("text", 2)], merge=2)
+    assert pos[:2].tolist() == [[0, 0, 0], [1, 1, 1]]
+    grid = pos[2:8]  # 2 x 3 merged tokens starting at 2
+    assert grid[:, 0].tolist() == [2] * 6 and grid[:, 1].tolist() == [2, 2, 2, 3, 3, 3]
+    assert grid[:, 2].tolist() == [2, 3, 4, 2, 3, 4]
+    assert pos[8:].tolist() == [[5, 5, 5], [6, 6, 6]]  # continues after max(h, w) / merge = 3
+    video = mrope.rope_index([("video", (3, 2, 2), 0.5)], merge=2, tokens_per_second=4)
+    assert video[:, 0].tolist() == [0, 2, 4]
+
+
+def test_bad_folder_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(UserError, match="not a Qwen2-VL"):
+        qwen_vl.config_from_folder(tmp_path)
