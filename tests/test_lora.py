@@ -280,3 +280,25 @@ def test_peft_loads_our_adapter_and_merge_equals_peft(tmp_path, family):
     ours_merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
     assert sorted(merged) == sorted(ours_merged)
     assert max(float((merged[k] - ours_merged[k]).abs().max()) for k in merged) <= 1e-5
+
+
+def test_qlora_train_step_keeps_codes_and_trains_adapters():
+    """The trainer's step over an nf4 base: integer leaves pass the gradient clip and the update untouched."""
+    from omnijax.config import OptimizerConfig
+    from omnijax.train.optimizer import make_optimizer
+    from omnijax.train.state import init_state
+    from omnijax.train.step import make_train_step
+
+    model = adapters.adapt(LLM(DENSE, rngs=nnx.Rngs(0)), LoraConfig(rank=4, alpha=8.0, base_dtype="nf4"))
+    g, p, r = nnx.split(model, nnx.Param, ...)
+    part = Partition(p)
+    opt = make_optimizer(OptimizerConfig(warmup_steps=0, grad_clip=1e-3), 10, part)  # the clip acts
+    step = jax.jit(make_train_step(g, r, lm_loss, opt, trainable=part.mask()))
+    state, metrics = step(init_state(p, opt), BATCH)
+    assert bool(jnp.isfinite(metrics["loss"])) and int(metrics["update_skipped"]) == 0
+    before, after = nnx.to_flat_state(p), nnx.to_flat_state(state.params)
+    for (path, a), (_, b) in zip(before, after):
+        if str(path[-1]) in ("q", "down"):
+            assert a[...].dtype == jnp.uint8 and np.array_equal(a[...], b[...])
+        if str(path[-1]).endswith(lora.B_SUFFIX):
+            assert not np.array_equal(a[...], b[...])

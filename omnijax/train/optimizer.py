@@ -24,7 +24,7 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
 def make_optimizer(cfg: OptimizerConfig, total_steps: int, partition=None) -> optax.GradientTransformation:
     """The update rule the trainer applies to fp32 master weights (partitioned by `partition`'s parts)."""
     lr = learning_rate_schedule(cfg, total_steps)
-    chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+    chain = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     if partition is None or partition.is_trivial:
         return optax.chain(*chain, _rule(cfg, lr))
     from omnijax.train.parts import label_tree
@@ -37,6 +37,25 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, partition=None) -> op
         else:
             rules[part] = _rule(cfg, lr if scale == 1.0 else (lambda step, s=scale: lr(step) * s))
     return optax.chain(*chain, optax.multi_transform(rules, label_tree))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax's `clip_by_global_norm` (same formula) over the floating leaves only: a quantised frozen base
+    (QLoRA, omnijax/layers/lora.py) has integer leaves, whose (zero) gradients pass through untouched."""
+    import jax
+    import jax.numpy as jnp
+
+    def update(updates, state, params=None):
+        del params
+        floating = lambda t: jnp.issubdtype(t.dtype, jnp.floating)  # noqa: E731
+        g_norm = optax.tree.norm([t for t in jax.tree.leaves(updates) if floating(t)])
+        trigger = jnp.squeeze(g_norm < max_norm)
+
+        def clip(t):
+            return jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm) if floating(t) else t
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def _rule(cfg: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransformation:
