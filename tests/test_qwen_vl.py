@@ -65,13 +65,17 @@ def folders(tmp_path_factory):
     cfg._attn_implementation = "eager"
     q25 = _widen(Qwen2_5_VLForConditionalGeneration(cfg)).eval()
     q25.save_pretrained(root / "qwen2_5_vl")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    processor = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=40 * 40, patch_size=PATCH,
+                                         temporal_patch_size=TP, merge_size=MERGE)
+    processor.save_pretrained(root / "qwen2_5_vl")
     cfg2 = Qwen2VLConfig(text_config=_text_cfg(), vision_config=dict(
         depth=2, embed_dim=32, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=PATCH, temporal_patch_size=TP,
         spatial_merge_size=MERGE), tie_word_embeddings=False, **ids)
     cfg2._attn_implementation = "eager"
     q2 = _widen(Qwen2VLForConditionalGeneration(cfg2)).eval()
     q2.save_pretrained(root / "qwen2_vl")
-    return {"root": root, "qwen2_5_vl": q25, "qwen2_vl": q2}
+    return {"root": root, "qwen2_5_vl": q25, "qwen2_vl": q2, "processor": processor}
 
 
 def _omni(folder):
@@ -263,3 +267,71 @@ def test_bad_folder_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(UserError, match="not a Qwen2-VL"):
         qwen_vl.config_from_folder(tmp_path)
+
+
+# ------------------------------------------------------------------------------ preprocessing
+@pytest.mark.parametrize("hw", [(50, 23), (30, 90), (64, 64), (9, 12), (200, 150)])
+def test_image_processor_matches_transformers(folders, hw):
+    """preprocessor_config.json's min/max pixels and normalisation, read by the folder reader, give the rows
+    and the grid Qwen2VLImageProcessor gives (smart resize: upscaled, downscaled and in between)."""
+    cfg, _ = qwen_vl.config_from_folder(folders["root"] / "qwen2_5_vl")
+    vcfg = encoder_config("vision", cfg.encoders["vision"])
+    assert (vcfg.min_pixels, vcfg.max_pixels) == (16 * 16, 40 * 40)
+    img = np.random.RandomState(sum(hw)).randint(0, 256, (*hw, 3)).astype(np.uint8)
+    ref = folders["processor"](images=[img], return_tensors="np")
+    grid = tuple(int(g) for g in ref["image_grid_thw"][0])
+    n = int(np.prod(grid))
+    ref_rows = ref["pixel_values"].reshape(n, 3, TP, PATCH, PATCH).transpose(0, 2, 3, 4, 1).reshape(n, -1)
+    rows, pos = features.segment_inputs("image", img.astype(np.float32) / 255.0, cfg)  # decoded pixels in [0, 1]
+    assert rows.shape == ref_rows.shape and np.max(np.abs(rows - ref_rows)) < 1e-5
+    assert np.array_equal(pos, features.segment_positions("image", img.shape, cfg))
+    from omnijax.mm_config import encoder_tokens
+    assert encoder_tokens("image", img.shape, cfg) == (n, n // (MERGE * MERGE))
+
+
+def test_video_frames_and_time_alignment():
+    from omnijax.data import qwen_processor as qp
+
+    # 10 s at 30 fps sampled at 2 fps: 20 frames, every 15th
+    assert qp.sample_frames(300, 30.0, 2.0).tolist() == list(range(0, 300, 15))
+    # short clip: at least min_frames (4), a multiple of temporal_patch, never more than the clip
+    assert qp.sample_frames(6, 30.0, 2.0).tolist() == [0, 1, 3, 4]
+    assert len(qp.sample_frames(10_000, 30.0, 2.0, max_frames=64)) == 64
+    assert qp.seconds_per_grid(2, 2.0) == 1.0
+    # 5 frames: the last is repeated to fill the third temporal patch, as the video processor pads
+    cfg = dataclasses.replace(qwen_vl_tiny_vision(), min_pixels=16, max_pixels=8 * 8)
+    video = np.random.RandomState(0).rand(5, 8, 8, 3).astype(np.float32)
+    rows, grid = qp.patch_rows(video, cfg)
+    assert grid == (3, 4, 4)
+    last = rows.reshape(3, 16, TP, PATCH, PATCH, 3)[2]
+    assert np.array_equal(last[:, 0], last[:, 1])
+
+
+def qwen_vl_tiny_vision():
+    from omnijax.mm_config import QwenVisionConfig
+    return QwenVisionConfig(patch=PATCH, temporal_patch=TP, merge=MERGE, window_size=8, embed_dim=32, num_heads=2)
+
+
+def test_export_loads_in_transformers_with_omnijax_logits(folders, tmp_path):
+    """Changed parameters written back under the original names: transformers loads the folder and its
+    logits equal omnijax's; names, shapes and dtypes are the source's."""
+    from safetensors import safe_open
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    src = folders["root"] / "qwen2_5_vl"
+    model, _, _ = _omni(src)
+    params = nnx.state(model, nnx.Param)
+    moved = jax.tree.map(lambda x: x + 0.01 * jnp.sin(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape)), params)
+    nnx.update(model, moved)
+    qwen_vl.export(moved, tmp_path / "out", like=src)
+    with safe_open(src / "model.safetensors", "np") as a, safe_open(tmp_path / "out" / "model.safetensors", "np") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(a.get_slice(k).get_shape() == b.get_slice(k).get_shape() for k in a.keys())
+    assert (tmp_path / "out" / "preprocessor_config.json").exists()
+    hf_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    tokens, segs, types = _sample("image", (1, 6, 10))
+    ref_logits, _, _ = _hf_forward(hf_model, tokens, types, (1, 6, 10), "image")
+    logits = np.asarray(jax.jit(lambda b: model(b)[0])(_batch([(tokens, segs, types, (1, 6, 10), "image")], 40)))
+    assert _rel(logits[0, :len(tokens)], ref_logits) < 1e-4
+    old_logits, _, _ = _hf_forward(folders["qwen2_5_vl"], tokens, types, (1, 6, 10), "image")
+    assert _rel(old_logits, ref_logits) > 1e-3  # the export carries the changed weights

@@ -29,7 +29,8 @@ import numpy as np
 
 from omnijax.errors import BadSample
 from omnijax.mm_config import (AudioConfig, MMConfig, VisionConfig, WhisperConfig, _encoder_cfg, _target_sides,  # noqa: F401
-                                 audio_frames, encoder_configs, encoder_tokens, vision_grid)
+                                 QwenVisionConfig, audio_frames, encoder_configs, encoder_tokens, qwen_grid,
+                                 vision_grid)
 
 
 # ------------------------------------------------------------------------------------ vision
@@ -208,6 +209,8 @@ def segment_positions(modality: str, shape: tuple[int, ...], cfg: Any) -> np.nda
     """Positions [n, 3] of a segment's encoder input rows from its shape alone (equal to what
     `segment_inputs` returns with the decoded rows): the plan lays buffers out before any decoding."""
     enc = _encoder_cfg(modality, cfg)
+    if isinstance(enc, QwenVisionConfig) and modality in ("image", "video"):  # smart resize (qwen_processor)
+        return patch_positions(qwen_grid(shape, enc), enc.merge)
     if modality in ("image", "video"):
         return patch_positions(vision_grid(shape, enc.patch, enc.temporal_patch, enc.merge, enc.max_side,
                                            enc.image_size), enc.merge)
@@ -223,6 +226,10 @@ def segment_inputs(modality: str, data: np.ndarray, cfg: Any) -> tuple[np.ndarra
     if modality in ("image", "video"):
         if modality == "image" and data.ndim != 3 or modality == "video" and data.ndim != 4:
             raise BadSample(f"{modality} of shape {data.shape}: wrong rank")
+        if isinstance(enc, QwenVisionConfig):  # Qwen2-VL's processor (omnijax/data/qwen_processor.py)
+            from omnijax.data import qwen_processor
+            patches, grid = qwen_processor.patch_rows(data, enc)
+            return patches, patch_positions(grid, enc.merge)
         patches, grid = image_patches(data, enc.patch, enc.temporal_patch, enc.merge, enc.max_side, enc.image_size,
                                       enc.resample)
         if enc.normalize:  # (x - mean) / std per channel; the default 0.5 / 0.5 maps [0, 1] to [-1, 1]
