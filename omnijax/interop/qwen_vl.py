@@ -181,3 +181,31 @@ def load_params(path: str | Path, target: Any, encoder: str = "vision") -> nnx.S
     if extra:
         raise UserError(f"{path}: unexpected tensor(s) for this config, e.g. {extra[0]!r}")
     return pretrained.load_params(index, table, target, str(path))
+
+
+# ------------------------------------------------------------------------------ out
+_FOLDER_FILES = ("config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                 "processor_config.json", "chat_template.json", "chat_template.jinja", "generation_config.json")
+
+
+def export(params: Any, out_dir: str | Path, like: str | Path, encoder: str = "vision") -> None:
+    """A Qwen2_5_VL/Qwen2VL folder of a MultimodalModel's Param state, under `like`'s names, shapes and dtypes
+    (the folder the model started from): safetensors written tensor by tensor through the shared writer (every
+    process gathering, process 0 writing, renamed into place when complete), `like`'s config, processor,
+    chat template and tokenizer files beside them."""
+    import shutil
+
+    import jax
+
+    from omnijax.interop import pretrained
+
+    like = Path(like)
+    cfg, _ = config_from_folder(like, encoder)
+    index = TensorIndex(like)
+    table = tensors(cfg, encoder, index)
+    with pretrained.AtomicFolder(out_dir) as folder:
+        pretrained._write_weights(folder, table, params, index, jax.process_index() == 0)
+        if jax.process_index() == 0:
+            for name in _FOLDER_FILES + pretrained._TOKENIZER_FILES:
+                if (like / name).exists() and not (folder / name).exists():
+                    shutil.copy2(like / name, folder / name)
