@@ -179,7 +179,7 @@ def _hf_forward(hf_model, tokens, types, grid, kind):
 CASES = [("image", (1, 6, 10)), ("image", (1, 12, 4)), ("video", (3, 6, 6)), ("text", None)]
 
 
-def _batch(samples, length):
+def _batch(samples, length, tokens_per_second=2.0):
     """One packed row of `samples` [(tokens, segs, types, grid, kind)] padded to `length`."""
     toks, seg, pos, rpos, targets, mask = [], [], [], [], [], []
     vis_rows, vis_pos, vis_seg, dest = [], [], [], []
@@ -187,7 +187,7 @@ def _batch(samples, length):
     for i, (tokens, segs, types, grid, kind) in enumerate(samples):
         n = len(tokens)
         toks.append(tokens), seg.append(np.full(n, i + 1)), pos.append(np.arange(n))
-        rpos.append(mrope.rope_index(segs, MERGE, 2.0))
+        rpos.append(mrope.rope_index(segs, MERGE, tokens_per_second))
         targets.append(np.concatenate([tokens[1:], [0]])), mask.append(np.r_[np.ones(n - 1), 0.0])
         if kind != "text":
             rows = _pixels(grid, 7)[1]
@@ -208,26 +208,35 @@ def _batch(samples, length):
 
 
 @pytest.fixture(scope="module")
-def omni25(folders):
-    model, cfg, info = _omni(folders["root"] / "qwen2_5_vl")
-    forward = jax.jit(lambda b: model(b)[0])
-    loss = jax.jit(lambda b: mm_loss(model, b)[:2])
-    return model, forward, loss
+def omni_models(folders):
+    """family -> (model, jitted forward, jitted loss, tokens_per_second), built once."""
+    out = {}
+    for family in ("qwen2_5_vl", "qwen2_vl"):
+        model, cfg, info = _omni(folders["root"] / family)
+        tps = encoder_config("vision", cfg.encoders["vision"]).tokens_per_second
+        out[family] = (model, jax.jit(lambda b, m=model: m(b)[0]), jax.jit(lambda b, m=model: mm_loss(m, b)[:2]), tps)
+    return out
 
 
-@pytest.mark.parametrize("kind,grid", CASES)
-def test_llm_logits_loss_and_positions_match_transformers(folders, omni25, kind, grid):
-    _, forward, loss = omni25
+@pytest.fixture(scope="module")
+def omni25(omni_models):
+    return omni_models["qwen2_5_vl"][:3]
+
+
+@pytest.mark.parametrize("family,kind,grid", [("qwen2_5_vl", *c) for c in CASES]
+                         + [("qwen2_vl", "video", (3, 6, 6)), ("qwen2_vl", "image", (1, 8, 8))])
+def test_llm_logits_loss_and_positions_match_transformers(folders, omni_models, family, kind, grid):
+    _, forward, loss, tps = omni_models[family]
     tokens, segs, types = _sample(kind, grid)
-    ref_logits, ref_loss, ref_pos = _hf_forward(folders["qwen2_5_vl"], tokens, types, grid, kind)
+    ref_logits, ref_loss, ref_pos = _hf_forward(folders[family], tokens, types, grid, kind)
     if ref_pos is not None:  # position ids equal get_rope_index's
-        assert np.array_equal(mrope.rope_index(segs, MERGE, 2.0), ref_pos[:, 0].numpy().T)
-    batch = _batch([(tokens, segs, types, grid, kind)], len(tokens) + 5)
+        assert np.array_equal(mrope.rope_index(segs, MERGE, tps), ref_pos[:, 0].numpy().T)
+    batch = _batch([(tokens, segs, types, grid, kind)], len(tokens) + 5, tps)
     n = len(tokens)
     assert _rel(np.asarray(forward(batch))[0, :n], ref_logits) < 1e-4
     loss_sum, count = loss(batch)
     assert int(count) == n - 1 and abs(float(loss_sum) / float(count) - ref_loss) / ref_loss < 1e-4
-    if (kind, grid) == CASES[0]:  # M-RoPE is real: one position per token gives other logits
+    if (family, kind, grid) == ("qwen2_5_vl", *CASES[0]):  # M-RoPE is real: one position per token gives other logits
         plain = {k: v for k, v in batch.items() if k != "rope_positions"}
         assert _rel(np.asarray(forward(plain))[0, :n], ref_logits) > 1e-3
 

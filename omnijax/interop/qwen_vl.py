@@ -97,7 +97,7 @@ def _vision_config(top: dict, pre: dict, llm_dim: int) -> QwenVisionConfig:
     return QwenVisionConfig(
         patch=patch, temporal_patch=tp, merge=merge, embed_dim=width, num_layers=depth, num_heads=heads,
         mlp_dim=mlp_dim, out_dim=out_dim, rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=1e-6,
-        tokens_per_second=float(v.get("tokens_per_second", 2)), min_pixels=min_pixels, max_pixels=max_pixels,
+        tokens_per_second=float(v.get("tokens_per_second", 2)) if qwen25 else 0.0, min_pixels=min_pixels, max_pixels=max_pixels,
         image_mean=[float(x) for x in pre.get("image_mean", [0.48145466, 0.4578275, 0.40821073])],
         image_std=[float(x) for x in pre.get("image_std", [0.26862954, 0.26130258, 0.27577711])], **extra)
 

@@ -80,8 +80,9 @@ def rope_index(segments: Sequence[tuple], merge: int = 2, tokens_per_second: flo
     ("text", n_tokens) | ("image", (t, h, w)) | ("video", (t, h, w), seconds_per_temporal_patch).
 
     Grids are in patches (before merging). Text continues from the running position; an image/video starts
-    there, its temporal positions stepping by tokens_per_second * seconds per temporal patch (video) or 1
-    (image), and moves the running position by max(h, w) / merge, as transformers' `get_rope_index` does."""
+    there, its temporal positions stepping by tokens_per_second * seconds per temporal patch (Qwen2.5-VL's
+    videos) or 1 (images; Qwen2-VL, tokens_per_second 0), and moves the running position by max(h, w) / merge,
+    as transformers' `get_rope_index` does."""
     parts, cur = [], 0
     for seg in segments:
         kind = seg[0]
@@ -91,7 +92,9 @@ def rope_index(segments: Sequence[tuple], merge: int = 2, tokens_per_second: flo
             cur += n
         elif kind in ("image", "video"):
             grid = tuple(int(g) for g in seg[1])
-            interval = tokens_per_second * (float(seg[2]) if len(seg) > 2 else 1.0) if kind == "video" else 1.0
+            interval = 1.0  # images; Qwen2-VL's videos (tokens_per_second 0): one step per temporal patch
+            if kind == "video" and tokens_per_second > 0:
+                interval = tokens_per_second * (float(seg[2]) if len(seg) > 2 else 1.0)
             parts.append(vision_positions(cur, grid, merge, interval))
             cur += max(grid[1], grid[2]) // merge
         else:
