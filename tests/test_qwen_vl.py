@@ -344,3 +344,27 @@ def test_export_loads_in_transformers_with_omnijax_logits(folders, tmp_path):
     assert _rel(logits[0, :len(tokens)], ref_logits) < 1e-4
     old_logits, _, _ = _hf_forward(folders["qwen2_5_vl"], tokens, types, (1, 6, 10), "image")
     assert _rel(old_logits, ref_logits) > 1e-3  # the export carries the changed weights
+
+
+def test_sample_rope_positions_from_metadata_equal_get_rope_index(folders):
+    """A sample's positions from its metadata alone (shapes -> smart-resized grids, videos timed at the rate
+    their frames were kept) equal get_rope_index's with the processor's grids and second_per_grid_ts."""
+    from omnijax.data import qwen_processor as qp
+    from omnijax.data.sample import SegmentMeta
+
+    cfg, _ = qwen_vl.config_from_folder(folders["root"] / "qwen2_5_vl")
+    vcfg = encoder_config("vision", cfg.encoders["vision"])
+    img = np.zeros((50, 23, 3), np.uint8)
+    image_grid = folders["processor"](images=[img], return_tensors="np")["image_grid_thw"]
+    metas = [SegmentMeta("text", (3,)), SegmentMeta("image", img.shape), SegmentMeta("text", (4,)),
+             SegmentMeta("video", (6, 30, 40, 3)), SegmentMeta("text", (2,))]
+    ours = qp.sample_rope_positions(metas, vcfg, video_fps=1.0)
+    video_grid = np.asarray([qp.qwen_grid((6, 30, 40, 3), vcfg)])
+    n_img, n_vid = int(np.prod(image_grid[0])) // 4, int(np.prod(video_grid[0])) // 4
+    types = np.r_[np.zeros(3), np.ones(n_img), np.zeros(4), np.full(n_vid, 2), np.zeros(2)].astype(np.int64)
+    ids = torch.zeros(1, len(types), dtype=torch.long)
+    ref, _ = folders["qwen2_5_vl"].model.get_rope_index(
+        ids, torch.tensor(types[None]), image_grid_thw=torch.tensor(image_grid), video_grid_thw=torch.tensor(video_grid),
+        second_per_grid_ts=torch.tensor([TP / 1.0]))
+    assert ours.shape == (len(types), 3) and np.array_equal(ours, ref[:, 0].numpy().T)
+    assert ours[3 + n_img + 4:][:, 0].max() > ours[3 + n_img + 4, 0] + 2  # time steps of 2 * 2 s per patch

@@ -16,6 +16,7 @@ tokens_per_second * seconds_per_grid (Qwen2.5-VL's time alignment, `omnijax.laye
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -91,3 +92,26 @@ def seconds_per_grid(temporal_patch: int, sampled_fps: float) -> float:
     if sampled_fps <= 0:
         raise BadSample(f"sampled fps {sampled_fps} must be > 0")
     return temporal_patch / sampled_fps
+
+
+def sample_rope_positions(segments: Sequence, cfg: QwenVisionConfig, video_fps: float) -> np.ndarray:
+    """M-RoPE positions [n, 3] of one sample's LLM token run from its segment metadata alone (`SegmentMeta`s:
+    modality and shape; text segments include the vision start/end tokens around a placeholder run), each
+    image/video taking its placeholder tokens' (t, h, w) positions from its smart-resized grid, videos
+    stepping time at `video_fps` (the rate their frames were kept at). Segment-local: 0 at the sample's start.
+
+    What the packer needs to carry positions per token; transformers' `get_rope_index` gives the same
+    (it would join two media segments with no token between them into one run: here they stay two)."""
+    from omnijax.layers.mrope import rope_index
+
+    runs = []
+    for seg in segments:
+        if seg.modality == "text":
+            runs.append(("text", int(seg.shape[0])))
+        elif seg.modality == "image":
+            runs.append(("image", qwen_grid(seg.shape, cfg)))
+        elif seg.modality == "video":
+            runs.append(("video", qwen_grid(seg.shape, cfg), seconds_per_grid(cfg.temporal_patch, video_fps)))
+        else:
+            raise BadSample(f"a Qwen2-VL model has no encoder for modality {seg.modality!r}")
+    return rope_index(runs, cfg.merge, cfg.tokens_per_second)
