@@ -153,6 +153,21 @@ def intercept():
             jnp.einsum = _ORIGINAL_EINSUM
 
 
+_OFF = threading.local()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Adapted modules compute with their base weights alone while the body traces (DPO's reference model is
+    the policy with its adapters off)."""
+    before = getattr(_OFF, "on", False)
+    _OFF.on = True
+    try:
+        yield
+    finally:
+        _OFF.on = before
+
+
 class _View:
     """What an adapted module reads as `self.<name>`: `[...]` gives the LoraArray (base dequantised if it is
     stored quantised); anything else (shape, metadata) is the base Param's."""
@@ -169,6 +184,8 @@ class _View:
         w = base[...]
         if meta.get("lora_quant"):
             w = dequantize(w, self._var(SCALE_SUFFIX)[...], meta["lora_quant"], a.dtype)
+        if getattr(_OFF, "on", False):
+            return w[idx]
         out = LoraArray(w, a, b, meta["lora_scale"], self._n_in)
         if idx is Ellipsis:
             return out

@@ -154,6 +154,10 @@ def load_run(path: str | Path, layout: str = "", devices: list | None = None) ->
     multimodal = not isinstance(model_cfg, LLMConfig)
     build = (lambda: MultimodalModel(model_cfg, rngs=nnx.Rngs(0))) if multimodal else \
         (lambda: LLM(model_cfg, rngs=nnx.Rngs(0)))
+    from omnijax.interop.peft import lora_of
+    from omnijax.models.adapters import attach
+
+    build = attach(build, lora_of(cfg))  # a LoRA run serves with its adapters (trainer.lora)
     abstract_model = nnx.eval_shape(build)
     graphdef, _, rest = nnx.split(abstract_model, nnx.Param, ...)
     params, step = warmstart.params_from_run(run, _target(layout, devices)(abstract_model), key="DIR")

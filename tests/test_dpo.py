@@ -1,0 +1,106 @@
+"""Sigmoid DPO (omnijax/models/preference.py) against TRL's formula computed independently with torch: the loss
+and its gradient w.r.t. the policy's logits (1e-5), the reference being the model with its LoRA adapters off."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from omnijax.config import LoraConfig
+from omnijax.errors import ConfigError
+from omnijax.layers import lora
+from omnijax.models import adapters, preference
+from omnijax.models.llm import LLM
+from omnijax.train.parts import Partition
+from omnijax.train.step import loss_and_grads
+from test_parallel_llm import DENSE
+
+torch = pytest.importorskip("torch")
+BETA = 0.3
+B, L, PROMPT = 4, 32, 6
+# (row, segment id) of each pair's chosen and rejected answer; pair slot 3 is padding
+PAIRS = [((0, 1), (0, 2)), ((1, 1), (2, 1)), ((3, 1), (3, 2))]
+
+
+def _batch() -> dict:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 128, (B, L)).astype(np.int32)
+    seg = np.ones((B, L), np.int32)
+    seg[[0, 3], 16:] = 2
+    seg[2, 24:] = 0
+    pos = np.zeros((B, L), np.int32)
+    for r in range(B):
+        for s in np.unique(seg[r]):
+            idx = np.where(seg[r] == s)[0]
+            pos[r, idx] = np.arange(len(idx))
+    mask = ((seg > 0) & (pos >= PROMPT)).astype(np.float32)  # the answers: every document's tokens after its prompt
+    mask[:, -1] = 0
+    pref = np.zeros((B, L), np.int32)
+    for p, (c, rj) in enumerate(PAIRS):
+        for k, (r, s) in enumerate((c, rj)):
+            pref[r, seg[r] == s] = 2 * p + 1 + k
+    return dict(tokens=tokens, targets=np.roll(tokens, -1, 1), segment_ids=seg, positions=pos, loss_mask=mask,
+                pref_index=pref, pair_mask=np.array([1, 1, 1, 0], np.float32))
+
+
+def _trl_loss(policy_logits: "torch.Tensor", ref_logits: "torch.Tensor", batch: dict) -> "torch.Tensor":
+    """TRL DPOTrainer's sigmoid loss, written out per sequence with torch (no segment sums)."""
+    def seq_logp(logits, r, s):
+        sel = (batch["segment_ids"][r] == s) & (batch["loss_mask"][r] > 0)
+        lp = torch.log_softmax(logits[r], dim=-1)
+        tgt = torch.as_tensor(batch["targets"][r]).long()
+        return (lp.gather(-1, tgt[:, None])[:, 0] * torch.as_tensor(sel, dtype=lp.dtype)).sum()
+    losses = []
+    for c, rj in PAIRS:
+        pc, pr = seq_logp(policy_logits, *c), seq_logp(policy_logits, *rj)
+        rc, rr = seq_logp(ref_logits, *c), seq_logp(ref_logits, *rj)
+        losses.append(-torch.nn.functional.logsigmoid(BETA * ((pc - rc) - (pr - rr))))
+    return torch.stack(losses).mean()
+
+
+def test_dpo_equals_trl_formula_and_trains_adapters_only():
+    batch = _batch()
+    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+    model = adapters.adapt(LLM(DENSE, rngs=nnx.Rngs(0)), LoraConfig(rank=4, alpha=8.0))
+    g, p, r = nnx.split(model, nnx.Param, ...)
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    p = jax.tree_util.tree_map_with_path(   # a policy that has moved away from the reference
+        lambda path, x: 0.1 * jax.random.normal(next(keys), x.shape) if adapters.is_adapter(path) else x, p)
+    fwd = lambda q: nnx.merge(g, q, r)(jb["tokens"], jb["segment_ids"], jb["positions"])  # noqa: E731
+    policy = fwd(p)
+    with lora.disabled():
+        reference = fwd(p)
+    base = LLM(DENSE, rngs=nnx.Rngs(0))(jb["tokens"], jb["segment_ids"], jb["positions"])
+    np.testing.assert_allclose(reference, base, atol=1e-5)  # adapters off = the base model
+    assert float(jnp.abs(policy - reference).max()) > 1e-2
+
+    def ours(logits):
+        pol = preference.pair_logps(preference.token_logps(logits, jb["targets"], jb["loss_mask"]), jb["pref_index"], 4)
+        ref = preference.pair_logps(preference.token_logps(reference, jb["targets"], jb["loss_mask"]),
+                                    jb["pref_index"], 4)
+        total, stats = preference.dpo_terms(pol, ref, jb["pair_mask"], BETA)
+        return total / stats["dpo_pairs"]
+    loss, grad = jax.value_and_grad(ours)(policy)
+    tp = torch.tensor(np.asarray(policy), dtype=torch.float64, requires_grad=True)
+    theirs = _trl_loss(tp, torch.tensor(np.asarray(reference), dtype=torch.float64), batch)
+    theirs.backward()
+    assert abs(float(loss) - float(theirs)) <= 1e-5 * abs(float(theirs))
+    tg = tp.grad.numpy()
+    assert np.abs(np.asarray(grad) - tg).max() <= 1e-5 * np.abs(tg).max()
+    # the trainer's objective: loss_sum / answer tokens is the mean pair loss; gradients reach the adapters only
+    mask = Partition(p).mask()
+    step_loss, grads, aux = jax.jit(lambda q: loss_and_grads(g, r, preference.dpo_loss(BETA), q, jb, trainable=mask))(p)
+    assert abs(float(step_loss) - float(theirs)) <= 1e-5 * abs(float(theirs))
+    assert float(aux["dpo_pairs"]) == 3 and 0 <= float(aux["dpo_correct"]) <= 3
+    for t, leaf in zip(mask, jax.tree.leaves(grads)):
+        assert t or not np.any(np.asarray(leaf))
+    assert any(np.any(np.asarray(leaf)) for t, leaf in zip(mask, jax.tree.leaves(grads)) if t)
+
+
+def test_dpo_without_a_reference_is_one_line_error():
+    jb = {k: jnp.asarray(v) for k, v in _batch().items()}
+    g, p, r = nnx.split(LLM(DENSE, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    with pytest.raises(ConfigError, match="DPO needs a reference"):
+        loss_and_grads(g, r, preference.dpo_loss(BETA), p, jb)
