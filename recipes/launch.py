@@ -34,6 +34,8 @@ from omnijax.train.watchdog import EXIT_HUNG
 
 DESCRIPTION = "start N processes of a recipe; restart the group from the last checkpoint when one dies"
 USER_ERROR = 2           # recipes' exit code for a UserError: not worth a restart
+# what jax's coordination client logs (fatal) before it aborts a process whose job lost a task
+COORDINATION_FATAL = "the JAX distributed service detected fatal errors"
 
 
 def free_port() -> int:
@@ -194,11 +196,16 @@ def process_of(argv: list[str], env) -> tuple[str, str]:
 
 def describe_death(rc: int, process: str, log: Path, where: str) -> tuple[str, int]:
     """The line a supervisor prints for a recipe process killed by a signal, and the code to end with
-    (a negative code: die of that signal too). gloo aborting the process (SIGABRT with its message in the
-    native log) means a peer was lost: exit 75 like the peer watch, whose line it could not print."""
-    tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+    (a negative code: die of that signal too). Judged by the operation that failed, as its native log names
+    it: jax's coordination client aborting the process (a task of the job was lost) or gloo aborting it (a
+    collective broke) means a peer was lost: exit 75 like the peer watch, whose line it could not print."""
+    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    tail, recent = lines[-3:], lines[-80:]  # (the log is appended across attempts: this death's end only)
     resume = (f"Last checkpoint: {where}. To resume, run the same command on every host again "
               "(`python -m recipes launch` and Slurm requeue do it)")
+    if rc == -signal.SIGABRT and any(COORDINATION_FATAL in line for line in recent):  # the failing operation: the coordination service
+        return (f"\nerror: process {process} stopped: a peer process was lost (jax's coordination service reported "
+                f"it and ended this process; see {log}). {resume}", EXIT_PEER_LOST)
     if rc == -signal.SIGABRT and any("gloo" in line for line in tail):
         what = next((line for line in tail if "what():" in line), tail[-1])
         what = re.sub(r"^\s*what\(\):\s*(\[[^\]]*\]\s*)?", "", what).split(" Is there a")[0].strip()[:300]

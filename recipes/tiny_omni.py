@@ -183,6 +183,8 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     result = trainer.fit()
     if result.status != "finished":
         return 0
+    if jax.process_index() != 0:  # process 0 decoded the world's questions and reports for the job
+        return 0
     t_total = time.perf_counter() - t0
     data = {k: v for k, v in loader.metrics().items() if k.startswith(("skipped", "dropped", "split"))}
     if evaluate is None:
@@ -198,7 +200,6 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
                   "wall_s": round(t_total, 1), "data": data,
                   "tokens": token_report(World(cfg.world, "train"), 1000, cfg.model)}
         summary = world_eval.accuracy_table(result.eval, chances, evaluate.zeroed, list(items)) + "\n"
-    if jax.process_index() == 0:
-        (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
     print(f"{summary}({cfg.trainer.steps} steps, {t_total:.0f} s) -> {trainer.run_dir}/eval.json", file=sys.stderr)
     return 0

@@ -190,3 +190,67 @@ def test_tiny_omni_two_processes_match_one_device(tmp_path):
         assert a["payload_bytes_step"] == b["payload_bytes_step"] == total
         assert 0 < a["payload_bytes_decoded"] <= 0.6 * total and 0 < b["payload_bytes_decoded"] <= 0.6 * total
         assert a["payload_bytes_decoded"] + b["payload_bytes_decoded"] >= total
+
+
+# ------------------------------------------------------------------- finishing together (issue 46, bug 1)
+_LONGER = """
+import os, sys, time
+from pathlib import Path
+from omnijax.train import launch
+launch.SHUTDOWN_TIMEOUT_S = 5    # jax's shutdown barrier (300 s by default), lowered so the race shows in seconds
+argv = launch.pop_launch_flags(sys.argv[1:])
+extra, die = float(os.environ["EXTRA_WORK_S"]), os.environ.get("DIE_IN_EXTRA_WORK") == "1"
+if not die:                      # a finished tiny_lm run
+    from recipes.__main__ import main
+    code = main(argv)
+else:                            # no training: the job, its peer watch, native stderr in the run folder
+    launch.maybe_initialize_distributed()
+    launch.peer_watch().arm(3, lambda: "none", armed=False)
+    import jax
+    launch.redirect_native_stderr(launch.native_log(Path(os.environ["OMNIJAX_RUNS"]) / "lost", jax.process_index()))
+    code = 0
+import jax
+if jax.process_index() == 0:     # process 0's lone work after the last step (an evaluation, an export)
+    time.sleep(extra)
+    if die:
+        os._exit(1)
+launch.exit_process(code)        # as python -m recipes ends
+"""
+_SUPERVISED = ("import sys; from recipes.launch import supervise; "
+               "sys.exit(supervise(sys.argv[1:], command=[sys.executable, '-c', {script!r}, *sys.argv[1:]]))")
+
+
+def _pair(args: list[str], runs: Path, log: Path, env: dict) -> list[subprocess.Popen]:
+    """Two processes of `_LONGER`, each under the supervisor `python -m recipes --coordinator ...` puts above it."""
+    port = free_port()
+    return [subprocess.Popen([sys.executable, "-c", _SUPERVISED.format(script=_LONGER), *args,
+                              f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"], cwd=ROOT,
+                             env={**_env(runs), "PYTHONPATH": str(ROOT), **env},
+                             stdout=subprocess.DEVNULL, stderr=open(f"{log}.p{i}", "w"))
+            for i in range(2)]
+
+
+@pytest.mark.slow
+def test_a_finished_pair_exits_0_when_process_0_works_two_minutes_longer(tmp_path):
+    """Bug 1 of issue 46: process 0 evaluated alone after the last step; process 1, done, entered jax's
+    shutdown barrier, which failed ("Shutdown barrier has failed", SIGABRT) before process 0 came.
+    Here process 0 of a finished tiny_lm pair works 120 s longer (a sleep: wall time, no CPU) against a
+    shutdown barrier lowered to 5 s and a heartbeat limit of 35 s: without the agreed finishing point both
+    abort within seconds (checked); with it both exit 0. Beside it, a pair whose process 0 dies in its lone
+    work: process 1 neither waits for ever nor dies unexplained, it ends with the peer-lost line and exit 75."""
+    fast = {"OMNIJAX_PEER_TIMEOUT_S": "5", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    args = ["tiny_lm", *TINY_LM, "trainer.steps=2", "trainer.run_name=longer", "parallel.cpu_devices=2",
+            "trainer.peer_timeout_s=5"]
+    finished = _pair(args, tmp_path, tmp_path / "finished", {**fast, "EXTRA_WORK_S": "120"})
+    lost = _pair(["tiny_lm", "trainer.run_name=lost"], tmp_path, tmp_path / "lost",
+                 {**fast, "EXTRA_WORK_S": "10", "DIE_IN_EXTRA_WORK": "1"})
+    codes = [p.wait(timeout=900) for p in finished]
+    logs = [Path(f"{tmp_path / 'finished'}.p{i}").read_text() for i in range(2)]
+    assert codes == [0, 0], (codes, logs[0][-2000:], logs[1][-2000:])
+    assert (tmp_path / "longer" / "eval.json").exists()
+    assert "Shutdown barrier" not in "".join(logs) + "".join(
+        p.read_text() for p in (tmp_path / "longer").glob("native_stderr.p*.log"))
+    assert [p.wait(timeout=300) for p in lost] == [1, 75]
+    line = [l for l in Path(f"{tmp_path / 'lost'}.p1").read_text().splitlines() if l.strip()][-1]
+    assert line.startswith("error: process 1 of 2 stopped: ") or line.startswith("error: process 0 of 2 stopped"), line
+    assert "peer process was lost" in line or "stopped answering" in line, line

@@ -99,9 +99,11 @@ class WorldAccuracy:
         return self._params
 
     def __call__(self, params: Any) -> dict[str, float]:
+        params = self.single_device(params)  # every process takes part in gathering the params
+        if jax.process_index() != 0:  # decoding runs on device 0, which only process 0 holds
+            return {}
         if self._decoder is None:
             self._decoder = GreedyDecoder(self.model, self.packer, self.max_new)
-        params = self.single_device(params)
         acc, self.per_question = accuracy_by_modality(self._decoder, params, self.items, examples=self.examples)
         if self.ablation_items:  # the same questions with every encoder output zeroed
             few = {m: its[:self.ablation_items] for m, its in self.items.items()}

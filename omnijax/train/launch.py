@@ -10,6 +10,14 @@ counter has not moved for `trainer.peer_timeout_s` (or a coordinator that stops 
 long) makes every survivor print one line (which process, the last checkpoint, how to resume) and
 exit with EXIT_PEER_LOST. jax's own heartbeat is set `_BACKSTOP_S` later, as a backstop; whatever
 native code prints when it fires goes to the run folder's `native_stderr.p<I>.log`, not the terminal.
+
+Finishing: after the last step one process may work on alone (process 0's held-out evaluation, an export, a
+final save) while the others are done. A process that simply exits enters jax's shutdown barrier, which fails
+(SIGABRT in every process, coordination service "Shutdown barrier has failed") when a peer arrives more than
+`shutdown_timeout_seconds` later, or when a peer that failed in its lone work never arrives. So every process
+of a run that ended well waits at one agreed point first (`exit_process` -> `finish_together`), with its
+PeerWatch judging the others meanwhile: the processes reach jax's shutdown together and exit 0, and a peer lost
+while the others wait makes them stop with the peer-lost line instead of an abort.
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ _watch: "PeerWatch | None" = None
 EXIT_PEER_LOST = 75      # EX_TEMPFAIL: a peer process was lost; rerunning the same command resumes
 DEFAULT_PEER_TIMEOUT_S = 60.0
 _BACKSTOP_S = 30         # jax's heartbeat timeout = peer timeout + this (ours speaks first)
+SHUTDOWN_TIMEOUT_S = 300  # jax's shutdown barrier: processes arrive together after finish_together
+FINISH_WAIT_S = 7 * 24 * 3600  # finish_together's own limit: a backstop, the PeerWatch judges the peers
 
 
 def launch_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -88,10 +98,12 @@ def maybe_initialize_distributed() -> int:
             raise UserError(f"--process-id={pid} must be in [0, {num})")
         _cpu_collectives()
         jax.distributed.initialize(coordinator, num_processes=num, process_id=pid,
-                                   heartbeat_timeout_seconds=_heartbeat_s())
+                                   heartbeat_timeout_seconds=_heartbeat_s(),
+                                   shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     elif auto_detected():
         _cpu_collectives()
-        jax.distributed.initialize(heartbeat_timeout_seconds=_heartbeat_s())
+        jax.distributed.initialize(heartbeat_timeout_seconds=_heartbeat_s(),
+                                   shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     _initialized = True
     if jax.process_count() > 1:
         _avoid_cache_hang()
@@ -288,17 +300,51 @@ def peer_error(exc: BaseException) -> bool:
                           r"coordination|Socket|socket|peer|closed", text))
 
 
+def finish_together(timeout_s: float | None = None) -> int:
+    """Wait until every process of the job has finished its own work (0), or stop with the peer-lost line
+    (EXIT_PEER_LOST) when a peer is lost meanwhile. Called once per process, by `exit_process(0)`.
+
+    The wait is a barrier on the coordination service, whose heartbeats go on while it waits; the PeerWatch is
+    armed for it, so a peer that dies in its lone work (process 0's evaluation or export) is named within
+    trainer.peer_timeout_s instead of leaving the others waiting or aborting in jax's shutdown barrier."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return 0
+    watch = _watch
+    if watch is not None:
+        watch.arm(watch.timeout_s, watch.last_checkpoint)
+    try:
+        client.wait_at_barrier("omnijax_finished", int((FINISH_WAIT_S if timeout_s is None else timeout_s) * 1000))
+    except Exception as exc:  # noqa: BLE001 - the service or a peer is gone: let the watch name it
+        if watch is not None:
+            watch.verdict(watch.timeout_s + 5)  # exits EXIT_PEER_LOST with its line when it sees the loss
+        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        print(f"\nerror: this process finished, but not every process of the job did ({text}); rerun the same "
+              "command to finish the run", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
+    finally:
+        if watch is not None:
+            watch.disarm()
+    return 0
+
+
 def exit_process(code: int) -> None:
-    """End the process with `code`. A failed process of a multi-process run skips the native teardown:
-    after a peer is lost, the distributed runtime's destructors can abort (SIGABRT), which would hide the
-    exit code the launcher and the user act on."""
-    if code and _initialized:
+    """End the process with `code`. In a multi-process run a process that ended well first waits for the
+    others' work after the last step (`finish_together`; see the module docstring). A failed process skips
+    the native teardown: after a peer is lost, the distributed runtime's destructors can abort (SIGABRT),
+    which would hide the exit code the launcher and the user act on."""
+    if _initialized:
         import jax
 
         if jax.process_count() > 1:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            if code == 0:
+                code = finish_together()
+            if code:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
     sys.exit(code)
 
 
