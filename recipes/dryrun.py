@@ -124,10 +124,6 @@ def compiled_dryrun(name: str, target_name: str, overrides: list[str]) -> int:
     info = targets.device_info(target.card)
     devices = targets.devices(target)
     overrides = overrides + ["trainer.checkpoint_every=0", "trainer.progress=false"]
-
-    import jax
-    import jax.numpy as jnp
-
     from omnijax.train.metrics import llm_flops_per_token
 
     if name in LLM_RECIPES:
@@ -149,15 +145,10 @@ def compiled_dryrun(name: str, target_name: str, overrides: list[str]) -> int:
         else:
             batch.update(lib.encoder_batch(placement, cfg.model, cfg.capacity))
 
-    # the estimate dryrun printed before compiling: 16 B per parameter on the fullest device + saved LLM activations
-    params_dev = sum(_shard_elems(x) for x in jax.tree.leaves(trainer.state.params))
-    act = lib.llm_activation_bytes(llm_cfg, layout, B, L, cfg.parallel.remat, jnp.dtype(cfg.trainer.compute_dtype).itemsize)
-    analytic = {"state_gib_per_device": round(params_dev * lib.BYTES_PER_PARAM / lib.GiB, 2),
-                "activation_gib_per_device": round(act / lib.GiB, 2),
-                "total_gib_per_device": round((params_dev * lib.BYTES_PER_PARAM + act) / lib.GiB, 2)}
     model_flops = llm_flops_per_token(llm_cfg, L) * B * L / target.devices
     with tempfile.TemporaryDirectory(prefix="omnijax_dryrun_") as dump:
         compiled, calls, compile_s = lib.compile_step(trainer, batch, dump)
+        analytic = _analytic(trainer, llm_cfg, layout, cfg, calls, info)
         report = lib.target_report(compiled, calls, dump, target=target, info=info, analytic=analytic,
                                    model_flops_per_device=model_flops, compile_s=compile_s)
     report = {"recipe": name, **report, "layout": str(layout), "remat": str(cfg.parallel.remat),
@@ -166,6 +157,27 @@ def compiled_dryrun(name: str, target_name: str, overrides: list[str]) -> int:
     _print_report(report, info)
     print(json.dumps(report))
     return 0
+
+
+def _analytic(trainer, llm_cfg, layout, cfg, calls, info) -> dict:
+    """The analytic estimate beside XLA's figures, by term (`omnijax.train.dryrun.step_memory_terms`), and the
+    one dryrun printed before this compile existed (16 B/param + saved activations + one [tokens x V] fp32)."""
+    import jax
+    import jax.numpy as jnp
+
+    from omnijax.train import dryrun as lib
+
+    B, L, GiB = cfg.data.batch_size, cfg.data.seq_len, lib.GiB
+    dtype = jnp.dtype(cfg.trainer.compute_dtype).itemsize
+    params = sum(_shard_elems(x) for x in jax.tree.leaves(trainer.state.params))
+    packed = any(c["impl"] == "cudnn" for c in calls) and float(info["compute_capability"] or 0) >= 9.0
+    terms = lib.step_memory_terms(llm_cfg, layout, B, L, cfg.parallel.remat, dtype, params, cudnn_packed=packed)
+    before = params * lib.BYTES_PER_PARAM + lib.llm_activation_bytes(llm_cfg, layout, B, L, cfg.parallel.remat, dtype)
+    return {"terms_gib": {k: round(v / GiB, 2) for k, v in terms.items()},
+            "state_gib_per_device": round(terms["state"] / GiB, 2),
+            "working_gib_per_device": round((sum(terms.values()) - terms["state"]) / GiB, 2),
+            "total_gib_per_device": round(sum(terms.values()) / GiB, 2),
+            "before_fix_total_gib_per_device": round(before / GiB, 2)}
 
 
 def _shard_elems(x) -> int:
@@ -188,15 +200,18 @@ def _print_report(r: dict, info: dict) -> None:
     for b in r["largest_buffers_detail"]:
         print(f"  buffer {b['shape']:<28} {b['bytes'] / GiB:7.2f} GiB  {b['op']} {b['instruction']}  {b['source'][-90:]}",
               file=out)
-    print(f"  attention: {r['attention_kernels']} (cuDNN custom calls {r['cudnn_custom_calls']})", file=out)
+    print(f"  attention: {r['attention_kernels']} (cuDNN custom calls {r['cudnn_custom_calls']})"
+          + (f"; cuDNN not taken: {r['cudnn_refused']}" if r.get("cudnn_refused") else ""), file=out)
     print(f"  collectives: {r['collectives']}", file=out)
     flops = r["xla_flops"]
     print(f"  FLOPs per device: XLA {flops or 0:.4g} (custom calls count 0) vs the trainer's MFU formula "
           f"{r['model_flops_per_device']:.4g} (6N + 12·L·H·Dh·T per token)", file=out)
     a = r.get("analytic")
     if a:
-        print(f"  analytic estimate: state {a['state_gib_per_device']} GiB + activations {a['activation_gib_per_device']} "
-              f"GiB = {a['total_gib_per_device']} GiB" + (f"; off by >20%: {'; '.join(r['estimate_check'])}"
-                                                          if r.get("estimate_check") else ""), file=out)
+        terms = ", ".join(f"{k} {v}" for k, v in a["terms_gib"].items())
+        print(f"  analytic estimate: {a['total_gib_per_device']} GiB ({terms}; before XLA's check it said "
+              f"{a['before_fix_total_gib_per_device']} GiB)" + (f"; off by >20%: {'; '.join(r['estimate_check'])}"
+                                                                if r.get("estimate_check") else "; within 20% of XLA's"),
+              file=out)
     if r.get("advice"):
         print("  " + r["advice"], file=out)

@@ -112,9 +112,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment
             impl = "cudnn"
         else:
             impl = "blockwise"
+    refused = None
     if impl == "cudnn" and not _cudnn_shapes_fit(q, k, v, return_lse):
         impl = "blockwise"
+    elif impl == "cudnn" and _partly_manual():
+        impl, refused = "blockwise", "inside a partly manual shard_map (a pipeline stage)"
     call = _record(impl, q, k)
+    if refused:
+        call["cudnn_refused"] = refused
     if impl == "reference":
         return reference_attention(q, k, v, return_lse=return_lse, **kw)
     blockwise = functools.partial(blockwise_attention, block_q=block_q, block_k=block_k, **kw)
@@ -217,6 +222,18 @@ def cudnn_available() -> bool:
 
 def _compute_capability() -> tuple[int, ...]:
     return _target()[1]
+
+
+def _partly_manual() -> bool:
+    """Tracing inside a shard_map that is manual over some mesh axes and automatic over others of size > 1
+    (the SPMD pipeline: manual over pp). jax's cuDNN attention is custom-partitioned, and its partitioner
+    fails there (it reads `.spec` of the GSPMDSharding such a region hands it: omni_8b's pp2xfsdp8xtp4 step
+    does not compile for H100s with it), so those calls stay blockwise. Fully manual regions (the encoders'
+    shard_map, the explicit FSDP step) and plain GSPMD code keep cuDNN."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.manual_axes:
+        return False
+    return any(size > 1 for name, size in mesh.shape.items() if name not in mesh.manual_axes)
 
 
 def _cudnn_shapes_fit(q: jax.Array, k: jax.Array, v: jax.Array, return_lse: bool) -> bool:

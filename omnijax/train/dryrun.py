@@ -28,7 +28,7 @@ from omnijax.parallel import mesh as mesh_lib, routing, rules as rules_lib
 from omnijax.train.step import loss_and_grads
 
 GiB = 1 << 30
-BYTES_PER_PARAM = 16  # fp32 master weights + fp32 gradients + two fp32 Adam moments
+BYTES_PER_PARAM = 16  # the estimate before XLA's reports: fp32 masters + gradients + two Adam moments, as state
 
 
 def _per_device_params(state: Any, rules: rules_lib.Rules, mesh: AbstractMesh, pp: int, in_blocks: bool) -> float:
@@ -48,7 +48,7 @@ def _per_device_params(state: Any, rules: rules_lib.Rules, mesh: AbstractMesh, p
 
 
 def llm_activation_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int, remat: Any,
-                         dtype_bytes: int) -> float:
+                         dtype_bytes: int, logits: bool = True) -> float:
     """Estimated bytes of LLM activations one device keeps for the backward (the peak between forward
     and backward), from the model shape alone.
 
@@ -75,7 +75,52 @@ def llm_activation_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq
     layers = llm.num_layers / layout.pp
     tokens = batch_size * seq_len / (layout.batch_shards * layout.cp)
     elems = per_layer * layers + (none if mode == "full" else 0.0)
-    return tokens * elems * dtype_bytes + tokens * llm.vocab_size / tp * 4
+    return tokens * elems * dtype_bytes + (tokens * llm.vocab_size / tp * 4 if logits else 0.0)
+
+
+STATE_BYTES_PER_PARAM = 12  # what the step takes as arguments: fp32 masters + two fp32 Adam moments
+GRAD_BYTES_PER_PARAM = 4    # fp32 gradients: temporaries of the step, not state
+
+
+def cudnn_stats_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int) -> float:
+    """Softmax statistics cuDNN's packed attention saves for its backward, per device: jax's packed API
+    declares them [B x max_segments, H, L] fp32, max_segments being the bound `attention._cudnn_or_blockwise`
+    passes (max(64, L/16), at most L), per layer."""
+    L = seq_len // layout.cp
+    max_segments = max(2, min(L, max(64, L // 16)))
+    rows = batch_size / layout.batch_shards
+    return rows * max_segments * (llm.num_heads / layout.tp) * L * 4 * llm.num_layers / layout.pp
+
+
+def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int, remat: Any,
+                      dtype_bytes: int, params_per_device: float, *, cudnn_packed: bool = False) -> dict[str, float]:
+    """The estimated bytes per device of one training step, by term (what `dryrun` prints beside XLA's):
+
+    - ``state`` (the step's arguments): 12 B per parameter on the fullest device;
+    - ``gradients``: 4 B per parameter; ``compute_copy``: the parameters cast to the compute dtype (bf16) and,
+      under fsdp, gathered: the step keeps every layer's gathered weights for the backward (XLA's all-gathers
+      of the Qwen2-7B step on 8 H100s add up to the whole model in bf16);
+    - ``activations``: the LLM layers' saved activations at ``parallel.remat`` (`llm_activation_bytes`);
+    - ``loss``: the logits the loss holds: two chunks of ``model.loss_chunk`` positions per row (the forward's
+      and the backward's recomputed one) or, with ``loss_chunk=0``, three [tokens x V] fp32 arrays (logits,
+      their gradient, the gradient's scatter), as XLA allocates them;
+    - ``attention_stats``: cuDNN's packed softmax statistics (`cudnn_stats_bytes`), where cuDNN is used.
+
+    The estimate before XLA's reports were compared counted 16 B/param of state (gradients included) and one
+    [tokens x V] fp32 array, and nothing for the compute copy or the statistics: 29.4 GiB for the gpucheck 1B
+    step on one H100 where XLA plans 34.9 (docs/real-size.md)."""
+    chunk = int(getattr(llm, "loss_chunk", 0) or 0)
+    rows = batch_size / layout.batch_shards
+    L = seq_len / layout.cp
+    vocab = llm.vocab_size / layout.tp
+    loss = 2 * rows * min(chunk, L) * vocab * 4 if chunk else 3 * rows * L * vocab * 4
+    return {"state": params_per_device * STATE_BYTES_PER_PARAM,
+            "gradients": params_per_device * GRAD_BYTES_PER_PARAM,
+            "compute_copy": (params_per_device * layout.fsdp * dtype_bytes
+                             if dtype_bytes < 4 or layout.fsdp > 1 else 0.0),
+            "activations": llm_activation_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes, logits=False),
+            "loss": loss,
+            "attention_stats": cudnn_stats_bytes(llm, layout, batch_size, seq_len) if cudnn_packed else 0.0}
 
 
 def dry_run(cfg: Any, num_devices: int, device_memory_gib: float = 80.0) -> dict[str, Any]:
@@ -106,16 +151,19 @@ def dry_run(cfg: Any, num_devices: int, device_memory_gib: float = 80.0) -> dict
     per_dev = (_per_device_params(params["llm"], llm_rules, amesh, layout.pp, in_blocks=True)
                + _per_device_params(params["encoders"], enc_rules, amesh, 1, False)
                + _per_device_params(params["projectors"], enc_rules, amesh, 1, False))
-    state_gib = per_dev * BYTES_PER_PARAM / GiB
     B, L = cfg.data.batch_size, cfg.data.seq_len
     dtype = jnp.dtype(cfg.trainer.compute_dtype)
-    act = {r: llm_activation_bytes(m.llm, layout, B, L, r, dtype.itemsize) / GiB for r in REMAT_MODES}
     remat = remat_mode(p.remat)
-    total_gib = state_gib + act[remat]
+    terms = {r: step_memory_terms(m.llm, layout, B, L, r, dtype.itemsize, per_dev) for r in REMAT_MODES}
+    state_gib = terms[remat]["state"] / GiB
+    act = {r: (t["activations"] + t["loss"]) / GiB for r, t in terms.items()}
+    total_gib = sum(terms[remat].values()) / GiB
     if total_gib > device_memory_gib:
         raise ConfigError(f"training needs {total_gib:.1f} GiB per device (> {device_memory_gib} GiB): state "
-                          f"{state_gib:.1f} + LLM activations {act[remat]:.1f} at parallel.remat={remat}; shard more "
-                          "(fsdp/tp/pp), remat more, or use encoder_fsdp rules")
+                          f"{state_gib:.1f} + gradients and compute copy "
+                          f"{(terms[remat]['gradients'] + terms[remat]['compute_copy']) / GiB:.1f} + LLM activations "
+                          f"and loss {act[remat]:.1f} at parallel.remat={remat}; shard more (fsdp/tp/pp), remat more, "
+                          "or use encoder_fsdp rules")
 
     from omnijax.data.packing import encoder_specs
 
@@ -180,8 +228,15 @@ def abstract_trainer_class():
             self.graphdef = graph[0]
             # non-parameter variables are constants of the step (none in omnijax's models today)
             self.rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), rest)
-            shardings = self.placement.state_shardings(state)
-            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+            # the placement's shardings may stand where the state has a Variable node (one leaf each): pair
+            # them leaf by leaf, in the one flattening order both trees share
+            shardings = jax.tree.leaves(self.placement.state_shardings(state),
+                                        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+            leaves, treedef = jax.tree.flatten(state)
+            if len(leaves) != len(shardings):
+                raise ConfigError(f"the placement gave {len(shardings)} shardings for {len(leaves)} state arrays")
+            return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                                                for x, s in zip(leaves, shardings)])
 
     return AbstractTrainer
 
@@ -360,6 +415,7 @@ def target_report(compiled: Any, calls: list[dict], dump_dir: str, *, target: An
         "fits": peak <= (1 - HEADROOM) * device_mem,
         "largest_buffers": [b["shape"] for b in buffers], "largest_buffers_detail": buffers,
         "attention_kernels": dict(sorted(kinds.items())), "cudnn_custom_calls": cudnn_calls(instr),
+        "cudnn_refused": dict(collections.Counter(c["cudnn_refused"] for c in calls if "cudnn_refused" in c)),
         "collectives": colls, "collective_bytes": sum(c["bytes"] for c in colls.values()),
         "xla_flops": flops, "model_flops_per_device": model_flops_per_device,
         "compile_s": round(compile_s, 1),
@@ -379,12 +435,15 @@ def target_report(compiled: Any, calls: list[dict], dump_dir: str, *, target: An
 
 
 def estimate_check(analytic: dict, argument_bytes: int, working_bytes: int) -> list[str]:
-    """Where the analytic estimate and XLA differ by more than 20%: which term (state: the arguments;
-    activations: what the step allocates beyond them)."""
+    """Where the analytic estimate and XLA differ by more than 20%, which part: the state (XLA's arguments)
+    or the working memory (everything else the step allocates: gradients, compute copy, activations, loss,
+    attention statistics), with the estimate's terms of that part."""
+    terms = analytic["terms_gib"]
     out = []
-    for term, est_gib, xla in (("state", analytic["state_gib_per_device"], argument_bytes),
-                               ("activations", analytic["activation_gib_per_device"], working_bytes)):
-        est = est_gib * GiB
+    for part, names, xla in (("state", ["state"], argument_bytes),
+                             ("working memory", [k for k in terms if k != "state"], working_bytes)):
+        est = sum(terms[k] for k in names) * GiB
         if xla > 0 and abs(est - xla) > 0.2 * xla:
-            out.append(f"{term}: estimate {est_gib:.2f} GiB vs XLA {xla / GiB:.2f} GiB")
+            out.append(f"{part}: estimate {est / GiB:.2f} GiB ({', '.join(f'{k} {terms[k]}' for k in names)}) vs XLA "
+                       f"{xla / GiB:.2f} GiB")
     return out
