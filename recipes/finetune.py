@@ -209,7 +209,7 @@ def main(argv: list[str], name: str = "finetune") -> int:
         trainer.state = trainer.state.replace(params=params)
     result = trainer.fit()
     if result.status != "finished":
-        return 0
+        return result.exit_code  # preempted: saved, not finished (EXIT_PREEMPTED)
     held = (f"eval_loss {result.eval['eval_loss']:.4f} over {result.eval['eval_tokens']} held-out tokens"
             if result.eval and "eval_loss" in result.eval else "no data.eval_sources: no held-out loss")
     data = {k: v for k, v in loader.metrics().items() if k.startswith(("skipped", "dropped"))}

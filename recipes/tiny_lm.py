@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
                       aux_weights={"moe_aux_loss": 1.0})  # already weighted by model.moe.aux_loss_weight
     result = trainer.fit()
     if result.status != "finished":
-        return 0
+        return result.exit_code  # preempted: saved, not finished (EXIT_PREEMPTED)
     baseline = unigram_loss(stdlib_text.train_files(), eval_rows)
     report = {"metrics": {"eval_loss": result.eval["eval_loss"]}, "baselines": {"unigram_loss": baseline},
               "steps": cfg.trainer.steps}

@@ -182,7 +182,7 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
                       step_flops=flops)
     result = trainer.fit()
     if result.status != "finished":
-        return 0
+        return result.exit_code  # preempted: saved, not finished (EXIT_PREEMPTED)
     if jax.process_index() != 0:  # process 0 decoded the world's questions and reports for the job
         return 0
     t_total = time.perf_counter() - t0

@@ -356,3 +356,118 @@ def test_the_command_line_launcher_and_supervisor_start_without_jax():
     code = ("import sys, recipes.__main__, recipes.launch, omnijax.allocator; "
             "assert not {'jax', 'flax'} & set(sys.modules), sorted(m for m in sys.modules if m.startswith(('jax', 'flax')))")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), check=True)
+
+
+# ----------------------------------------------------------------- a changed config is not damage (issue 46)
+def _snapshot(root: Path) -> dict:
+    """Every file under `root` with its size and modification time: what "nothing was moved" compares."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_checkpoint_of_another_model_is_one_line_and_nothing_moves(tmp_path):
+    from omnijax.train.checkpoint import CheckpointMismatch
+
+    ck = Checkpointer(tmp_path / "checkpoints", keep=5)
+    for step in (1, 2):
+        ck.save(step, _tree(float(step)), {"step": step})
+    ck.wait()
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"width": 256, "bias": 16}, "trainer": {"steps": 2}}))
+    before = _snapshot(tmp_path)
+    wider = {"w": jnp.zeros((256, 128)), "b": jnp.zeros((16,)), "extra": jnp.zeros((3,), jnp.bfloat16)}
+    with pytest.raises(CheckpointMismatch) as err:
+        ck.restore_good(wider, config={"model": {"width": 128, "bias": 16}, "trainer": {"steps": 9}})
+    line = str(err.value)
+    assert "\n" not in line and "damaged" not in line and "Nothing was moved" in line
+    assert "checkpoint step 2 in" in line                                     # the newest, not tried step by step
+    assert "extra: saved absent -> configured [3] bfloat16" in line
+    assert "w: saved [256, 256] float32 -> configured [256, 128] float32" in line
+    assert "model.width: 256 -> 128" in line and "trainer.steps" not in line  # a run length is not a model change
+    with pytest.raises(CheckpointMismatch, match=r"b: saved \[16\] float32 -> configured \[16\] bfloat16"):
+        ck.restore_good({**_tree(0.0), "b": jnp.zeros((16,), jnp.bfloat16)})  # a dtype alone differs
+    assert _snapshot(tmp_path) == before and not (tmp_path / "checkpoints_set_aside").exists()
+    state, _, step = ck.restore_good(_tree(0.0))                              # the right model still resumes
+    assert step == 2 and float(state["b"][0]) == 2.0
+    ck.close()
+
+
+def test_a_resume_with_a_changed_model_stops_in_one_line_and_moves_nothing(tmp_path):
+    """The trainer's own path (issue 46's report: model.num_layers changed on resume called both intact
+    checkpoints damaged and set them aside): one line naming the new layer and the key, every file in place."""
+    from omnijax.train.checkpoint import CheckpointMismatch
+    from test_runtime import _trainer  # the suite's tiny trainer
+
+    _trainer(tmp_path, 2, ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=5"]).fit()
+    before = _snapshot(tmp_path)
+    changed = _trainer(tmp_path, 4, ["trainer.checkpoint_every=1", "model.num_layers=3"])
+    with pytest.raises(CheckpointMismatch) as err:
+        changed.fit()
+    line = str(err.value)
+    assert "\n" not in line and "damaged" not in line
+    assert "params.blocks.2." in line and "saved absent -> configured [" in line
+    assert "model.num_layers: 2 -> 3" in line
+    changed.checkpointer.close()
+    assert _snapshot(tmp_path) == before and not list(tmp_path.glob("checkpoints_*"))
+
+
+def test_an_io_error_on_restore_is_retried_then_named_and_nothing_moves(tmp_path, monkeypatch):
+    import errno
+
+    from omnijax.train import checkpoint
+    from omnijax.train.checkpoint import CheckpointReadError
+
+    waits = []
+    monkeypatch.setattr(checkpoint, "_sleep", waits.append)
+    ck = Checkpointer(tmp_path / "checkpoints", keep=5)
+    for step in (1, 2):
+        ck.save(step, _tree(float(step)), {"step": step})
+    ck.wait()
+    before = _snapshot(tmp_path)
+    real, failures = ck._manager.restore, []
+    victim = str(_files(tmp_path / "checkpoints" / "2")[-1])
+
+    def flaky(step, args=None):  # the read fails like a flaky mount: EIO on the largest file, `left` more times
+        if failures:
+            failures.pop()
+            raise OSError(errno.EIO, os.strerror(errno.EIO), victim)
+        return real(step, args=args)
+
+    monkeypatch.setattr(ck._manager, "restore", flaky)
+    failures.extend([1, 1])  # two failures, then it reads
+    lines = []
+    state, _, step = ck.restore_good(_tree(0.0), log=lines.append)
+    assert step == 2 and float(state["b"][0]) == 2.0 and waits == list(checkpoint.READ_RETRY_S)
+    assert len(lines) == 2 and all("retrying" in l and victim in l for l in lines)
+    failures.extend([1] * 10)  # it keeps failing: one line naming the file, no step set aside
+    with pytest.raises(CheckpointReadError) as err:
+        ck.restore_good(_tree(0.0), log=lines.append)
+    assert victim in str(err.value) and "Input/output error" in str(err.value) and "\n" not in str(err.value)
+    assert "damaged" not in str(err.value)
+    # the same while the checksums are read
+    monkeypatch.setattr(ck._manager, "restore", real)
+    monkeypatch.setattr(checkpoint, "_sha256", lambda p: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(CheckpointReadError, match="Input/output error"):
+        ck.restore_good(_tree(0.0), log=lines.append)
+    assert _snapshot(tmp_path) == before and not (tmp_path / "checkpoints_set_aside").exists()
+    ck.close()
+
+
+def test_readers_of_a_run_take_its_newest_good_checkpoint_and_say_so(tmp_path, capsys):
+    """init.checkpoint, export and generate read a run folder through warmstart.params_from_run: a damaged
+    newest step is skipped with one line naming it and the step read, and left where it is."""
+    from omnijax.train import warmstart
+
+    run = tmp_path / "stage1"
+    ck = Checkpointer(run / "checkpoints", keep=5)
+    for step in (1, 2, 3):
+        ck.save(step, {"params": _tree(float(step))}, {"step": step})
+    ck.close()
+    big = _files(run / "checkpoints" / "3")[-1]
+    with open(big, "r+b") as f:
+        f.seek(big.stat().st_size // 2)
+        f.write(b"\x00\xff" * 64)
+    before = _snapshot(run)
+    params, step = warmstart.params_from_run(run, _tree(0.0))
+    assert step == 2 and float(params["b"][0]) == 2.0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "init.checkpoint=" in err[0] and "step 3" in err[0] and "reading step 2" in err[0]
+    assert _snapshot(run) == before

@@ -50,12 +50,14 @@ def test_preemption_then_resume_reproduces_the_loss_curve(tmp_path, reference):
     # SIGTERM arrives on a step that is also a periodic checkpoint (6): saved once, then stop
     first = _trainer(tmp_path, 8, ["trainer.checkpoint_every=3"], hooks=(preempt_at_6,)).fit()
     assert first.status == "preempted" and int(first.state.step) == 6
+    from omnijax.train.launch import EXIT_PREEMPTED
+    assert first.exit_code == EXIT_PREEMPTED != 0  # saved but not finished: a scheduler must not mark it done
     ckpt = Checkpointer(tmp_path / "checkpoints")
     assert ckpt.latest_step() == 6 and 3 in ckpt.all_steps()
     ckpt.close()
     seen = []
     second = _trainer(tmp_path, 8, ["trainer.checkpoint_every=3"], hooks=(lambda t, step, row: seen.append(step),)).fit()
-    assert second.status == "finished" and int(second.state.step) == 8
+    assert second.status == "finished" and int(second.state.step) == 8 and second.exit_code == 0
     assert seen[0] == 7  # it really resumed after step 6 (a restart from 0 would log step 1 first)
     resumed = _losses(tmp_path)
     assert sorted(resumed) == list(range(1, 9))

@@ -13,6 +13,13 @@ before orbax renames the temporary folder into place, process 0 writes `omnijax_
 (size and SHA-256 of every file) into it, so the checksums are committed with the checkpoint in the
 same rename. `verify(step)` checks them before any value is read; `set_aside(step)` moves a damaged
 step out of the way (renamed, never deleted) so the run can resume from an older one.
+
+Only damage sets a step aside: bytes that disagree with their checksums, or (for steps saved without
+checksums) bytes orbax cannot decode. A checkpoint of another model (a changed `model.*`, `trainer.trainable`,
+optimizer) is told apart before any value is read, from orbax's metadata against the restore target: one
+line naming the first differing parameters and the config keys that changed (the run's `config.json`
+against this one), nothing moved (CheckpointMismatch). A read that fails with an OS error is retried
+(`READ_RETRY_S`), then stops in one line naming the file, nothing moved (CheckpointReadError).
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -62,7 +69,50 @@ class CheckpointSaveError(UserError):
 
 
 class DamagedCheckpoint(Exception):
-    """A step whose files disagree with its checksums (or that orbax could not read)."""
+    """A step whose files disagree with its checksums (or, saved without checksums, cannot be decoded)."""
+
+
+class CheckpointRestoreError(UserError):
+    """A restore that failed for another reason than damage, a mismatch or an OS error (e.g. a peer lost
+    mid-restore); `cause` keeps the underlying error for the lost-peer verdict."""
+
+    def __init__(self, message: str, cause: str = ""):
+        super().__init__(message)
+        self.cause = cause
+
+
+class CheckpointMismatch(UserError):
+    """The checkpoint holds another model than the configured one (parameters, shapes or dtypes differ).
+    `differences` are lines `path: saved -> configured`, first differing parameters first."""
+
+    def __init__(self, message: str, differences: list[str] | None = None):
+        super().__init__(message)
+        self.differences = differences or []
+
+
+class CheckpointReadError(UserError):
+    """Reading a checkpoint failed with an OS error after every retry (a flaky mount, a lost disk)."""
+
+
+READ_RETRY_S = (1.0, 4.0)  # waits before the 2nd and 3rd attempt of a read that failed with an OS error
+_sleep = time.sleep         # (tests replace it: the retries' waits without the wall time)
+# config keys whose change cannot change what a checkpoint holds (left out of the mismatch line)
+_RUN_ONLY_KEYS = ("trainer.steps", "trainer.run_name", "trainer.resume_step", "trainer.progress", "trainer.log_every",
+                  "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_checkpoints",
+                  "trainer.hang_timeout_s", "trainer.peer_timeout_s", "parallel.cpu_devices", "parallel.cpu_threads")
+
+
+class _ReadFailed(Exception):
+    """An OS error reading `path` (raised inside one attempt; retried by `_retrying`)."""
+
+    def __init__(self, path: Any, error: BaseException):
+        super().__init__(f"{path}: {error}")
+        self.path, self.error = path, error
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else ""
 
 
 def abstract_like(tree: Any) -> Any:
@@ -73,6 +123,45 @@ def abstract_like(tree: Any) -> Any:
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _os_error(exc: BaseException) -> tuple[str, str] | None:
+    """(file, reason) when `exc` is an OS error reading a file (directly, under orbax's wrappers, or in
+    tensorstore's status, which carries the OS error code), else None."""
+    seen, cause = set(), exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, _ReadFailed):
+            return str(cause.path), cause.error.strerror or str(cause.error)
+        if isinstance(cause, OSError) and not isinstance(cause, (FileNotFoundError, NotADirectoryError)):
+            return str(cause.filename or "?"), cause.strerror or str(cause)
+        cause = cause.__cause__ or cause.__context__
+    text = str(exc)
+    code = re.search(r"os_error_code='?(\d+)", text)  # tensorstore's status for an OSError
+    if code:
+        where = re.search(r'(?:reading|Error opening|Failed reading)[^"]*"([^"]+)"', text)
+        return (where.group(1) if where else "?"), os.strerror(int(code.group(1)))
+    return None
+
+
+def _retrying(what: str, read: Callable[[], Any], log: Callable[[str], None] | None = None) -> Any:
+    """`read()`, again after each wait of READ_RETRY_S when it fails with an OS error; the last failure is
+    one CheckpointReadError line naming the file (nothing is moved: the bytes may well be intact)."""
+    for attempt in range(len(READ_RETRY_S) + 1):
+        try:
+            return read()
+        except Exception as exc:  # noqa: BLE001 - only OS errors are retried; the rest propagate
+            failed = _os_error(exc)
+            if failed is None:
+                raise
+            if attempt == len(READ_RETRY_S):
+                raise CheckpointReadError(
+                    f"reading {what} failed {attempt + 1} times with an OS error: {failed[1]} ({failed[0]}); "
+                    "nothing was moved; check the disk or mount and run the same command again") from None
+            if log is not None:
+                log(f"warning: reading {what}: {failed[1]} ({failed[0]}); retrying in {READ_RETRY_S[attempt]:g} s")
+            _sleep(READ_RETRY_S[attempt])
+    raise AssertionError("unreachable")
 
 
 def checksum_tree(folder: Path) -> dict:
@@ -103,9 +192,58 @@ def verify_tree(folder: Path) -> str | None:
         have = p.stat().st_size
         if have != size:
             return f"{rel} has {have} bytes, {size} were written"
-        if _sha256(p) != digest:
+        try:
+            ok = _sha256(p) == digest
+        except OSError as exc:  # the bytes could not be read: not known to be damaged (retried by the caller)
+            raise _ReadFailed(p, exc) from None
+        if not ok:
             return f"{rel} has the right size but different bytes (checksum mismatch)"
     return None
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def tree_layout(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{orbax's parameter name (`params.blocks.0.attn.q.value`): (shape, dtype)} of every array leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]  # (orbax's ArrayMetadata are leaves; nnx Variables not)
+    return {".".join(_key_name(k) for k in path): (tuple(leaf.shape), str(leaf.dtype)) for path, leaf in flat
+            if hasattr(leaf, "shape")}
+
+
+def layout_differences(saved: dict, configured: dict) -> list[str]:
+    """Lines `name: saved -> configured` for the entries whose presence, shape or dtype differ, the model's
+    parameters before the optimizer state."""
+    out = []
+    for name in sorted(set(saved) | set(configured), key=lambda n: (not n.startswith("params."), n)):
+        a, b = saved.get(name), configured.get(name)
+        if a == b:
+            continue
+        show = lambda v: "absent" if v is None else f"{list(v[0])} {v[1]}"  # noqa: E731
+        out.append(f"{name}: saved {show(a)} -> configured {show(b)}")
+    return out
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """`key: saved -> now` for the settings that differ and can change what a checkpoint holds (model,
+    trainable parts, optimizer, layout), model keys first."""
+    a, b = _flat(saved), _flat(current)
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith(_RUN_ONLY_KEYS)]
+    keys.sort(key=lambda k: (not k.startswith("model."), not k.startswith(("trainer.trainable", "optimizer.")), k))
+    return [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in keys]
 
 
 class Checkpointer:
@@ -199,9 +337,11 @@ class Checkpointer:
         self._manager.close()
 
     # ------------------------------------------------------------------------------- reading
-    def verify(self, step: int) -> str | None:
-        """None if `step`'s files match the checksums written at save time, else what failed."""
-        return verify_tree(self.directory / str(step))
+    def verify(self, step: int, log: Callable[[str], None] | None = None) -> str | None:
+        """None if `step`'s files match the checksums written at save time, else what failed. A file that
+        cannot be read (an OS error) is retried, then a CheckpointReadError."""
+        folder = self.directory / str(step)
+        return _retrying(f"checkpoint step {step} in {self.directory}", lambda: verify_tree(folder), log)
 
     def has_checksums(self, step: int) -> bool:
         return (self.directory / str(step) / CHECKSUMS).exists()
@@ -221,37 +361,102 @@ class Checkpointer:
         self._manager.reload()
         return dest
 
-    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict, int]:
+    def saved_layout(self, step: int) -> dict[str, tuple[tuple[int, ...], str]] | None:
+        """What `step` holds, from orbax's metadata (no values read); None when it records no layout."""
+        folder = self.directory / str(step) / "state"
+        if not folder.is_dir():
+            return None
+        meta = ocp.StandardCheckpointHandler().metadata(folder)
+        tree = getattr(meta, "tree", meta)
+        return tree_layout(tree) if tree else None
+
+    def check_layout(self, target: Any, step: int, log: Callable[[str], None] | None = None) -> None:
+        """Raise CheckpointMismatch when `step` holds other parameters, shapes or dtypes than `target`;
+        DamagedCheckpoint when its metadata cannot be decoded."""
+        try:
+            saved = _retrying(f"checkpoint step {step} in {self.directory}", lambda: self.saved_layout(step), log)
+        except CheckpointReadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - metadata that cannot be decoded
+            raise DamagedCheckpoint(f"its metadata cannot be decoded ({_first_line(exc)})") from None
+        if saved is None:
+            return
+        differences = layout_differences(saved, tree_layout(target))
+        if differences:
+            raise CheckpointMismatch(f"checkpoint step {step} in {self.directory} holds another model than the "
+                                     f"configured one", differences)
+
+    def restore(self, target: Any, step: int | None = None, log: Callable[[str], None] | None = None
+                ) -> tuple[Any, dict, int]:
         """Restore onto the shardings carried by `target` (arrays or ShapeDtypeStructs). Raises
-        DamagedCheckpoint when the step's bytes disagree with its checksums or orbax cannot read them."""
+        DamagedCheckpoint when the step's bytes disagree with its checksums (or, without checksums, cannot be
+        decoded), CheckpointMismatch when it holds another model, CheckpointReadError when reading keeps
+        failing with an OS error."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         t0 = time.perf_counter()
-        problem = self.verify(step)
+        problem = self.verify(step, log)
         self.verify_s = time.perf_counter() - t0
-        if problem is not None and self.has_checksums(step):
+        checked = self.has_checksums(step)
+        if problem is not None and checked:
             raise DamagedCheckpoint(problem)
         abstract = jax.tree.map(
             lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else abstract_like(x), target)
+        self.check_layout(abstract, step, log)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), loader=ocp.args.JsonRestore())
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), loader=ocp.args.JsonRestore()))
-        except Exception as exc:  # noqa: BLE001 - unverified (older) checkpoints: orbax's own failure
-            raise DamagedCheckpoint(f"orbax could not read it ({type(exc).__name__}: "
-                                    f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''})") from None
+            restored = _retrying(f"checkpoint step {step} in {self.directory}",
+                                 lambda: self._manager.restore(step, args=args), log)
+        except CheckpointReadError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if not checked:  # saved without checksums: bytes orbax cannot decode are the damage we can see
+                raise DamagedCheckpoint(f"orbax could not read it ({type(exc).__name__}: {_first_line(exc)})") from None
+            raise CheckpointRestoreError(
+                f"restoring checkpoint step {step} from {self.directory} failed although its files match their "
+                f"checksums ({type(exc).__name__}: {_first_line(exc)}); nothing was moved",
+                cause=f"{type(exc).__name__}: {exc}") from exc
         return restored["state"], dict(restored["loader"] or {}), step
 
-    def restore_good(self, target: Any, step: int | None = None, log=None) -> tuple[Any, dict, int]:
+    def mismatch_line(self, exc: CheckpointMismatch, config: dict | None) -> str:
+        """The one line for a resume whose checkpoint holds another model: the first differing parameters
+        and the config keys that changed against the run's own `config.json`."""
+        first = exc.differences[:3]
+        more = f" (and {len(exc.differences) - 3} more)" if len(exc.differences) > 3 else ""
+        changed = ""
+        saved_cfg = self.directory.parent / "config.json"
+        if config is not None and saved_cfg.is_file():
+            try:
+                changes = config_changes(json.loads(saved_cfg.read_text()), config)
+            except (ValueError, OSError):
+                changes = []
+            changed = (f"; this command differs from the run's {saved_cfg.name} in " + ", ".join(changes[:4])
+                       + (" ..." if len(changes) > 4 else "") if changes else
+                       f"; the settings match the run's {saved_cfg.name}: the code that builds the model changed")
+        return (f"{exc}: {'; '.join(first)}{more}{changed}. Nothing was moved: run with the run's settings to resume "
+                f"from it, or choose a new trainer.run_name to start afresh")
+
+    def restore_good(self, target: Any, step: int | None = None, log=None, config: dict | None = None
+                     ) -> tuple[Any, dict, int]:
         """Restore `step`, or the newest step that reads back intact: each damaged newer step is set aside
-        with one warning line (its step and what failed). None readable: one UserError line."""
+        with one warning line (its step and what failed). None readable: one UserError line. A checkpoint of
+        another model (`config`, this run's settings, names what changed) or a read that keeps failing stops
+        in one line and moves nothing."""
         log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+
+        def attempt(candidate: int):
+            try:
+                return self.restore(target, candidate, log)
+            except CheckpointMismatch as exc:
+                raise CheckpointMismatch(self.mismatch_line(exc, config), exc.differences) from None
+
         if step is not None:
             if step not in self.all_steps():
                 raise UserError(f"trainer.resume_step={step}: no such checkpoint in {self.directory} "
                                 f"(have: {', '.join(map(str, self.all_steps())) or 'none'})")
             try:
-                return self.restore(target, step)
+                return attempt(step)
             except DamagedCheckpoint as exc:
                 raise UserError(f"checkpoint step {step} in {self.directory} is damaged: {exc}; pick another "
                                 f"trainer.resume_step or drop it to take the newest good one") from None
@@ -261,7 +466,7 @@ class Checkpointer:
                 log(f"warning: checkpoint step {candidate} has no {CHECKSUMS} (saved by an older omnijax or cut short "
                     f"after its commit): restoring it unchecked")
             try:
-                return self.restore(target, candidate)
+                return attempt(candidate)
             except DamagedCheckpoint as exc:
                 dest = self.set_aside(candidate)
                 set_aside.append(candidate)
@@ -278,6 +483,29 @@ class Checkpointer:
             return {}
         restored = self._manager.restore(step, args=ocp.args.Composite(placement=ocp.args.JsonRestore()))
         return dict(restored["placement"] or {})
+
+
+def newest_good_step(folder: Path, steps: list[int], key: str, log: Callable[[str], None] | None = None) -> int:
+    """The newest of `steps` (a run's committed checkpoint steps in `folder`) whose files match their
+    checksums, for readers of another run (`init.checkpoint`, export, generate): a damaged newer step is
+    skipped with one line saying which step is read instead, and left where it is (that run owns it)."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    damaged = []
+    for step in sorted(steps, reverse=True):
+        problem = _retrying(f"{key}: checkpoint step {step} in {folder}", lambda: verify_tree(folder / str(step)), log)
+        if problem is None or not (folder / str(step) / CHECKSUMS).exists():
+            if damaged:
+                log(f"warning: {key}: checkpoint step{'s' if len(damaged) > 1 else ''} "
+                    f"{', '.join(str(d) for d, _ in damaged)} in {folder} "
+                    f"{'are' if len(damaged) > 1 else 'is'} damaged ({damaged[0][1]}); reading step {step}, the "
+                    f"newest whose checksums hold")
+            elif problem is not None:
+                log(f"warning: {key}: checkpoint step {step} in {folder} has no {CHECKSUMS} (saved by an older "
+                    "omnijax): reading it unchecked")
+            return step
+        damaged.append((step, problem))
+    raise UserError(f"{key}: every checkpoint in {folder} is damaged (step {damaged[0][0]}: {damaged[0][1]}); "
+                    "nothing can be read from it" if damaged else f"{key}: no checkpoint in {folder}")
 
 
 _BARRIER_IDS = iter(range(1 << 62))

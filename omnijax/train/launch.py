@@ -37,6 +37,8 @@ _FLAGS = {"--coordinator": "OMNIJAX_COORDINATOR", "--num-processes": "OMNIJAX_NU
 _initialized = False
 _watch: "PeerWatch | None" = None
 EXIT_PEER_LOST = 75      # EX_TEMPFAIL: a peer process was lost; rerunning the same command resumes
+EXIT_PREEMPTED = 143     # 128 + SIGTERM: stopped by SIGTERM/SIGINT after saving; rerunning the same command resumes
+EXIT_DIVERGED = 65       # EX_DATAERR: trainer.max_nonfinite_in_row non-finite steps; a rerun would diverge again
 DEFAULT_PEER_TIMEOUT_S = 60.0
 _BACKSTOP_S = 30         # jax's heartbeat timeout = peer timeout + this (ours speaks first)
 SHUTDOWN_TIMEOUT_S = 300  # jax's shutdown barrier: processes arrive together after finish_together

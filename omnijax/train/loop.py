@@ -20,6 +20,7 @@ from omnijax.config import Config, to_dict
 from omnijax.errors import UserError
 from omnijax.train import metrics as metrics_lib
 from omnijax.train.checkpoint import Checkpointer, CheckpointSaveError, abstract_like
+from omnijax.train.launch import EXIT_PREEMPTED
 from omnijax.models import adapters
 from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
 from omnijax.train.parts import Partition
@@ -53,6 +54,12 @@ class FitResult:
     history: list[dict] = field(default_factory=list)
     status: str = "finished"     # finished | preempted
     eval: dict | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """What the process should exit with: 0 only for a run that finished. A preempted run saved and
+        stopped early; EXIT_PREEMPTED tells Kubernetes, Slurm and `recipes launch` that it did not finish."""
+        return 0 if self.status == "finished" else EXIT_PREEMPTED
 
 
 class _Preemption:
@@ -203,7 +210,8 @@ class Trainer:
             return 0
         target = abstract_like(self.state)  # shapes and this layout's shardings
         self.state = None  # drop the fresh state before the restored one arrives: one copy on the devices
-        self.state, loader_state, step = self.checkpointer.restore_good(target, wanted if wanted > 0 else None)
+        self.state, loader_state, step = self.checkpointer.restore_good(target, wanted if wanted > 0 else None,
+                                                                        config=to_dict(self.cfg))
         if loader_state:
             self.loader.set_state(loader_state)
         placed = self.checkpointer.placement_state(step)

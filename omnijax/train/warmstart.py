@@ -54,15 +54,18 @@ def run_config(run_dir: str | Path) -> dict:
 
 
 def latest_step(run_dir: str | Path, key: str = "init.checkpoint") -> int:
-    """The latest complete checkpoint step of a run; a run without one is a one-line error."""
+    """The newest checkpoint step of a run whose files match their checksums (a damaged newer one is skipped
+    with one line); a run without one is a one-line error."""
     import orbax.checkpoint as ocp
 
+    from omnijax.train.checkpoint import newest_good_step
+
     folder = Path(run_dir) / CHECKPOINTS
-    step = ocp.CheckpointManager(folder.absolute()).latest_step() if folder.is_dir() else None
-    if step is None:
+    steps = ocp.CheckpointManager(folder.absolute()).all_steps() if folder.is_dir() else []
+    if not steps:
         raise UserError(f"{key}={run_dir}: the run has no checkpoint in {folder} (it saved none: train it with "
                         "trainer.checkpoint_every > 0, or let it finish)")
-    return int(step)
+    return newest_good_step(folder.absolute(), [int(s) for s in steps], f"{key}={run_dir}")  # checksums checked
 
 
 def params_from_run(run_dir: str | Path, params: Any, key: str = "init.checkpoint") -> tuple[Any, int]:
