@@ -36,6 +36,7 @@ class InitConfig:
     llm: str = ""                # Hugging Face Llama/Qwen2 folder: model.llm and the tokenizer come from it
     encoders: dict[str, str] = field(default_factory=dict)  # encoder name -> SigLIP or Whisper folder
     checkpoint: str = ""         # a previous run's folder: its latest checkpoint's parameters, its model and tokenizer
+    adapter: str = ""            # a PEFT LoRA adapter folder: the LLM's adapters start from it (trainer.lora from its config)
 
 
 @dataclass
@@ -85,6 +86,14 @@ def resolve(cfg: FinetuneConfig, argv: list[str]) -> FinetuneConfig:
     from omnijax.train import warmstart
 
     init = cfg.init
+    if init.adapter:  # trainer.lora follows the adapter (rank, alpha, targets); a different explicit rank is an error
+        from omnijax.interop import peft
+
+        lora = peft.lora_config(init.adapter)
+        if cfg.trainer.lora.rank not in (0, lora.rank):
+            raise ConfigError(f"trainer.lora.rank={cfg.trainer.lora.rank}: init.adapter={init.adapter} has rank "
+                              f"{lora.rank}; drop trainer.lora.rank")
+        cfg.trainer.lora = dataclasses.replace(lora, base_dtype=cfg.trainer.lora.base_dtype)
     if init.checkpoint:
         if init.llm or init.encoders:
             raise ConfigError("init.checkpoint starts from a previous run's parameters: drop init.llm / "
@@ -206,6 +215,9 @@ def main(argv: list[str], name: str = "finetune") -> int:
             froms = ([f"llm <- {cfg.init.llm}"] if cfg.init.llm else []) + [
                 f"{k} <- {v}" for k, v in cfg.init.encoders.items()]
             print(f"{name}: pretrained " + ", ".join(froms), file=sys.stderr)
+        if cfg.init.adapter:
+            params = peft.load_adapter(cfg.init.adapter, params)
+            print(f"{name}: adapters <- {cfg.init.adapter}", file=sys.stderr)
         trainer.state = trainer.state.replace(params=params)
     result = trainer.fit()
     if result.status != "finished":

@@ -302,3 +302,34 @@ def test_qlora_train_step_keeps_codes_and_trains_adapters():
             assert a[...].dtype == jnp.uint8 and np.array_equal(a[...], b[...])
         if str(path[-1]).endswith(lora.B_SUFFIX):
             assert not np.array_equal(a[...], b[...])
+
+
+def test_peft_adapter_imports(tmp_path):
+    """init.adapter: an adapter PEFT saved (get_peft_model + save_pretrained) read into omnijax's adapters gives
+    PEFT's logits (1e-4); its config sets rank, alpha and targets."""
+    torch = pytest.importorskip("torch")
+    peft_lib = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from omnijax.interop import hf, peft as peft_io
+
+    torch.manual_seed(1)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    base.save_pretrained(tmp_path / "base", safe_serialization=True)
+    tuned = peft_lib.get_peft_model(base, peft_lib.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                                    "down_proj"]))
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.1)
+    tuned.save_pretrained(tmp_path / "adapter")
+    cfg = peft_io.lora_config(tmp_path / "adapter")
+    assert (cfg.rank, cfg.alpha, sorted(cfg.targets)) == (4, 8.0, ["down", "q", "v"])
+    model = adapters.adapt(hf.load_model(tmp_path / "base"), cfg)
+    g, params, rest = nnx.split(model, nnx.Param, ...)
+    params = peft_io.load_adapter(tmp_path / "adapter", params)
+    ids = np.array([[3, 9, 27, 81, 14, 42, 99, 5]])
+    ours = np.asarray(nnx.merge(g, params, rest)(jnp.asarray(ids)))
+    with torch.no_grad():
+        theirs = tuned.eval()(torch.tensor(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() <= 1e-4

@@ -106,3 +106,72 @@ def _without(params: Any, part: str) -> nnx.State:
     flat = [(tuple(p), v) for p, v in nnx.to_flat_state(params)
             if not (adapters.is_adapter(p) and adapters.base_part(p) == part)]
     return nnx.from_flat_state(flat)
+
+
+def read_config(folder: str | Path) -> dict:
+    """A PEFT adapter folder's `adapter_config.json` (one line when it is missing or not LoRA)."""
+    from omnijax.errors import UserError
+
+    path = Path(folder) / "adapter_config.json"
+    if not path.is_file():
+        raise UserError(f"init.adapter={folder}: no adapter_config.json (expected a PEFT LoRA adapter folder)")
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UserError(f"{path}: not valid JSON ({exc})") from None
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
+        raise UserError(f"{path}: a {cfg.get('peft_type')} adapter{' with DoRA/rsLoRA' if cfg.get('peft_type') == 'LORA' else ''}"
+                        "; omnijax reads plain LoRA adapters")
+    return cfg
+
+
+def lora_config(folder: str | Path) -> LoraConfig:
+    """`trainer.lora` that matches a PEFT adapter folder (rank, alpha, targets), on the LLM."""
+    from omnijax.errors import UserError
+
+    cfg = read_config(folder)
+    names = {HF_MODULES[k].split(".")[1]: k[1] for k in HF_MODULES}
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        raise UserError(f"init.adapter={folder}: target_modules {unknown} are not Llama/Qwen2 projections "
+                        f"({', '.join(sorted(names))})")
+    return LoraConfig(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=[names[t] for t in targets],
+                      parts=["llm"])
+
+
+def load_adapter(folder: str | Path, params: Any) -> nnx.State:
+    """`params` (the model's Param state with adapters, arrays in their shardings) with the LLM's adapters read
+    from a PEFT folder, each put in the sharding of the array it replaces (the inverse of `adapter_tensors`)."""
+    from safetensors.numpy import load_file
+
+    from omnijax.errors import UserError
+
+    folder = Path(folder)
+    read_config(folder)
+    files = sorted(folder.glob("adapter_model.safetensors"))
+    if not files:
+        raise UserError(f"init.adapter={folder}: no adapter_model.safetensors")
+    tensors = {k.replace(".default", ""): v for k, v in load_file(str(files[0])).items()}
+    flat = []
+    for path, var in nnx.to_flat_state(params if isinstance(params, nnx.State) else nnx.State(params)):
+        path = tuple(path)
+        last = str(path[-1])
+        if adapters.is_adapter(path) and adapters.base_part(path) == "llm":
+            keys = [str(k) for k in path if str(k) != "llm"]
+            layer, module, weight = int(keys[1]), keys[2], last[:-len(lora_lib.A_SUFFIX)]
+            side = "A" if last.endswith(lora_lib.A_SUFFIX) else "B"
+            name = f"base_model.model.model.layers.{layer}.{HF_MODULES[(module, weight)]}.lora_{side}.weight"
+            if name not in tensors:
+                raise UserError(f"init.adapter={folder}: no tensor {name} (the adapter does not cover this model's "
+                                "targets: set trainer.lora.targets to its target_modules)")
+            value = tensors[name].T  # A: [r, in] -> [in, r]; B: [out, r] -> [r, out]
+            shape = tuple(var[...].shape)
+            if value.size != int(np.prod(shape)):
+                raise UserError(f"init.adapter={folder}: {name} has shape {list(tensors[name].shape)}, this model's "
+                                f"adapter {'/'.join(keys)} needs {list(shape)} (rank or width differ)")
+            value = value.reshape(shape).astype(np.dtype(var[...].dtype))
+            var = var.replace(jax.device_put(value, var[...].sharding))
+        flat.append((path, var))
+    return nnx.from_flat_state(flat)
