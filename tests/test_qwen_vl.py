@@ -368,3 +368,31 @@ def test_sample_rope_positions_from_metadata_equal_get_rope_index(folders):
         second_per_grid_ts=torch.tensor([TP / 1.0]))
     assert ours.shape == (len(types), 3) and np.array_equal(ours, ref[:, 0].numpy().T)
     assert ours[3 + n_img + 4:][:, 0].max() > ours[3 + n_img + 4, 0] + 2  # time steps of 2 * 2 s per patch
+
+
+def test_stages_are_the_folders_parts_and_gradients_reach_the_tower(folders, omni_models):
+    """trainer.trainable's parts of a Qwen2.5-VL model: `vision` is the tower, `projector` the merger, `llm` the
+    language model (sizes equal to the folder's visual.* without/with merger and the rest); the loss's
+    gradient reaches every tower weight through window and full attention."""
+    from safetensors import safe_open
+    from omnijax.train.parts import Partition
+
+    model = omni_models["qwen2_5_vl"][0]
+    params = nnx.state(model, nnx.Param)
+    sizes = Partition(params, ["projector"]).sizes
+    with safe_open(folders["root"] / "qwen2_5_vl" / "model.safetensors", "np") as f:
+        count = lambda keep: sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys() if keep(k))  # noqa: E731
+        merger = count(lambda k: k.startswith("visual.merger."))
+        tower = count(lambda k: k.startswith("visual.")) - merger
+        llm = count(lambda k: not k.startswith("visual."))
+    assert sizes == {"llm": llm, "vision": tower, "projector": merger}
+    tokens, segs, types = _sample("image", (1, 6, 10))
+    batch = _batch([(tokens, segs, types, (1, 6, 10), "image")], len(tokens) + 5)
+    graph, rest = nnx.split(model, nnx.Param)
+
+    def loss(p):
+        s, c, _ = mm_loss(nnx.merge(graph, p), batch)
+        return s / c
+    grads = jax.jit(jax.grad(loss))(rest)
+    tower_grads = jax.tree.leaves(grads["encoders"]["vision"])
+    assert all(bool(jnp.all(jnp.isfinite(g))) and float(jnp.max(jnp.abs(g))) > 0 for g in tower_grads)
