@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     if cfg.scheduler == "fitted":
         scheduler = FittedModel(resize_penalty_s=cfg.resize_penalty_s)
     elif cfg.scheduler == "learned":
-        from omnijax.cluster.residual import load_policy
+        from omnijax.cluster.residual.store import load_policy
         scheduler = load_policy(cfg.policy)
         scheduler.resize_penalty_s = cfg.resize_penalty_s   # the same resize cost as `fitted` here
     else:

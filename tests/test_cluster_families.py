@@ -12,7 +12,9 @@ from omnijax.cluster.aware import FittedAware, NodeSpeeds, slowdown
 from omnijax.cluster.config import ClusterConfig, LearnedConfig, validate
 from omnijax.cluster.jobs import Cluster, Job, place, place_one
 from omnijax.cluster.perf_model import SpeedModel, fit_loss_curve
-from omnijax.cluster.residual import (ResidualScheduler, episode_configs, load_policy, save_policy)
+from omnijax.cluster.residual.scheduler import ResidualScheduler
+from omnijax.cluster.residual.store import load_policy, save_policy
+from omnijax.cluster.residual.workloads import episode_configs
 from omnijax.cluster.schedulers import DRF, FittedModel
 from omnijax.cluster.simulator import SimConfig, jobs_from_specs, run_workload
 from omnijax.cluster.traces import load_profile, load_workload
@@ -225,7 +227,7 @@ def test_training_episodes_draw_families_and_seeds():
 def _watch_curve(curve, steps, seed, noise=0.01):
     """Feed a loss curve to a LossModel as the simulator does (1% relative noise); the first drop a DropWatch sees."""
     from omnijax.cluster.perf_model import LossModel
-    from omnijax.cluster.residual import DropWatch
+    from omnijax.cluster.residual.drops import DropWatch
     rng = np.random.default_rng(seed)
     model, watch = LossModel(), DropWatch()
     for k in steps:
@@ -252,7 +254,7 @@ def test_a_drop_is_seen_within_a_few_observations_and_a_smooth_curve_gives_none(
 def test_drop_anchor_learns_where_drops_fall_and_is_silent_without_them():
     """The anchor (lengths over the steps at the first seen drop) is learned from finished jobs: near 3 when the
     schedule decays first at a third of the job, near 2 at half; with it on, no drop means fitted's decisions."""
-    from omnijax.cluster.residual import drop_anchor
+    from omnijax.cluster.residual.supervised import drop_anchor
     specs = [load_workload("workloads/workload-1", 40), load_workload("workloads/workload-2", 40)]
     med = {}
     for first, rest in ((1 / 3, (2 / 3, 8 / 9)), (1 / 2, (3 / 4,))):
@@ -273,7 +275,8 @@ def test_supervised_length_correction_learns_from_finished_jobs():
     losses whose first drop comes at a third of the job, the true remaining steps after a drop seen at step d are
     about 3d - now, so log(true / fitted remaining) = log(d / fitted remaining) + log(3 - now / d): the weight
     of column 18 (log(d / fitted remaining)) is 1 in the generator, and the fit finds it."""
-    from omnijax.cluster.residual import MISFIT_COLUMNS, MLP, length_correction
+    from omnijax.cluster.residual.policy import MLP
+    from omnijax.cluster.residual.supervised import MISFIT_COLUMNS, length_correction
     specs = [load_workload("workloads/workload-1", 12), load_workload("workloads/workload-2", 12)]
     sims = [SimConfig(num_nodes=2, slot_s=60.0, families=("stepdecay",), seed=s) for s in (0, 1)]
     theta, stats = length_correction(specs, sims, hidden=4, seed=0)
@@ -294,7 +297,7 @@ def test_length_correction_recovers_the_generators_weights(monkeypatch):
     from types import SimpleNamespace
 
     from omnijax.cluster import simulator
-    from omnijax.cluster.residual import MISFIT_COLUMNS, length_correction
+    from omnijax.cluster.residual.supervised import MISFIT_COLUMNS, length_correction
 
     w_true = np.array([0.6, -0.4, 0.9, -0.7])
     rng = np.random.default_rng(0)
@@ -350,7 +353,7 @@ def test_bench_seeds_rows_average_every_seed(tmp_path, monkeypatch):
 
 def test_class_lengths_predict_recurring_jobs_and_fall_back_when_outlived():
     from types import SimpleNamespace as Seen
-    from omnijax.cluster.residual import ClassLengths
+    from omnijax.cluster.residual.lengths import ClassLengths
     lengths = ClassLengths()
     for i, done in enumerate((100.0, 120.0, 300.0)):
         lengths.finished(Seen(application="cifar10", batch_size=2048, progress=done, name=f"c{i}"))
@@ -415,7 +418,7 @@ def test_training_keeps_the_trained_policy_else_the_warm_start_else_fitted(monke
     """The acceptance test decides what `learned` is, on the same held-out workloads: of the ES-trained policy and
     its warm start (class lengths, drop anchor, step-time terms), the one that beats fitted; if both do, the
     trained policy only if it also beats the warm start; if neither, the fitted scheduler's decisions."""
-    from omnijax.cluster import residual
+    from omnijax.cluster.residual import training as residual
     from omnijax.cluster.config import ClusterConfig
     from tests.conftest import CLUSTER_FIXTURES
     cfg = ClusterConfig(sim=SimConfig(num_nodes=2, slot_s=300.0), learned=LearnedConfig(

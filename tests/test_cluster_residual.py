@@ -5,7 +5,10 @@ the training objective from a deliberately bad policy within a few iterations.""
 import numpy as np
 import pytest
 
-from omnijax.cluster.residual import MLP, ResidualScheduler, accept, episode_score, evolve, generate_workload
+from omnijax.cluster.residual.es import accept, episode_score, evolve
+from omnijax.cluster.residual.policy import MLP
+from omnijax.cluster.residual.scheduler import ResidualScheduler
+from omnijax.cluster.residual.workloads import generate_workload
 from omnijax.cluster.schedulers import FittedModel
 from omnijax.cluster.simulator import SimConfig, run_workload
 from omnijax.cluster.traces import load_workload

@@ -25,7 +25,7 @@ class LearnedConfig:
     replay: int = 4                # replay passes over the buffer per episode
     gamma: float = 0.97
     seed: int = 0
-    # "learned" (omnijax/cluster/residual.py): ES over a policy steering the fitted plan
+    # "learned" (omnijax/cluster/residual/): ES over a policy steering the fitted plan
     train_sets: list[str] = field(default_factory=lambda: ["workloads-0.5", "workloads-1.5", "workloads-2.0"])
     window_s: float = 3600.0       # generated workloads: a window of this length of a training trace
     es_iterations: int = 6
@@ -33,20 +33,20 @@ class LearnedConfig:
     es_sigma: float = 0.3
     es_lr: float = 0.3
     es_validation: int = 8         # generated workloads the trained policy must beat fitted on (0: no check)
-    es_confidence: float = 2.0     # ... by this many standard errors of the paired mean (residual.accept)
+    es_confidence: float = 2.0     # ... by this many standard errors of the paired mean (residual.es.accept)
     hidden_es: int = 16
     train_families: list[str] = field(default_factory=list)   # each generated workload (training and validation)
                                    # runs under none or one of these families (sim.families), drawn uniformly
     anchor_workloads: int = 20     # generated workloads the warm start learns its lengths after a loss drop on
-                                   # (residual.drop_anchor; 0: none)
+                                   # (residual.supervised.drop_anchor; 0: none)
     class_lengths: bool = True     # remaining steps from finished jobs of the same application and batch size
-                                   # (residual.ClassLengths), before the drop anchor and the fit
+                                   # (residual.lengths.ClassLengths), before the drop anchor and the fit
     aware: bool = True             # step times with fitted_aware's straggler and interference terms
     supervised_workloads: int = 0  # generated workloads the warm start learns its length correction on (0: none,
                                    # the warm start is the fitted scheduler exactly)
     supervised_window_s: float = 0.0   # ... their window (0: window_s)
     supervised_columns: list[int] = field(default_factory=lambda: [15, 16, 18, 19])   # the features it regresses on
-                                   # (residual.MISFIT_COLUMNS; [15, 18, 19]: only after a loss drop was seen)
+                                   # (residual.supervised.MISFIT_COLUMNS; [15, 18, 19]: only after a loss drop was seen)
     save: str = ""                 # write the trained policy (.npz) here
     load: str = ""                 # use a saved policy instead of training (a file `save` wrote)
 

@@ -25,7 +25,7 @@ def make_scheduler(name: str, cfg: ClusterConfig | None = None) -> Scheduler:
         from omnijax.cluster.aware import FittedAware
         return FittedAware()
     if name == "learned":
-        from omnijax.cluster.residual import train_residual
+        from omnijax.cluster.residual.training import train_residual
         return train_residual(cfg)
     if name == "learned_ac":
         from omnijax.cluster.learned import train_learned

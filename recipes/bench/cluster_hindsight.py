@@ -6,7 +6,7 @@ that much on a file when it is chosen on that very file? Two searches, both repo
 `fitted` at its defaults on the same file:
 - a grid over fitted's hyper-parameters (beta, resize penalty, rank hysteresis), also with the true job
   lengths (`fitted_oracle`): the best cell per file;
-- evolution strategies on the learned scheduler's policy (`residual.evolve`), every iteration on the
+- evolution strategies on the learned scheduler's policy (`residual.es.evolve`), every iteration on the
   same file: the best perturbation seen, each one a policy that ran there.
 Neither is a scheduler: both read the file they are scored on.
 """
@@ -26,7 +26,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from tqdm import tqdm
 
     from omnijax.cluster.config import HindsightConfig
-    from omnijax.cluster.residual import MLP, evolve
+    from omnijax.cluster.residual.es import evolve
+    from omnijax.cluster.residual.policy import MLP
     from omnijax.cluster.schedulers import FittedModel, FittedOracle
     from omnijax.cluster.simulator import run_workload
     from omnijax.cluster.traces import load_workload
