@@ -396,3 +396,30 @@ def test_stages_are_the_folders_parts_and_gradients_reach_the_tower(folders, omn
     grads = jax.jit(jax.grad(loss))(rest)
     tower_grads = jax.tree.leaves(grads["encoders"]["vision"])
     assert all(bool(jnp.all(jnp.isfinite(g))) and float(jnp.max(jnp.abs(g))) > 0 for g in tower_grads)
+
+
+def test_video_split_over_esp_keeps_windows(folders):
+    """A video split over a sequence-parallel group (esp=2, Ulysses attention): every device labels the windows
+    and frames alike, so the split tower equals the whole one."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from omnijax.layers import attention as attention_lib, sequence
+    from omnijax.parallel.multiplex import ulysses_attention
+
+    model, _, _ = _omni(folders["root"] / "qwen2_5_vl")
+    grid = (2, 8, 8)  # 128 rows: 64 per device, whole 2x2 merge groups on each
+    _, rows, pos, seg = _buffer([grid], pad=0)
+    whole = np.asarray(_tower(model, rows, pos, seg))
+    enc, merger = model.encoders["vision"], model.projectors["vision"]
+    graph, state = nnx.split(enc)
+
+    def split_run(st, x, s, p):
+        with attention_lib.use_attention(ulysses_attention(("esp",))), sequence.use_sequence_group(("esp",)):
+            return nnx.merge(graph, st)(x, s, p)
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("esp",))
+    state = jax.device_put(state, jax.sharding.NamedSharding(mesh, P()))
+    hidden = jax.jit(jax.shard_map(split_run, mesh=mesh, in_specs=(P(),) + (P("esp"),) * 3, out_specs=P("esp"),
+                                   check_vma=False))(state, jnp.asarray(rows), jnp.asarray(seg), jnp.asarray(pos))
+    split = np.asarray(jax.jit(lambda h: merger(h))(jax.device_get(hidden)))
+    assert _rel(split, whole) < 1e-5

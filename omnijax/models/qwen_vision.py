@@ -10,7 +10,8 @@ reference does: window attention is attention among the patches sharing (segment
 column) and the full-attention layers (`fullatt_block_indexes`; every layer without windows) among those
 sharing (segment, t), both written as segment ids for `attention_fn()` (one temporal patch-frame never sees
 another, as in the reference). Those ids are dense labels of the key tuples, computed by sorting
-(`dense_ids`), exact for any number of segments, frames and windows in the buffer.
+(`dense_ids`), exact for any number of segments, frames and windows in the buffer, and the same on every
+device of a sequence-parallel group that splits a long video (the group's keys are labelled together).
 
 The merger (norm, then the 2x2 group's four rows concatenated, Linear, GELU, Linear) is this kind's
 projector (`QwenMerger`, built by `make_projector`), so stages name it `projector` (the tower is the encoder).
@@ -29,7 +30,7 @@ from flax import nnx
 from omnijax.config import from_dict
 from omnijax.layers.attention import attention_fn
 from omnijax.layers.norms import rms_norm
-from omnijax.layers import remat
+from omnijax.layers import remat, sequence
 from omnijax.mm_config import QwenVisionConfig, encoder_tokens
 from omnijax.models.encoder_layers import (apply_rope_nd, as_static, compute_dtype, layer_norm, linear,
                                            transformer_flops)
@@ -48,7 +49,21 @@ def vision_inv_freq(head_dim: int, theta: float) -> np.ndarray:
 
 
 def dense_ids(keys: list[jax.Array], live: jax.Array) -> jax.Array:
-    """1-based labels [N] equal exactly where every key [N] (int32) is equal; 0 where not `live`."""
+    """1-based labels [N] equal exactly where every key [N] (int32) is equal; 0 where not `live`.
+
+    Inside a sequence group (`omnijax.layers.sequence`: one long video split over an esp group) the group's keys
+    are gathered and labelled together, so every device gives a window the same label and sequence-parallel
+    attention, which compares labels across the group, keeps the windows intact."""
+    axes = sequence.sequence_group()
+    if axes:
+        n = live.shape[0]
+        gathered = _dense_ids([jax.lax.all_gather(k, axes, axis=0, tiled=True) for k in keys],
+                              jax.lax.all_gather(live, axes, axis=0, tiled=True))
+        return jax.lax.dynamic_slice_in_dim(gathered, jax.lax.axis_index(axes) * n, n, axis=0)
+    return _dense_ids(keys, live)
+
+
+def _dense_ids(keys: list[jax.Array], live: jax.Array) -> jax.Array:
     order = jnp.lexsort(tuple(reversed(keys)))  # lexsort sorts by its last key first
     sorted_keys = [k[order] for k in keys]
     change = jnp.zeros(live.shape, bool).at[0].set(True)
