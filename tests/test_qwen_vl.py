@@ -251,7 +251,7 @@ def test_packed_row_equals_samples_alone(folders, omni25):
     start, sums = 0, 0.0
     for s in samples:
         n = len(s[0])
-        alone_batch = _batch([s], n + 3)
+        alone_batch = _batch([s], total + 3)  # one row length for all: one compiled program
         alone = np.asarray(forward(alone_batch))[0, :n]
         assert _rel(packed[start:start + n], alone) < 1e-5
         ref_logits, ref_loss, _ = _hf_forward(folders["qwen2_5_vl"], *s[:1], s[2], s[3], s[4])
