@@ -73,9 +73,10 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0 if argv else 2
     try:
-        from omnijax.train.launch import pop_launch_flags
+        from omnijax.train.launch import cpu_platform_without_accelerator, pop_launch_flags
 
         argv = pop_launch_flags(argv)
+        cpu_platform_without_accelerator()  # before jax starts: no CUDA-plugin traceback on a CPU-only machine
         name, rest = argv[0], argv[1:]
         if name == "list":
             return cmd_list()
@@ -94,7 +95,7 @@ def main(argv: list[str]) -> int:
         return int(importlib.import_module(recipes[name]).main(rest) or 0)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_code", 2)  # 2, or a distinct code the error declares (a diverged run: 65)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,17 @@ attempt). When a process exits non-zero or is killed, the others are killed (wit
 can neither step nor save), the reason is printed, and the group starts again; the trainer resumes from
 its newest intact checkpoint, so the losses continue as if undisturbed. A group that hangs (no step
 finished for `trainer.hang_timeout_s`) is stopped by its own processes (exit 124) and restarted the
-same way. A process that stops with a user error (exit 2: bad config, missing data) is not
-restarted: a rerun would fail the same way.
+same way, as is a preempted one (SIGTERM: it saved and exited 143). A process that stops with a user
+error (exit 2: bad config, missing data) or a diverged run (exit 65) is not restarted: a rerun would
+fail the same way. Neither is an attempt that fails the same way (same process, same exit code) at the
+same step (the same last logged step) as the attempt before it: a deterministic crash.
 
 Under Slurm (SLURM_JOB_ID and SLURM_PROCID set: this task was started by `srun`), the scheduler owns
 the processes: launch runs the recipe in this task (jax finds the others through Slurm), and when it
-fails in a way a restart can fix, task 0 asks Slurm to requeue the job (`scontrol requeue`, which
-needs `#SBATCH --requeue`) while SLURM_RESTART_COUNT < --max-restarts. See docs/reliability.md.
+fails in a way a restart can fix, every task that sees it asks Slurm to requeue the job (`scontrol
+requeue`, which needs `#SBATCH --requeue`; the first request wins, the others find the job requeued), so
+the requeue does not depend on task 0 surviving, while SLURM_RESTART_COUNT < --max-restarts. See
+docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -29,11 +33,16 @@ import time
 from pathlib import Path
 
 from omnijax.errors import UserError  # (none of these imports jax: the launcher and supervisor start without it)
-from omnijax.train.launch import EXIT_PEER_LOST, auto_detected, launch_flags, native_log
+import json
+
+from omnijax.train.launch import (EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEMPTED, auto_detected, launch_flags,
+                                  native_log)
 from omnijax.train.watchdog import EXIT_HUNG
 
 DESCRIPTION = "start N processes of a recipe; restart the group from the last checkpoint when one dies"
 USER_ERROR = 2           # recipes' exit code for a UserError: not worth a restart
+NOT_RESTARTED = {USER_ERROR: "a user error, see its line above",
+                 EXIT_DIVERGED: "the run diverged; its line above names the checkpoint and the lower optimizer.lr"}
 # what jax's coordination client logs (fatal) before it aborts a process whose job lost a task
 COORDINATION_FATAL = "the JAX distributed service detected fatal errors"
 
@@ -74,6 +83,25 @@ def _checkpoint_dir(recipe: str, overrides: list[str]) -> Path:
     return Path(os.environ.get("OMNIJAX_RUNS", "runs")) / name / "checkpoints"
 
 
+def _last_logged_step(run_dir: Path) -> int:
+    """The last step the run logged (metrics.jsonl; 0 before any): where an attempt got to."""
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
+def same_failure(before: tuple | None, now: tuple) -> bool:
+    """Whether two consecutive attempts' (process, exit code, last logged step) say one deterministic
+    failure: the same process failing the same way at the same step. A preemption is not one (the run saved
+    and was asked to stop)."""
+    return before is not None and before == now and now[1] != EXIT_PREEMPTED
+
+
 def _last_checkpoint(folder: Path) -> str:
     steps = sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit()) if folder.is_dir() else []
     return f"step {steps[-1]}" if steps else "step 0 (no checkpoint yet)"
@@ -100,6 +128,10 @@ def _why(i: int, rc: int) -> str:
         return f"process {i} was killed by {_signal_name(rc)}"
     if rc == EXIT_PEER_LOST:
         return f"process {i} stopped: a peer stopped answering (exit 75)"
+    if rc == EXIT_PREEMPTED:
+        return f"process {i} was preempted: it saved and stopped (exit {EXIT_PREEMPTED})"
+    if rc == EXIT_DIVERGED:
+        return f"process {i} stopped: the run diverged (exit {EXIT_DIVERGED})"
     if rc == EXIT_HUNG:
         return f"process {i} stopped: no training step finished for trainer.hang_timeout_s (exit 124, stacks in its log)"
     return f"process {i} exited with code {rc}"
@@ -116,7 +148,9 @@ def _kill_survivors(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def run_local(args: argparse.Namespace) -> int:
+def run_local(args: argparse.Namespace, command=None) -> int:
+    """Start the group, restart it as the module says; `command(i, port)` replaces the recipe process's
+    command line (tests)."""
     env = dict(os.environ, **{SUPERVISED: "1"})  # the launcher watches them itself
     if args.cpu_devices_per_process:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
@@ -130,10 +164,11 @@ def run_local(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    attempt = 0
+    attempt, previous = 0, None
     while True:
         port = free_port()
-        procs = [subprocess.Popen([sys.executable, "-m", "recipes", args.recipe, *args.overrides,
+        procs = [subprocess.Popen(command(i, port) if command else
+                                  [sys.executable, "-m", "recipes", args.recipe, *args.overrides,
                                    "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(args.processes),
                                    "--process-id", str(i)], env=env)
                  for i in range(args.processes)]
@@ -154,9 +189,16 @@ def run_local(args: argparse.Namespace) -> int:
         failed = first_cause(exits)
         _kill_survivors(procs)
         why = _why(*failed)
-        if failed[1] == USER_ERROR:
-            print(f"launch: {why} (a user error, see its line above); not restarting", file=sys.stderr, flush=True)
-            return USER_ERROR
+        if failed[1] in NOT_RESTARTED:
+            print(f"launch: {why} ({NOT_RESTARTED[failed[1]]}); not restarting", file=sys.stderr, flush=True)
+            return failed[1]
+        logged = _last_logged_step(folder.parent)
+        if same_failure(previous, (*failed, logged)):
+            print(f"launch: {why}, again after step {logged} as in the attempt before: a failure a restart does "
+                  f"not fix; not restarting (the last checkpoint is {_last_checkpoint(folder)} in {folder}). See "
+                  f"the processes' lines above", file=sys.stderr, flush=True)
+            return failed[1] if failed[1] > 0 else 1
+        previous = (*failed, logged)
         if attempt >= args.max_restarts:
             print(f"launch: {why}; no restarts left (--max-restarts={args.max_restarts}); the last checkpoint is "
                   f"{_last_checkpoint(folder)} in {folder}: run the same command to resume", file=sys.stderr,
@@ -263,11 +305,12 @@ def supervise(argv: list[str], command: list[str] | None = None) -> int:
     return code
 
 
-def run_slurm(args: argparse.Namespace) -> int:
-    """One Slurm task: run the recipe; on a restartable failure task 0 requeues the job."""
-    cmd = [sys.executable, "-m", "recipes", args.recipe, *args.overrides]
+def run_slurm(args: argparse.Namespace, command: list[str] | None = None) -> int:
+    """One Slurm task: run the recipe (or `command`); on a restartable failure this task requeues the job,
+    whichever task it is (task 0 may be the one that died)."""
+    cmd = command or [sys.executable, "-m", "recipes", args.recipe, *args.overrides]
     rc = subprocess.call(cmd, env={**os.environ, SUPERVISED: "1"})
-    if rc in (0, USER_ERROR):
+    if rc == 0 or rc in NOT_RESTARTED:
         return rc
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     job = os.environ["SLURM_JOB_ID"]
@@ -275,10 +318,9 @@ def run_slurm(args: argparse.Namespace) -> int:
         print(f"launch: task {os.environ.get('SLURM_PROCID')} exited {rc}; Slurm restarted the job {restarts} times "
               f"(--max-restarts={args.max_restarts}): not requeueing", file=sys.stderr, flush=True)
         return rc
-    if os.environ.get("SLURM_PROCID") == "0":
-        print(f"launch: exit {rc}; requeueing Slurm job {job} (restart {restarts + 1} of {args.max_restarts})",
-              file=sys.stderr, flush=True)
-        subprocess.call(["scontrol", "requeue", job])
+    print(f"launch: task {os.environ.get('SLURM_PROCID')} exited {rc}; requeueing Slurm job {job} (restart "
+          f"{restarts + 1} of {args.max_restarts})", file=sys.stderr, flush=True)
+    subprocess.call(["scontrol", "requeue", job], stderr=subprocess.DEVNULL)  # (a later task's finds it requeued)
     return rc
 
 

@@ -186,16 +186,30 @@ def test_the_launcher_reports_the_lost_process_not_its_survivor():
 def test_a_save_broken_by_a_lost_peer_is_told_from_a_disk_fault(tmp_path):
     """A save a lost process broke (gloo's all-gather under orbax) goes to the peer watch (one line, exit 75);
     a disk fault or any other user error does not (CI once saw the survivor print the save error instead)."""
+    import jax
+
     from omnijax.train.launch import peer_error
 
+    runtime = jax.errors.JaxRuntimeError  # what jax raises when a collective or the coordination service fails
     ck = Checkpointer(tmp_path / "checkpoints", async_save=False)
-    lost = ck._save_error(12, RuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer"))
+    lost = ck._save_error(12, runtime("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer"))
     full = ck._save_error(12, OSError(28, os.strerror(28), str(tmp_path / "x")))
     assert isinstance(lost, CheckpointSaveError) and "saving step 12" in str(lost)
     assert peer_error(lost) and not peer_error(full)
     assert not peer_error(UserError("a peer path: /home/peer/data.jsonl closed"))  # a user error's own words
-    assert peer_error(RuntimeError("Gloo AllGather failed: Connection reset by peer"))
+    assert peer_error(runtime("Gloo AllGather failed: Connection reset by peer"))
     assert not peer_error(ValueError("shapes (3,) and (4,) differ"))
+    # classified by the operation that failed (its error type), never by words: a bug that talks of sockets
+    # is not a lost peer (it was exit 75 and a restart loop), a runtime failure under a wrapper is
+    assert not peer_error(ValueError("Connection closed by peer: socket UNAVAILABLE (gloo barrier heartbeat)"))
+    assert not peer_error(RuntimeError("DEADLINE_EXCEEDED: coordination heartbeat from a peer, socket closed"))
+    try:
+        try:
+            raise runtime("UNAVAILABLE: the coordination service is gone")
+        except Exception as inner:
+            raise ValueError("orbax: commit failed") from inner
+    except ValueError as wrapped:
+        assert peer_error(wrapped)
 
 
 def test_the_compilation_cache_is_turned_off_only_where_the_installed_jaxlib_hangs_on_it():
@@ -471,3 +485,78 @@ def test_readers_of_a_run_take_its_newest_good_checkpoint_and_say_so(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "init.checkpoint=" in err[0] and "step 3" in err[0] and "reading step 2" in err[0]
     assert _snapshot(run) == before
+
+
+# ------------------------------------------------------------ what launch restarts (issue 46: exit codes)
+_ATTEMPT = """
+import json, os, sys
+from pathlib import Path
+run, codes, i = Path(sys.argv[1]), [int(c) for c in sys.argv[2].split(",")], int(sys.argv[3])
+n = len(list(run.glob("attempt.*"))) if i == 0 else 0
+if i == 0:
+    (run / f"attempt.{n}").write_text("")
+    with open(run / "metrics.jsonl", "a") as f:   # where the attempt got to: step 12 each time unless it resumes
+        f.write(json.dumps({"step": 12 + (n if codes[min(n, len(codes) - 1)] == -1 else 0)}) + "\\n")
+code = codes[min(n, len(codes) - 1)] if i == 0 else 0
+sys.exit(1 if code == -1 else code)
+"""
+
+
+def _launch(tmp_path: Path, codes: str, max_restarts: int = 5) -> tuple[int, int, str]:
+    """recipes.launch.run_local over a stand-in recipe whose process 0 exits codes[attempt] (-1: exit 1 at a
+    new step each attempt); returns (launch's code, attempts, its stderr)."""
+    import argparse
+
+    run = tmp_path / codes.replace(",", "_")
+    run.mkdir()
+    args = argparse.Namespace(processes=2, cpu_devices_per_process=0, max_restarts=max_restarts, recipe="x",
+                              overrides=[f"trainer.run_name={run.name}"])
+    # in a process of its own (run_local takes over SIGTERM/SIGINT), as `python -m recipes launch` runs it
+    out = subprocess.run([sys.executable, "-c", "import sys, argparse\nfrom recipes import launch\n"
+                          f"cmd = lambda i, port: [sys.executable, '-c', {_ATTEMPT!r}, {str(run)!r}, {codes!r}, str(i)]\n"
+                          f"sys.exit(launch.run_local(argparse.Namespace(**{vars(args)!r}), command=cmd))"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(REPO), OMNIJAX_RUNS=str(tmp_path)))
+    return out.returncode, len(list(run.glob("attempt.*"))), out.stderr
+
+
+def test_launch_restarts_a_preemption_but_not_a_divergence_or_the_same_crash_twice(tmp_path):
+    from omnijax.train.launch import EXIT_DIVERGED, EXIT_PREEMPTED
+    from recipes.launch import same_failure
+
+    rc, attempts, err = _launch(tmp_path, f"{EXIT_PREEMPTED},0")             # preempted (saved): restarted
+    assert (rc, attempts) == (0, 2) and f"process 0 was preempted: it saved and stopped (exit {EXIT_PREEMPTED})" in err
+    rc, attempts, err = _launch(tmp_path, f"{EXIT_DIVERGED}")                # diverged: a rerun diverges again
+    assert (rc, attempts) == (EXIT_DIVERGED, 1) and "the run diverged" in err and "not restarting" in err
+    rc, attempts, err = _launch(tmp_path, "1")                               # exit 1 after step 12, twice: stop
+    assert (rc, attempts) == (1, 2) and "again after step 12 as in the attempt before" in err
+    rc, attempts, err = _launch(tmp_path, "-1,-1,0")                         # a crash that moves on: restarted
+    assert (rc, attempts) == (0, 3)
+    assert not same_failure((0, EXIT_PREEMPTED, 12), (0, EXIT_PREEMPTED, 12)) and not same_failure(None, (0, 1, 3))
+    assert not same_failure((1, 1, 12), (0, 1, 12)) and not same_failure((0, 1, 12), (0, 75, 12))
+
+
+def test_slurm_requeue_does_not_depend_on_task_0(tmp_path):
+    """Task 1 (task 0 may be the one that died) fails restartably: it asks Slurm to requeue the job itself."""
+    import argparse
+
+    from omnijax.train.launch import EXIT_PEER_LOST
+    from recipes.launch import run_slurm
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls'}\n")
+    scontrol.chmod(0o755)
+    env = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "1", "SLURM_RESTART_COUNT": "0",
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    args = argparse.Namespace(recipe="x", overrides=[], max_restarts=2)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        assert run_slurm(args, [sys.executable, "-c", f"raise SystemExit({EXIT_PEER_LOST})"]) == EXIT_PEER_LOST
+        assert run_slurm(args, [sys.executable, "-c", "raise SystemExit(2)"]) == 2       # a user error: no requeue
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert (tmp_path / "calls").read_text().splitlines() == ["requeue 4242"]

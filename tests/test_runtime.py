@@ -133,3 +133,39 @@ def test_the_hang_watch_judges_only_an_unpaused_loop_past_its_timeout():
     assert not overdue(1e9, 0.0, 0.0)                                    # 0 turns it off
     with pytest.raises(Exception, match="hang_timeout_s=-1"):
         build(yaml_path=CONFIGS / "tiny_lm.yaml", overrides=TINY + ["trainer.hang_timeout_s=-1"])
+
+
+def test_a_nan_gradient_streak_stops_naming_the_last_good_checkpoint(tmp_path):
+    """NaN gradients from step 5 on (a poison value the loader adds to each batch, multiplied into the loss):
+    updates 5, 6 are skipped, the run stops with EXIT_DIVERGED, the line names checkpoint 4 (saved before the
+    streak) and the command with a lower optimizer.lr; step 6, saved inside the streak, is set aside, so the
+    same command with that lr resumes from 4."""
+    import jax.numpy as jnp
+
+    from omnijax.train.launch import EXIT_DIVERGED
+
+    class Poisoned(IndexedLoader):
+        def __next__(self):
+            batch = super().__next__()
+            bad = self.step > 4  # (the loader's step counts the batches handed out)
+            return {**batch, "poison": np.full(len(batch["tokens"]), np.nan if bad else 0.0, np.float32)}
+
+    def loss(model, batch):
+        loss_sum, count, aux = lm_loss(model, {k: v for k, v in batch.items() if k != "poison"})
+        return loss_sum + jnp.sum(batch["poison"]) * loss_sum, count, aux  # NaN gradients, poisoned steps only
+
+    cfg = build(yaml_path=CONFIGS / "tiny_lm.yaml", overrides=TINY + [
+        "trainer.steps=8", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=5", "trainer.max_nonfinite_in_row=2",
+        "optimizer.lr=0.003"])
+    loader = Poisoned(stdlib_text.packed("train", cfg.data.seq_len, seed=0), cfg.data.batch_size)
+    trainer = Trainer(cfg, LLM(cfg.model, rngs=nnx.Rngs(0)), loss, loader, run_dir=tmp_path)
+    with pytest.raises(NonFiniteError) as err:
+        trainer.fit()
+    line = str(err.value)
+    assert err.value.exit_code == EXIT_DIVERGED != 2 and "\n" not in line
+    assert "at steps 5..6" in line and f"Last good checkpoint: step 4 in {tmp_path / 'checkpoints'}" in line
+    assert "optimizer.lr=0.0003" in line and "steps 6, saved during the streak, were set aside" in line
+    assert sorted(p.name for p in (tmp_path / "checkpoints_set_aside").iterdir()) == ["6"]
+    ck = Checkpointer(tmp_path / "checkpoints")
+    assert ck.all_steps() == [2, 4]
+    ck.close()

@@ -63,9 +63,9 @@ class CheckpointSaveError(UserError):
     """A save failed (unwritable folder, disk full, a lost peer): the earlier checkpoints are intact.
     `cause` keeps the underlying error's text, so a save broken by a lost process is told from a disk fault."""
 
-    def __init__(self, message: str, cause: str = ""):
+    def __init__(self, message: str, cause: str = "", cause_error: BaseException | None = None):
         super().__init__(message)
-        self.cause = cause
+        self.cause, self.cause_error = cause, cause_error
 
 
 class DamagedCheckpoint(Exception):
@@ -76,9 +76,9 @@ class CheckpointRestoreError(UserError):
     """A restore that failed for another reason than damage, a mismatch or an OS error (e.g. a peer lost
     mid-restore); `cause` keeps the underlying error for the lost-peer verdict."""
 
-    def __init__(self, message: str, cause: str = ""):
+    def __init__(self, message: str, cause: str = "", cause_error: BaseException | None = None):
         super().__init__(message)
-        self.cause = cause
+        self.cause, self.cause_error = cause, cause_error
 
 
 class CheckpointMismatch(UserError):
@@ -323,7 +323,7 @@ class Checkpointer:
         keep = (f"checkpoints {', '.join(map(str, good))} are intact; fix it and run the same command to resume from "
                 f"step {good[-1]}") if good else "no earlier checkpoint exists"
         return CheckpointSaveError(f"saving {what} to {self.directory} failed: {reason}; {keep}",
-                                   cause=f"{type(exc).__name__}: {text}")
+                                   cause=f"{type(exc).__name__}: {text}", cause_error=exc)
 
     def wait(self) -> None:
         try:
@@ -416,7 +416,7 @@ class Checkpointer:
             raise CheckpointRestoreError(
                 f"restoring checkpoint step {step} from {self.directory} failed although its files match their "
                 f"checksums ({type(exc).__name__}: {_first_line(exc)}); nothing was moved",
-                cause=f"{type(exc).__name__}: {exc}") from exc
+                cause=f"{type(exc).__name__}: {exc}", cause_error=exc) from exc
         return restored["state"], dict(restored["loader"] or {}), step
 
     def mismatch_line(self, exc: CheckpointMismatch, config: dict | None) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import sys
 import threading
 import time
@@ -153,6 +152,14 @@ def _avoid_cache_hang() -> None:
                   f"{jaxlib_version.__version__} a program process 0 loads from it hangs in its first "
                   f"cross-process collective on CPU. pip install 'jaxlib!={jaxlib_version.__version__}' "
                   f"keeps the cache", file=sys.stderr, flush=True)
+
+
+def cpu_platform_without_accelerator() -> None:
+    """On a machine without an accelerator, run jax on the CPU (JAX_PLATFORMS=cpu unless set): the CUDA plugin
+    the `gpu` extra installs (to compile for GPU targets) otherwise prints its failed driver check as a
+    traceback at every start, burying a run's one-line errors. The plugin stays registered for compiling."""
+    if not _has_accelerator():
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _has_accelerator() -> bool:
@@ -291,15 +298,25 @@ class PeerWatch:
 
 
 def peer_error(exc: BaseException) -> bool:
-    """Whether an exception looks like a collective or the coordination service losing a peer. A user
-    error is judged by the error under it (`cause`: a checkpoint save a lost peer broke), else never."""
-    text = getattr(exc, "cause", None)
-    if text is None:
-        if isinstance(exc, UserError):
-            return False
-        text = f"{type(exc).__name__}: {exc}"
-    return bool(re.search(r"gloo|Connection|connection|UNAVAILABLE|DEADLINE_EXCEEDED|barrier|heartbeat|"
-                          r"coordination|Socket|socket|peer|closed", text))
+    """Whether the operation that failed is one a lost peer breaks: jax's runtime raises its own error type
+    (jax.errors.JaxRuntimeError) when a collective or a coordination-service call fails. A wrapped failure
+    (a checkpoint save or restore) is judged by the errors under it (`cause_error` and the exception chain).
+    Words in a message are never read: a ValueError or a user error that mentions a closed socket is not a
+    lost peer, and only the PeerWatch, seeing a peer stop, turns a candidate into exit 75."""
+    import jax
+
+    if isinstance(exc, UserError) and getattr(exc, "cause_error", None) is None:
+        return False
+    seen, todo = set(), [getattr(exc, "cause_error", None), exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, jax.errors.JaxRuntimeError):
+            return True
+        todo += [err.__cause__, err.__context__]
+    return False
 
 
 def finish_together(timeout_s: float | None = None) -> int:

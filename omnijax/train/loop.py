@@ -20,7 +20,7 @@ from omnijax.config import Config, to_dict
 from omnijax.errors import UserError
 from omnijax.train import metrics as metrics_lib
 from omnijax.train.checkpoint import Checkpointer, CheckpointSaveError, abstract_like
-from omnijax.train.launch import EXIT_PREEMPTED
+from omnijax.train.launch import EXIT_DIVERGED, EXIT_PREEMPTED
 from omnijax.models import adapters
 from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
 from omnijax.train.parts import Partition
@@ -45,7 +45,14 @@ class Loader(Protocol):
 
 
 class NonFiniteError(UserError):
-    pass
+    """trainer.max_nonfinite_in_row skipped updates in a row: the run diverged. Exits EXIT_DIVERGED, which
+    `recipes launch` does not restart (the same command would diverge the same way)."""
+
+    exit_code = EXIT_DIVERGED
+
+    def __init__(self, message: str, step: int = 0, first_bad: int = 0):
+        super().__init__(message)
+        self.step, self.first_bad = step, first_bad
 
 
 @dataclass
@@ -264,7 +271,7 @@ class Trainer:
         if self.peer_watch is not None:
             self.peer_watch.arm(tcfg.peer_timeout_s, self._last_checkpoint)
         hang_watch = HangWatch(tcfg.hang_timeout_s, self._last_checkpoint, process=jax.process_index())
-        failed = False
+        failed, diverged = False, None
         try:
             with _Preemption() as preempt:
                 for step in range(start + 1, tcfg.steps + 1):
@@ -349,6 +356,7 @@ class Trainer:
         except Exception as exc:
             failed = True
             self._peer_verdict(exc)
+            diverged = exc if isinstance(exc, NonFiniteError) else None
             raise
         finally:
             hang_watch.stop()
@@ -364,6 +372,8 @@ class Trainer:
                         raise
             if self.peer_watch is not None:
                 self.peer_watch.disarm()
+            if failed and diverged is not None:  # (every save has landed: the line can name the last good one)
+                raise self._divergence(diverged) from None
         result.state, result.history = self.state, history
         if (self.eval_fn or self.eval_data) and result.status == "finished":
             result.eval = self.evaluate(self.state.params)
@@ -408,7 +418,34 @@ class Trainer:
             raise NonFiniteError(
                 f"{in_row} non-finite losses/gradients in a row up to step {step}: updates were skipped; "
                 "lower optimizer.lr, enable optimizer.grad_clip, or check the data "
-                f"(trainer.max_nonfinite_in_row={self.cfg.trainer.max_nonfinite_in_row})")
+                f"(trainer.max_nonfinite_in_row={self.cfg.trainer.max_nonfinite_in_row})", step, step - in_row + 1)
+
+    def _divergence(self, exc: NonFiniteError) -> NonFiniteError:
+        """The stop line of a diverged run: the last checkpoint saved before the non-finite streak began and
+        the command that resumes from it with a lower learning rate. Checkpoints saved during the streak
+        (same weights: every update was skipped, but a data position inside the bad stretch) are set aside,
+        not deleted, so the same command resumes from the good one and can save those steps again."""
+        tcfg, lr = self.cfg.trainer, self.cfg.optimizer.lr
+        head = (f"training diverged: {exc.step - exc.first_bad + 1} non-finite losses/gradients in a row at steps "
+                f"{exc.first_bad}..{exc.step} (trainer.max_nonfinite_in_row={tcfg.max_nonfinite_in_row}; those "
+                "updates were skipped)")
+        if not self.checkpointer:
+            return NonFiniteError(f"{head}; checkpointing is off, so nothing to resume from: run again with a lower "
+                                  f"optimizer.lr (e.g. optimizer.lr={lr / 10:g}) or optimizer.grad_clip", exc.step,
+                                  exc.first_bad)
+        moved = [s for s in self.checkpointer.all_steps() if s >= exc.first_bad]
+        for s in moved:
+            self.checkpointer.set_aside(s)
+        good = self.checkpointer.all_steps()
+        aside = (f" (steps {', '.join(map(str, moved))}, saved during the streak, were set aside in "
+                 f"{self.checkpointer.directory}_set_aside)" if moved else "")
+        if not good:
+            return NonFiniteError(f"{head}; no checkpoint was saved before it{aside}: run again with a lower "
+                                  f"optimizer.lr (e.g. optimizer.lr={lr / 10:g}) or optimizer.grad_clip", exc.step,
+                                  exc.first_bad)
+        return NonFiniteError(f"{head}. Last good checkpoint: step {good[-1]} in {self.checkpointer.directory}{aside}. "
+                              f"To resume from it with a lower learning rate, run the same command with "
+                              f"optimizer.lr={lr / 10:g}", exc.step, exc.first_bad)
 
 
 _BARRIERS = iter(range(1 << 62))
