@@ -33,10 +33,3 @@ def read_jsonl(path: Path) -> list[dict]:
                 raise UserError(f"{path}:{n}: not a JSON row ({exc.msg}); the file is damaged: "
                                 f"fix or remove that line") from None
     return rows
-
-
-def keep_rows_through(path: Path, step: int) -> None:
-    """A job resumed from the checkpoint at `step` rewrites its metrics.jsonl without the rows logged after it
-    (they are logged again) and without a row cut short by the kill."""
-    if path.exists():
-        path.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r["step"] <= step))

@@ -114,6 +114,7 @@ def test_a_row_being_written_is_not_read_and_a_torn_row_is_dropped_on_resume(tmp
     """The executor reads metrics.jsonl while the job appends to it: a last line without its newline is half a
     row (a CI run once parsed one). A job killed mid-row resumes with that row gone and its file parseable."""
     from omnijax.cluster import toy_job
+    from omnijax.train.metrics import read_metrics
     from omnijax.utils import read_jsonl
     monkeypatch.setenv("OMNIJAX_RUNS", str(tmp_path))
     monkeypatch.setattr(toy_job.signal, "signal", lambda *a: None)   # leave pytest's SIGTERM handler alone
@@ -121,9 +122,9 @@ def test_a_row_being_written_is_not_read_and_a_torn_row_is_dropped_on_resume(tmp
     metrics = tmp_path / "t" / "metrics.jsonl"
     whole = metrics.read_text()
     metrics.write_text(whole + '{"step": 5, "loss": 0.1, "step_ti')
-    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3, 4]
     assert toy_job.main(["trainer.steps=6", "trainer.run_name=t", "trainer.checkpoint_every=2", "toy.work=64"]) == 0
-    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3, 4, 5, 6]
     assert metrics.read_text().endswith("\n")
     metrics.write_text(whole.replace('"step": 2', '"step": 2,,'))   # a damaged row inside the file: named, not skipped
     with pytest.raises(UserError, match=r"metrics.jsonl:2: not a JSON row"):

@@ -32,7 +32,7 @@ from omnijax.cluster.jobs import Cluster, Job, check_allocation
 from omnijax.cluster.perf_model import LossModel, SpeedModel
 from omnijax.cluster.schedulers import Scheduler
 from omnijax.errors import UserError
-from omnijax.utils import read_jsonl
+from omnijax.train.metrics import read_metrics
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -158,7 +158,7 @@ class _Running:
     owner: object
     devices: int
     started: float
-    rows_seen: int = 0
+    rows: list = field(default_factory=list)   # metrics rows as last read in this start
     first_row_skipped: bool = False
 
 
@@ -217,11 +217,16 @@ class Executor:
     def _read(self, job: Job, run: _Running) -> None:
         """New metrics rows -> progress, loss model, speed model (skipping the compile-laden first row of a
         start and rows marked `"warm": false`). A row's own `devices` wins over the allocation (an
-        in-place resize takes effect at the job's next step boundary)."""
-        rows = read_jsonl(self.run_root / job.name / "metrics.jsonl")
+        in-place resize takes effect at the job's next step boundary). Rows as the run stands (`read_metrics`):
+        a row is new when the last read had no such row of its step (a resumed job's rows supersede the ones
+        it logged before)."""
+        rows = read_metrics(self.run_root / job.name / "metrics.jsonl")
         if rows:
             job.progress = float(rows[-1]["step"])
-        for row in rows[run.rows_seen:]:
+        before = {r["step"]: r for r in run.rows}
+        for row in rows:
+            if before.get(row["step"]) == row:
+                continue
             if "loss" in row:
                 job.loss_model.observe(row["step"], row["loss"])
             if not run.first_row_skipped:
@@ -230,7 +235,7 @@ class Executor:
             if row.get("step_time_s") and row.get("warm", True):
                 job.speed_model.observe(int(row.get("devices", run.devices)), 1, float(row["step_time_s"]))
                 job.observed_step_s = float(row["step_time_s"])
-        run.rows_seen = len(rows)
+        run.rows = rows
 
     # ------------------------------------------------------------------ main loop
     def run(self, specs: Sequence[ExecJob]) -> ExecResult:
@@ -280,7 +285,7 @@ class Executor:
                         j.speed_model.theta = np.array([1.0 / j.batch_size, 0.0, 0.0, 0.0, 0.0])
                 # a job still starting (no metrics yet) is pinned: stopping it would only waste its startup
                 pinned = {j.name: running[j.name].devices for j in active
-                          if j.name in running and running[j.name].rows_seen == 0}
+                          if j.name in running and not running[j.name].rows}
                 # what is free, rounded down to a power of two so every size the scheduler picks divides
                 # a power-of-two batch
                 left = max(self.cluster.gpus - sum(pinned.values()), 1)

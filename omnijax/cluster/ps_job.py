@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from omnijax.utils import keep_rows_through
+from omnijax.train.metrics import mend_metrics
 
 DIGITS_BATCH = 64
 
@@ -166,7 +166,7 @@ def main(argv: list[str]) -> int:
     if latest:
         trainer.restore(str(latest[-1]))
     metrics = run / "metrics.jsonl"
-    keep_rows_through(metrics, trainer.step)   # as the trainer does on resume
+    mend_metrics(metrics)   # as the trainer does on resume: the steps redone supersede their rows
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     control, seq, warm = run / "control.json", -1, True

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omnijax.utils import keep_rows_through
+from omnijax.train.metrics import mend_metrics
 
 
 def main(argv: list[str]) -> int:
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
         w, step = saved["w"], int(saved["step"])
         print(f"resumed at step {step} on {devices} devices", file=sys.stderr)
     metrics = run / "metrics.jsonl"
-    keep_rows_through(metrics, step)   # as the trainer does on resume
+    mend_metrics(metrics)   # as the trainer does on resume: the steps redone supersede their rows
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
 

@@ -1,4 +1,5 @@
-"""Throughput and utilisation figures, and where they are written (JSONL + TensorBoard)."""
+"""Throughput and utilisation figures, where they are written (JSONL + TensorBoard), and how metrics.jsonl is
+read back (`read_metrics`: the resume rule) and mended on resume (`mend_metrics`)."""
 from __future__ import annotations
 
 import json
@@ -8,10 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from omnijax.config import LLMConfig
+from omnijax.errors import UserError
+from omnijax.utils import read_jsonl
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity).
 PEAK_FLOPS = {
@@ -22,6 +24,8 @@ PEAK_FLOPS = {
 
 def device_peak_flops(device: Any | None = None) -> tuple[float | None, str]:
     """(peak FLOP/s, device name); peak is None where omnijax knows none (CPU)."""
+    import jax   # here: job processes and benches that only read metrics files need not import jax
+
     device = device or jax.devices()[0]
     kind = str(getattr(device, "device_kind", device.platform)).lower()
     for key, peak in PEAK_FLOPS.items():
@@ -197,3 +201,32 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """A run's metrics.jsonl as the run stands, in step order. The resume rule: a resumed run logs again the
+    steps after the checkpoint it resumed from, so a row whose step is not past the row before it supersedes
+    every earlier row from its step on (they belong to the attempt the resume abandoned); once the resumed run
+    is past where the first stopped, that is each step's last row. Only complete rows are read
+    (`utils.read_jsonl`: the file may be being appended to); no file is no rows; a row without a step is a
+    UserError naming the file."""
+    path = Path(path)
+    rows: list[dict] = []
+    for n, row in enumerate(read_jsonl(path), 1):
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, bool) or not isinstance(step, (int, float)):
+            raise UserError(f"{path}: row {n} has no step; not a metrics file, or a damaged one")
+        while rows and rows[-1]["step"] >= step:
+            rows.pop()
+        rows.append(row)
+    return rows
+
+
+def mend_metrics(path: str | Path) -> None:
+    """Before a resumed run appends to its metrics.jsonl: drop a last row cut short by a kill. Every complete
+    row stays; the steps redone are logged again and `read_metrics` lets them supersede the earlier rows."""
+    path = Path(path)
+    if path.exists():
+        text = path.read_text()
+        if text and not text.endswith("\n"):
+            path.write_text(text[: text.rfind("\n") + 1])

@@ -56,6 +56,7 @@ from typing import Iterator
 from omnijax import allocator
 from omnijax.errors import UserError
 from omnijax.perfmodel.step_model import parse_hlo
+from omnijax.train.metrics import read_metrics
 
 DESCRIPTION = ("omnijax's LLM train step vs MaxText's (its own venv, mt_python=...) on the same llama shape, "
                "alternating rounds: median ratio with its spread, per layout (1dev, fsdp8, dp8)")
@@ -288,8 +289,7 @@ def prepare_mm_data(scratch: str, mt_python: str, shape: dict, timeout: int) -> 
 
 def omnijax_metric_step_times(metrics_jsonl: str, warmup: int) -> list[float]:
     """Per-step seconds from a run's metrics.jsonl (`trainer.log_every=1`), its first ``warmup`` steps dropped."""
-    rows = [json.loads(ln) for ln in Path(metrics_jsonl).read_text().splitlines() if ln.strip()]
-    return [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > warmup]
+    return [r["step_time_s"] for r in read_metrics(metrics_jsonl) if "step_time_s" in r and r["step"] > warmup]
 
 
 _MT_STEP = re.compile(r"completed step: (\d+), seconds: ([0-9.]+)")
@@ -413,7 +413,7 @@ def run_omnijax(shape: dict, layout: str, opts: dict, remat: str, dump: str | No
         times = omnijax_metric_step_times(str(metrics), opts["oj_warmup"]) if rc == 0 and metrics.exists() else []
         if not times:
             raise _fail("omnijax", layout, rc, out)
-        loss = json.loads(metrics.read_text().splitlines()[-1])["loss"]
+        loss = read_metrics(metrics)[-1]["loss"]
         return {"step_s": statistics.median(times), "steps": times, "loadavg": load, "wall_s": wall,
                 "cpu_per_wall": cpu / wall, "step_cpu_per_wall": None,
                 "allocator": (re.findall(r", allocator (.+)$", out, re.M) or ["?"])[0],
