@@ -170,26 +170,31 @@ def test_encoder_layout_matches_single_device():
     assert vision  # the encoder really carries adapters
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    """Two AdamW steps of the joint step (fsdp8 LLM, edp8 encoders) with rank-16 adapters on the LLM and the
-    projector trainable, checkpointed at step 2."""
+def _lora_trainer(run_dir, steps: int = 2):
+    """The joint step (fsdp8 LLM, edp8 encoders) with rank-16 adapters on the LLM and the projector trainable,
+    checkpointed every 2 steps."""
     from omnijax.data.loader import Loader, LoaderConfig, TrainerBatches
     from omnijax.parallel.multiplex import Multiplexer
     from omnijax.train.loop import Trainer
     from test_data_trainer import LOADER
     from test_mllm import MM, WORLD
 
-    run_dir = tmp_path_factory.mktemp("lora")
     mm = from_dict(MMConfig, MM)
-    cfg = from_dict(Config, {"model": {}, "trainer": {"steps": 2, "log_every": 1, "checkpoint_every": 2,
+    cfg = from_dict(Config, {"model": {}, "trainer": {"steps": steps, "log_every": 1, "checkpoint_every": 2,
                                                       "progress": False, "trainable": ["projector"],
                                                       "lora": {"rank": 16, "alpha": 32.0}},
                              "optimizer": {"warmup_steps": 0, "weight_decay": 0.5}})
     placement = Multiplexer(LLMParallel("fsdp8", mm.llm), mm, encoder_layout="edp8", balance_rows=False)
     loader = TrainerBatches(Loader(LoaderConfig(**{**LOADER, "fixed_shapes": False}), mm_cfg=mm, world_cfg=WORLD))
-    trainer = Trainer(cfg, lambda: placement.prepare(mllm.MultimodalModel(mm, rngs=nnx.Rngs(0))), placement.loss_fn,
-                      loader, placement=placement, run_dir=run_dir)
+    return Trainer(cfg, lambda: placement.prepare(mllm.MultimodalModel(mm, rngs=nnx.Rngs(0))), placement.loss_fn,
+                   loader, placement=placement, run_dir=run_dir)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """Two AdamW steps of `_lora_trainer`, checkpointed at step 2."""
+    run_dir = tmp_path_factory.mktemp("lora")
+    trainer = _lora_trainer(run_dir)
     before = jax.device_get(trainer.state.params)
     result = trainer.fit()
     return trainer, before, jax.device_get(result.state.params), run_dir
@@ -225,11 +230,19 @@ def test_lora_run_freezes_base_and_keeps_state_for_adapters_only(lora_run):
                                                                for n in llm) == 1
 
 
-def test_init_checkpoint_carries_adapters(lora_run):
-    """A later stage started from the LoRA run's checkpoint gets its trained adapters (warmstart.params_from_run)."""
+def test_resume_and_init_checkpoint_carry_adapters(lora_run):
+    """Resuming the run restores its adapters and moments; a later stage started from its checkpoint
+    (warmstart.params_from_run, init.checkpoint) gets its trained adapters."""
     from omnijax.train import warmstart
 
     trainer, _, after, run_dir = lora_run
+    again = _lora_trainer(run_dir)
+    assert again._restore() == 2
+    for (path, a), (_, b) in zip(nnx.to_flat_state(jax.device_get(again.state.params)), nnx.to_flat_state(after)):
+        np.testing.assert_array_equal(a[...], b[...], err_msg=str(path))
+    for a, b in zip(jax.tree.leaves(jax.device_get(again.state.opt_state)),
+                    jax.tree.leaves(jax.device_get(trainer.state.opt_state))):
+        np.testing.assert_array_equal(a, b)
     fresh = trainer.state.params
     restored, step = warmstart.params_from_run(run_dir, fresh)
     assert step == 2
