@@ -63,11 +63,11 @@ def main(argv: list[str]) -> int:
     if not out_dir.is_dir():
         raise ConfigError(f"output={cfg.output}: folder {out_dir} does not exist")
     from omnijax.serve.generate import Generator, SamplingConfig
-    from omnijax.serve.load import folder_kind, load
+    from omnijax.serve.load import load, source_kind
     from omnijax.serve.prompts import read_prompts
 
     sampling = SamplingConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed).check()
-    folder_kind(folders[0])  # a wrong folder or prompts file is named before the model is read
+    source_kind(folders[0])  # a wrong folder or prompts file is named before the model is read
     if not Path(cfg.prompts).is_file():
         raise ConfigError(f"prompts={cfg.prompts}: file not found; write one JSON record per line "
                           "({\"segments\": [...]} or a LLaVA conversation without the answer)")

@@ -57,7 +57,9 @@ def _host(x: Any) -> np.ndarray:
 
 
 def save_native(params: Any, file: Path, write: bool) -> None:
-    """A parameter subtree as one safetensors file under omnijax names, gathered one tensor at a time."""
+    """A parameter subtree as one safetensors file under omnijax names. Every process takes part in each
+    tensor's gather, one tensor after another; the writing process keeps them all and writes the file at the
+    end (safetensors' `save_file` takes the whole dict), so it holds the subtree whole in host memory."""
     from safetensors.numpy import save_file
 
     tensors = {}

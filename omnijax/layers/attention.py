@@ -393,7 +393,9 @@ class Attention(nnx.Module):
     # ------------------------------------------------------------------ KV-cache path (generation)
     # Beside the training forward above, which stays as it is: generation computes k/v once per token and
     # keeps them in a cache [B, S, KVH, Dh] whose slot s holds position s of the row (one prompt per row,
-    # written from slot 0), so the per-token cost does not grow with the prefix.
+    # written from slot 0), so a new token projects only itself; its attention still reads the cache, so the
+    # per-token cost grows linearly with the cache's length (docs/benchmarks.md, `bench generate`), not with
+    # a prefill of the whole prefix per token.
     def prefill(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache_k: jax.Array,
                 cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The prompt's attention (as ``__call__``) and its k/v written into cache slots [0, L)."""

@@ -31,7 +31,7 @@ class Served:
     info: dict = field(default_factory=dict)
 
 
-def folder_kind(path: str | Path) -> str:
+def source_kind(path: str | Path) -> str:
     """'run' | 'export' | 'hf', or a UserError saying what the folder lacks."""
     p = Path(path)
     if not p.is_dir():
@@ -72,7 +72,7 @@ def load(path: str | Path, layout: str = "", devices: list | None = None) -> Ser
     """The model, tokenizer and end ids of a run, export or Hugging Face folder (see the module doc), its
     parameters read straight into the shardings of `layout` (``Generator(model, layout=...)``'s): each host
     reads only its shards, no device and no host holds the whole model."""
-    kind = folder_kind(path)
+    kind = source_kind(path)
     if kind == "run":
         return load_run(path, layout, devices)
     if kind == "hf":

@@ -1,5 +1,6 @@
 """Generation speed: omnijax's KV-cache generator vs transformers (PyTorch, CPU) on the same tiny random Llama
-and the same prompts, and the per-token cost against the prompt length (flat with a cache)."""
+and the same prompts, and the per-token decode cost against the prompt length (with a cache it grows linearly,
+the attention reading the cache; a decoder without one pays a prefill of the prefix per token)."""
 from __future__ import annotations
 
 import os
