@@ -84,7 +84,8 @@ def test_interleave_without_a_pipeline_is_a_config_error():
 def test_window_capacities_hold_every_microbatch_plan():
     """`size_window` (the trainer's and every bench's window sizing) over upcoming batches: planning each
     of them afterwards never grows a capacity (one compiled program for the window), every microbatch's
-    plan is stacked, and capacities that already hold the window stay as they are."""
+    plan is stacked; a resumed run keeps the checkpointed capacities for the rest of its window, and the
+    next window gets its own fit again."""
     from omnijax.data.world import World
     from omnijax.data.packing import SamplePacker as Packer
     from test_multiplex_step import WORLD
@@ -100,5 +101,7 @@ def test_window_capacities_hold_every_microbatch_plan():
         assert plan.arrays["route_send"].shape[:2] == (8, mx.engine.schedule.microbatches)
         assert 0.0 <= plan.stats["padded_fraction"] < 1.0
     roomy = {k: v + 16 for k, v in caps.items()}
-    mx.capacities = dict(roomy)
+    mx.set_state({"capacities": roomy, "programs": [caps]})  # resumed mid-window: the checkpointed ones hold it
     assert mx.size_window(batches) == roomy
+    assert mx.size_window(batches) == caps  # the next window: its own fit, a program compiled already
+    assert mx.programs == [caps, roomy]

@@ -271,22 +271,23 @@ def test_refine_never_raises_the_max_and_keeps_capacities():
 
 def test_balanced_capacities_grow_a_bucket_when_balance_needs_room():
     grid, segs = _tight_host()
+    g = 1.25  # coarse buckets: the tight host's smallest capacities leave balance no room
     mean = sum(s.cost for s in segs) / grid.num_devices
-    base = routing.fit_segment_capacities([segs], grid, RED, long_factor=0.25)
-    a, c = routing.place_segments(segs, grid, RED, capacities=base, long_factor=0.25)
+    base = routing.fit_segment_capacities([segs], grid, RED, long_factor=0.25, growth=g)
+    a, c = routing.place_segments(segs, grid, RED, capacities=base, long_factor=0.25, growth=g)
     tight = placement_meta.refine_assignment(a, segs, grid, c).device_cost.max() / mean
     assert tight > 1.2
     caps, (score,) = scale.fit_balanced_capacities([segs], grid, RED, mean, long_factor=0.25,
-                                                            pad_cost=COSTS.padding_cost)
+                                                            pad_cost=COSTS.padding_cost, growth=g)
     assert all(caps[k] >= v for k, v in base.items()) and caps != base
     assert score < 1.05
-    a2, _ = routing.place_segments(segs, grid, RED, capacities=caps, long_factor=0.25)
+    a2, _ = routing.place_segments(segs, grid, RED, capacities=caps, long_factor=0.25, growth=g)
     refined = placement_meta.refine_assignment(a2, segs, grid, caps)
     _placed_once_within(refined, segs, grid, caps)
     assert refined.device_cost.max() / mean == pytest.approx(score)
     # padding priced above the gain: the smallest capacities stay
     same, _ = scale.fit_balanced_capacities([segs], grid, RED, mean, long_factor=0.25,
-                                                     pad_cost=lambda n, r: 1e3 * mean * r)
+                                                     pad_cost=lambda n, r: 1e3 * mean * r, growth=g)
     assert same == base
 
 

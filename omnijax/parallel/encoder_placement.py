@@ -303,7 +303,56 @@ def _place_balanced(parts: list[list[Segment]], grid: DeviceGrid, names: list[st
     return out, caps
 
 
-BUCKET_GROWTH = 1.25  # geometric bucket steps: at most ~20% padding from rounding, few distinct shapes
+def spread_over_hosts(assignment: Assignment, segments: list[Segment], grid: DeviceGrid, host_of: np.ndarray,
+                      dims: dict[str, int]) -> Assignment:
+    """The same placement with whole esp groups moved between group slots so that every host decodes
+    about its share of the step's payload (float32 input bytes x width, what `put_batch` decodes).
+
+    A group's work (its devices' short and long buffers, in order) moves as one, so every device's
+    cost, buffer rows and the capacities stay as they are; only which host decodes what changes.
+    Contents, heaviest payload first, go to a free slot on the host with the least payload so far (ties:
+    the lower slot); each host keeps its number of slots. Deterministic; a pure function of its inputs."""
+    D, esp, G = grid.num_devices, grid.esp, grid.edp
+    host_of = np.asarray(host_of, np.int64)
+    hosts = int(host_of.max()) + 1
+    if hosts <= 1 or not segments:
+        return assignment
+    dev_bytes = np.zeros(D)
+    width = lambda i: 4.0 * dims[segments[i].encoder]  # noqa: E731
+    for d in range(D):
+        dev_bytes[d] += sum(segments[i].rows * width(i) for i in assignment.short[d])
+        dev_bytes[d] += sum(segments[i].rows * width(i) for i in (assignment.long_whole or [[]] * D)[d])
+    for g, ids in enumerate(assignment.long):
+        for i in ids:
+            for k, rows in enumerate(_chunks(segments[i].rows, segments[i].reduction, esp)):
+                dev_bytes[g * esp + k] += rows * width(i)
+    slot_host = host_of[np.arange(G) * esp]  # a slot's host: its first device's (groups sit inside a host)
+    load = np.zeros(hosts)
+    free = {h: [g for g in range(G) if slot_host[g] == h] for h in range(hosts)}
+    group_bytes = dev_bytes.reshape(G, esp)
+    target = [0] * G  # content g -> slot
+    for g in sorted(range(G), key=lambda g: (-float(group_bytes[g].sum()), g)):
+        h = min((h for h in range(hosts) if free[h]), key=lambda h: (load[h], h))
+        slot = free[h].pop(0)
+        target[g] = slot
+        np.add.at(load, host_of[slot * esp:(slot + 1) * esp], group_bytes[g])
+    if target == list(range(G)):
+        return assignment
+    dev = np.array([target[d // esp] * esp + d % esp for d in range(D)])  # old device -> new device
+    short, whole = [[] for _ in range(D)], [[] for _ in range(D)]
+    cost = np.zeros(D)
+    for d in range(D):
+        short[dev[d]] = list(assignment.short[d])
+        whole[dev[d]] = list((assignment.long_whole or [[]] * D)[d])
+        cost[dev[d]] = assignment.device_cost[d]
+    long = [[] for _ in range(G)]
+    for g in range(G):
+        long[target[g]] = list(assignment.long[g])
+    return Assignment(short, long, cost, assignment.redundant_cost, whole)
+
+
+BUCKET_GROWTH = 1.0625  # geometric bucket steps: at most ~6% padding from rounding; the multiplexer reuses programs
+# (`Multiplexer.size_window`), so fine steps do not mean one program per window
 
 
 def _bucket(need: int, multiple: int, smallest: int, growth: float = BUCKET_GROWTH) -> int:

@@ -145,14 +145,14 @@ class Multiplexer:
 
     growth: float = routing.BUCKET_GROWTH  # capacity bucket step (a planning-only instance keeps it)
     hosts: int | None = None
-    payload_band, reuse_slack, max_programs, _resumed = 0.05, 0.03, 4, False
+    payload_band, reuse_slack, max_programs, _resumed = 0.05, 0.05, 8, False
     programs: list[dict] = []  # never mutated in place (a planning-only instance shares the empty one)
 
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
                  encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
                  balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None,
                  interleave: bool = False, growth: float = routing.BUCKET_GROWTH, hosts: int | None = None,
-                 payload_band: float = 0.05, reuse_slack: float = 0.03, max_programs: int = 4):
+                 payload_band: float = 0.05, reuse_slack: float = 0.05, max_programs: int = 8):
         """growth: the capacity bucket step (`routing.BUCKET_GROWTH` in training; benches may vary it).
         hosts: split the devices into this many contiguous hosts for the payload check of `size_window`
         (None: the job's processes, where there are several). payload_band: every host decodes
@@ -230,19 +230,22 @@ class Multiplexer:
         return jax.device_put(state, self.state_shardings(state))
 
     def plan(self, host_batch: dict, fill: bool = True) -> routing.Plan:
-        """The step's plan. Capacities come from geometric buckets and only ever grow during a run,
-        so the number of compiled step programs is bounded by the bucket growths, not the steps.
+        """The step's plan inside the current capacities (the window's, from `size_window`); a batch that
+        outgrows them (one no window reserved) grows them to the buckets that hold it, so it still trains.
+        With several hosts, whole esp groups are spread so each decodes about its share of the payload.
         `fill=False` plans placement and capacities only: no buffer is built, no payload decoded.
 
         Interleaved: one plan per pipeline microbatch (shared capacities), stacked on axis 1 of every
         array ([devices, microbatches, ...])."""
         parts = self.parts(host_batch)
+        host_of = self.host_of() if self.mode == "balanced" else None
 
         def build(caps):
             return [routing.build_plan(part, self.grid, self.reductions, self.dims, self.cost_fn,
                                        order=context.balanced_order, mode=self.mode, long_short=self.long_short,
                                        capacities=caps, first_stage_only=self.interleave, growth=self.growth,
-                                       fill_devices=self.local_devices if fill else ()) for part in parts]
+                                       fill_devices=self.local_devices if fill else (), host_of=host_of)
+                    for part in parts]
 
         try:
             plans = build(self.capacities)
@@ -362,7 +365,7 @@ class Multiplexer:
         return routing.build_plan(part, self.grid, self.reductions, self.dims, self.cost_fn,
                                   order=context.balanced_order, mode=self.mode, long_short=self.long_short,
                                   capacities=caps, first_stage_only=self.interleave, growth=self.growth,
-                                  fill_devices=())
+                                  fill_devices=(), host_of=self.host_of() if self.mode == "balanced" else None)
 
     def _imbalance(self, plans: list[routing.Plan]) -> float:
         """How far the host furthest from an even share of the step's payload is from it (0: one host)."""
@@ -390,7 +393,8 @@ class Multiplexer:
         flat = [p for ps in parts for p in ps]
         caps = routing.fit_capacities(flat, self.grid, self.reductions, self.dims, self.cost_fn,
                                       order=context.balanced_order, mode=self.mode, long_short=self.long_short,
-                                      first_stage_only=self.interleave, growth=self.growth)
+                                      first_stage_only=self.interleave, growth=self.growth,
+                                      host_of=self.host_of() if self.mode == "balanced" else None)
         if self.host_of() is None or self.mode != "balanced":  # the baselines place by arrival / on stage 0
             return caps
         best = None

@@ -37,7 +37,7 @@ from omnijax.parallel import placement_meta
 # the planner's parts, re-exported: callers name them as routing.X
 from omnijax.parallel.device_grid import MESH_AXES, DeviceGrid, parse_encoder_layout  # noqa: F401
 from omnijax.parallel.encoder_placement import (BUCKET_GROWTH, Assignment, Segment, _bucket,  # noqa: F401
-                                                _chunks, _place_balanced, assign, segments_of)
+                                                _chunks, _place_balanced, assign, segments_of, spread_over_hosts)
 from omnijax.parallel.row_balance import (balance_rows, llm_row_costs, row_costs_from_lengths,  # noqa: F401
                                           shard_cost_max_over_mean)
 
@@ -51,12 +51,23 @@ class Plan:
 
     `devices`: the devices the arrays' leading axis holds, in order (None: all of them). A host that
     plans with `fill_devices` keeps only its own devices' buffers and routing rows, so its memory grows
-    with its own devices, not with the cluster's."""
+    with its own devices, not with the cluster's. `device_payload`: input bytes (float32 rows x width)
+    each device of the whole step encodes: what its host decodes for it (`host_payload_shares`)."""
 
     arrays: dict[str, np.ndarray]
     stats: dict[str, float] = field(default_factory=dict)
     capacities: tuple = ()
     devices: tuple[int, ...] | None = None
+    device_payload: np.ndarray | None = None
+
+
+def host_payload_shares(payload: np.ndarray, host_of: np.ndarray) -> np.ndarray:
+    """Each host's share of a step's encoder payload bytes (`Plan.device_payload` summed per host;
+    `host_of[d]`: the host of device d). Equal shares when the step has no payload."""
+    hosts = int(host_of.max()) + 1
+    per = np.bincount(host_of, weights=np.asarray(payload, np.float64), minlength=hosts)
+    total = per.sum()
+    return per / total if total > 0 else np.full(hosts, 1.0 / hosts)
 
 
 class FlatIndexMap:
@@ -95,7 +106,7 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
                mode: Mode = "balanced", long_short: bool = True, long_factor: float = 1.0,
                min_rows: int = 16, min_route: int = 8, capacities: dict | None = None,
                first_stage_only: bool = False, growth: float = BUCKET_GROWTH,
-               fill_devices: Collection[int] | None = None) -> Plan:
+               fill_devices: Collection[int] | None = None, host_of: np.ndarray | None = None) -> Plan:
     """Encoder buffers per device and the routing tables of the encoder -> LLM all-to-all.
 
     `fill_devices`: the devices whose buffers and routing rows this host builds (its own): the plan's
@@ -112,8 +123,9 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
 
     mode "balanced" places capacity-aware (`_place_balanced`): per encoder the smallest (long,
     short) capacities that hold the step, short segments also filling the room long chunks leave in
-    the long buffers, cost balanced per device. "arrival" and "coupled" keep their placement and
-    size the buffers to it.
+    the long buffers, cost balanced per device; with `host_of` (the host of every device), whole esp
+    groups then move between hosts so that each decodes about its share of the payload
+    (`spread_over_hosts`). "arrival" and "coupled" keep their placement and size the buffers to it.
     """
     B, L = step_rows(batch), int(np.shape(batch["tokens"])[1])  # the host's token rows may be only its own
     shard_of, cp_of, local_of = llm_geometry(B, L, grid, order)
@@ -135,6 +147,8 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
     try:
         assignment, caps = _balanced(segments, grid, names, long_short, long_factor, pinned, min_rows, growth,
                                      reductions)
+        if host_of is not None:
+            assignment = spread_over_hosts(assignment, segments, grid, host_of, dims)
         return _materialize(batch, grid, reductions, dims, segments, names, assignment, None, caps, geometry,
                             long_short, min_rows, min_route, growth, fill_devices)
     except ConfigError:
@@ -145,6 +159,8 @@ def build_plan(batch: dict, grid: DeviceGrid, reductions: dict[str, int], dims: 
     # capacities lie inside the pins (so capacities that grew to cover it always work).
     enc_pins = {k: v for k, v in pinned.items() if k != "route"}
     assignment, caps = _balanced(segments, grid, names, long_short, long_factor, {}, min_rows, growth, reductions)
+    if host_of is not None:
+        assignment = spread_over_hosts(assignment, segments, grid, host_of, dims)
     too_small = [k for k, v in caps.items() if v > enc_pins.get(k, v)]
     if too_small:
         raise ConfigError(f"pinned capacities too small for this batch: {', '.join(f'{k} needs {caps[k]} > {pinned[k]}' for k in too_small)}")
@@ -275,7 +291,12 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
     pairs = pair_keys
 
     stats = _stats(segments, assignment, grid, caps, names, reductions, batch, pairs)
-    return Plan(arrays, stats, tuple(sorted(caps.items())), None if fill_devices is None else tuple(kept))
+    payload = np.zeros(D)
+    for n in names:
+        for d in range(D):
+            rows = sum(segments[i].rows for i in seg_rows[n][d]) + sum(hi - lo for _, lo, hi in long_rows[n][d])
+            payload[d] += 4.0 * dims[n] * rows
+    return Plan(arrays, stats, tuple(sorted(caps.items())), None if fill_devices is None else tuple(kept), payload)
 
 
 def _route_pairs(segments, hold_dev, hold_row, receivers, shard_of, cp_of, local_of):
@@ -363,7 +384,7 @@ def fit_capacities(parts: list[dict], grid: DeviceGrid, reductions: dict[str, in
                    cost_fn: Callable[[str, int], float], *, order: Callable[[int, int], np.ndarray],
                    mode: Mode = "balanced", long_short: bool = True, long_factor: float = 1.0,
                    min_rows: int = 16, min_route: int = 8, first_stage_only: bool = False,
-                   growth: float = BUCKET_GROWTH) -> dict:
+                   growth: float = BUCKET_GROWTH, host_of: np.ndarray | None = None) -> dict:
     """Capacities for a window of upcoming plans (`parts`: batches, or their pipeline microbatches)
     that every one of them fits, so the window runs one compiled program.
 
@@ -372,7 +393,7 @@ def fit_capacities(parts: list[dict], grid: DeviceGrid, reductions: dict[str, in
     part's own choice); other modes: the elementwise max of each part's capacities. The route
     capacity is the max need of the parts' plans under these buffer capacities."""
     kw = dict(order=order, mode=mode, long_short=long_short, long_factor=long_factor, min_rows=min_rows,
-              min_route=min_route, first_stage_only=first_stage_only, growth=growth)
+              min_route=min_route, first_stage_only=first_stage_only, growth=growth, host_of=host_of)
     caps: dict[str, int] = {}
     if mode == "balanced" and parts:
         segs = [segments_of(p, reductions, cost_fn) for p in parts]

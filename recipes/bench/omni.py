@@ -67,7 +67,7 @@ PHASES = [{"image": 0.5, "video": 0.2, "audio": 0.2, "text": 0.1},
 def _options(overrides: list[str]) -> dict:
     opts = {"steps": 6, "llm": "pp2xdp2xtp2", "encoder": "edp4xesp2", "batch_size": 32, "seq_len": 128,
             "cpu_devices": 8, "variants": ",".join(VARIANTS), "lookahead": 128, "window": 3,
-            "bucket_growth": 1.0625, "interleave": "0", "host_pair": "1", "host_repeats": 5, "host_cores": 1, "hardware": "h100"}
+            "bucket_growth": 0.0, "interleave": "0", "hosts": 2, "host_pair": "1", "host_repeats": 5, "host_cores": 1, "hardware": "h100"}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.").removeprefix("parallel.")
@@ -208,7 +208,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
         if interleave is None:
             interleave = opts["interleave"] in ("1", "true")
         mx = Multiplexer(engine, cfg, encoder_layout=opts["encoder"], mode=mode, long_short=long_short,
-                         balance_rows=False, interleave=interleave, growth=opts["bucket_growth"])
+                         balance_rows=False, interleave=interleave, growth=opts["bucket_growth"] or routing.BUCKET_GROWTH,
+                         hosts=opts["hosts"])
         model = mx.prepare(mllm.MultimodalModel(cfg, rngs=nnx.Rngs(0)))
         g, params, rest = nnx.split(model, nnx.Param, ...)
         t0 = time.perf_counter()
@@ -247,7 +248,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
             r["time"] += t2 - t1
             r["tokens"] += int((np.asarray(host[i]["segment_ids"]) > 0).sum())
             plan = mx.last_plan
-            traffic = routing.route_traffic(plan, hosts=2, bytes_per_token=4 * cfg.llm.embed_dim)
+            traffic = routing.route_traffic(plan, hosts=max(opts["hosts"], 1), bytes_per_token=4 * cfg.llm.embed_dim)
             r["stats"].append({**plan.stats, **traffic})
             r["losses"].append(float(m["loss"]))
             r["critical"].append(critical_path(mx, host[i], plan, hw))
@@ -307,6 +308,13 @@ def run(overrides: list[str]) -> Iterator[dict]:
                 1 - total(f"enc_rows_real_{enc}") / max(total(f"enc_rows_computed_{enc}"), 1), 4)
         rows[name]["padded_fraction_llm"] = round(
             1 - total("llm_tokens_real") / max(total("llm_tokens_computed"), 1), 4)
+        enc_real = sum(total(f"enc_rows_real_{e}") for e in ("vision", "audio"))
+        rows[name]["padded_fraction_encoders"] = round(
+            1 - enc_real / max(sum(total(f"enc_rows_computed_{e}") for e in ("vision", "audio")), 1), 4)
+        if "host_payload_share_min" in r["stats"][0]:  # each host's share of every step's payload, as `hosts` hosts
+            rows[name]["host_payload_share"] = [round(min(s["host_payload_share_min"] for s in r["stats"]), 4),
+                                                round(max(s["host_payload_share_max"] for s in r["stats"]), 4)]
+        rows[name]["capacities"] = r["caps"]
     base = rows.get("coupled")
     for name in names:
         row = rows[name]
