@@ -18,7 +18,6 @@ import numpy as np
 from flax import nnx
 
 from omnijax.config import LoraConfig, from_dict
-from omnijax.layers import lora as lora_lib
 from omnijax.models import adapters
 
 ADAPTER_DIR = "llm_adapter"
@@ -52,14 +51,14 @@ def adapter_tensors(llm_params: Any) -> dict[str, np.ndarray]:
                                                        else nnx.State(llm_params))}
     for path, var in sorted(flat.items(), key=lambda kv: tuple(map(str, kv[0]))):
         last = str(path[-1])
-        if not last.endswith(lora_lib.A_SUFFIX):
+        if not last.endswith(adapters.A_SUFFIX):
             continue
         if len(path) != 4 or path[0] != "blocks":
             raise ValueError(f"adapter at {'/'.join(map(str, path))}: not a layer projection PEFT knows")
-        layer, module, weight = int(path[1]), str(path[2]), last[:-len(lora_lib.A_SUFFIX)]
+        layer, module, weight = int(path[1]), str(path[2]), last[:-len(adapters.A_SUFFIX)]
         hf = f"base_model.model.model.layers.{layer}.{HF_MODULES[(module, weight)]}"
         a = _host(var)
-        b = _host(flat[path[:-1] + (weight + lora_lib.B_SUFFIX,)])
+        b = _host(flat[path[:-1] + (weight + adapters.B_SUFFIX,)])
         rank = a.shape[-1]
         out[f"{hf}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, rank).T.astype(np.float32))
         out[f"{hf}.lora_B.weight"] = np.ascontiguousarray(b.reshape(rank, -1).T.astype(np.float32))
@@ -160,8 +159,8 @@ def load_adapter(folder: str | Path, params: Any) -> nnx.State:
         last = str(path[-1])
         if adapters.is_adapter(path) and adapters.base_part(path) == "llm":
             keys = [str(k) for k in path if str(k) != "llm"]
-            layer, module, weight = int(keys[1]), keys[2], last[:-len(lora_lib.A_SUFFIX)]
-            side = "A" if last.endswith(lora_lib.A_SUFFIX) else "B"
+            layer, module, weight = int(keys[1]), keys[2], last[:-len(adapters.A_SUFFIX)]
+            side = "A" if last.endswith(adapters.A_SUFFIX) else "B"
             name = f"base_model.model.model.layers.{layer}.{HF_MODULES[(module, weight)]}.lora_{side}.weight"
             if name not in tensors:
                 raise UserError(f"init.adapter={folder}: no tensor {name} (the adapter does not cover this model's "

@@ -19,6 +19,7 @@ from flax import nnx
 from omnijax.config import LoraConfig
 from omnijax.errors import ConfigError
 from omnijax.layers import lora
+from omnijax.layers.lora import A_SUFFIX, B_SUFFIX, SCALE_SUFFIX  # noqa: F401 (the adapter leaves' names)
 from omnijax.layers.attention import Attention
 from omnijax.layers.mlp import MLP
 from omnijax.models.encoder_layers import SelfAttention
