@@ -106,7 +106,6 @@ def test_two_stages_export_and_transformers_load(world, capsys, monkeypatch, tmp
         assert (tmp_path / e / "llm" / "tokenizer.json").is_file()
     # stage 2 starts from stage 1's projector, and the export reads back as the run's last parameters
     import jax
-    from flax import nnx
 
     from omnijax.interop.bundle import read_bundle
     from omnijax.train import warmstart
@@ -119,7 +118,6 @@ def test_two_stages_export_and_transformers_load(world, capsys, monkeypatch, tmp
     p2, _ = warmstart.params_from_run(s2, b2.params)
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(b2.params), jax.tree.leaves(p2)))
     assert b2.config == b1.config and b2.tokenizer.endswith("llm")
-    del nnx
 
     # bad input: one line each, nothing written
     line = _one_line_error(capsys, "export", s2, f"output={tmp_path}/e2")

@@ -21,8 +21,6 @@ window time wins.
 encoder buffers sized for its fullest step, so items move between steps until each encoder's rows per
 step are near the window's common level.
 `spread_step`: where a step's chosen samples run, spread over the dp ranks.
-`plan_arrival`: the baseline without reordering: batch g's samples in arrival order, split into
-equal consecutive chunks per rank and microbatch (capacity not considered).
 """
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ import numpy as np
 from omnijax.data.bins import Bin, Capacity, Item, Plan, rebuild, window_time
 from omnijax.data.leveling import level_window
 
-__all__ = ["Item", "Capacity", "Plan", "Bin", "plan_lpt", "plan_step", "plan_window", "plan_arrival", "level_window",
+__all__ = ["Item", "Capacity", "Plan", "Bin", "plan_lpt", "plan_step", "plan_window", "level_window",
            "rank_costs", "max_over_mean", "lower_bound", "spread_step"]
 _Bin = Bin  # the loader's name for it
 
@@ -179,27 +177,6 @@ def _plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, c
                 unplaced.append(it.key)
         bins = [tuple(b.items) for b in state]
     return Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
-
-
-def plan_arrival(items: list[Item], n_bins: int, cap: Capacity) -> Plan:
-    """No reordering: consecutive chunks in arrival order; rows filled first-fit without a capacity check."""
-    order = sorted(items, key=lambda it: it.key)
-    chunks = np.array_split(np.arange(len(order)), n_bins)
-    bins, loads = [], []
-    for idx in chunks:
-        free: list[int] = []
-        placed = []
-        for i in idx:
-            it = order[i]
-            row = next((r for r, f in enumerate(free) if it.tokens <= f), -1)
-            if row < 0:
-                free.append(max(cap.row_len, it.tokens))
-                row = len(free) - 1
-            free[row] -= it.tokens
-            placed.append((it.key, row))
-        bins.append(tuple(placed))
-        loads.append(float(sum(order[i].cost for i in idx)))
-    return Plan(tuple(bins), tuple(loads), ())
 
 
 def rank_costs(plan: Plan, steps: int, ranks: int, microbatches: int) -> np.ndarray:
