@@ -323,7 +323,7 @@ def test_cudnn_path_traces_where_it_applies(monkeypatch, cc):
     """No GPU here: pretend one (abstract tracing only) so the cuDNN branch is at least traced, forward and
     backward, on Hopper (packed segments) and earlier (one segment per row); fp32 or wanting the lse
     stays on blockwise."""
-    from jax._src.cudnn import fused_attention_stablehlo as fused
+    from omnijax.jax_private import fused_attention_stablehlo as fused
 
     monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(fused, "check_compute_capability", lambda c: cc >= tuple(int(x) for x in c.split(".")))

@@ -165,7 +165,7 @@ def _jax_checks_for(target: tuple[str, tuple[int, ...], bool] | None) -> Iterato
     if target is None or not target[2] or _default_target()[0] == "gpu":
         yield
         return
-    from jax._src.cudnn import fused_attention_stablehlo as fused  # private: the checks have no public hook
+    from omnijax.jax_private import fused_attention_stablehlo as fused  # private: the checks have no public hook
 
     cc = target[1]
     parse = lambda c: tuple(int(x) for x in c.split("."))  # noqa: E731
@@ -284,7 +284,7 @@ def _cudnn_or_blockwise(q, k, v, blockwise: Callable, *, q_segment_ids, kv_segme
     of jax 0.10.2 handled here: packed cuDNN with grouped-query attention strides K/V by the query head
     count (so K/V heads are repeated there), and rows outside every segment are never written, forward
     or backward (zeroed on both sides). Self-attention only (kv ids/positions equal the queries')."""
-    from jax._src.cudnn import fused_attention_stablehlo as fused  # private: the packed API is not public
+    from omnijax.jax_private import fused_attention_stablehlo as fused  # private: the packed API is not public
 
     b, n, h, dh = q.shape
     g = h // k.shape[2]

@@ -515,7 +515,7 @@ def _barrier(name: str) -> None:
     """Wait for every process (no-op in one process)."""
     if jax.process_count() == 1:
         return
-    from jax._src import distributed
+    from omnijax.jax_private import distributed
 
     client = distributed.global_state.client
     if client is not None:

@@ -354,8 +354,7 @@ def xla_flops(compiled: Any) -> float | None:
     """XLA's HloCostAnalysis FLOPs of the optimised per-device program (custom calls, e.g. cuDNN attention,
     count 0 there). The deviceless executable has no cost analysis of its own: the module is analysed with
     the host's backend, which runs the same HloCostAnalysis over the GPU-optimised HLO."""
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax
+    from omnijax.jax_private import jaxlib_jax as _jax, xla_bridge
 
     try:
         modules = compiled.runtime_executable().hlo_modules()

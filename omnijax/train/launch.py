@@ -140,7 +140,7 @@ def cache_hangs(jaxlib_version: str, platform: str, cpu_collectives: str | None,
 def _avoid_cache_hang() -> None:
     """Turn the persistent compilation cache off for this run where the installed jaxlib hangs on it."""
     import jax
-    from jax._src import compilation_cache
+    from omnijax.jax_private import compilation_cache
     from jaxlib import version as jaxlib_version
 
     if cache_hangs(jaxlib_version.__version__, jax.default_backend(), jax.config.jax_cpu_collectives_implementation,
@@ -201,7 +201,7 @@ class PeerWatch:
 
     def __init__(self, timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  last_checkpoint: Callable[[], str] = lambda: "unknown"):
-        from jax._src import distributed
+        from omnijax.jax_private import distributed
         import jax
 
         self.client = distributed.global_state.client
@@ -326,7 +326,7 @@ def finish_together(timeout_s: float | None = None) -> int:
     The wait is a barrier on the coordination service, whose heartbeats go on while it waits; the PeerWatch is
     armed for it, so a peer that dies in its lone work (process 0's evaluation or export) is named within
     trainer.peer_timeout_s instead of leaving the others waiting or aborting in jax's shutdown barrier."""
-    from jax._src import distributed
+    from omnijax.jax_private import distributed
 
     client = distributed.global_state.client
     if client is None:

@@ -460,7 +460,7 @@ def _compile_together(jitted: Callable, name: str, *args: Any) -> None:
     if jax.process_count() == 1:
         return
     jitted.lower(*args).compile()
-    from jax._src import distributed
+    from omnijax.jax_private import distributed
 
     client = distributed.global_state.client
     if client is not None:
