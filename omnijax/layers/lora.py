@@ -20,6 +20,7 @@ import functools
 import math
 import string
 import threading
+import types
 from typing import Any, Callable
 
 import jax
@@ -216,11 +217,12 @@ def adapted_class(cls: type, targets: dict[str, int]) -> type:
         for name, n_in in targets.items():
             fields[name] = property(lambda self, n=name, k=n_in: _View(self, n, k),
                                     lambda self, v, n=name: vars(self).__setitem__(n, v))
-        for attr in dir(cls):
-            fn = getattr(cls, attr, None)
-            if callable(fn) and not isinstance(fn, type) and (attr == "__call__" or not attr.startswith("_")) \
-                    and attr in {k for c in cls.__mro__ if c.__module__.startswith("omnijax") for k in vars(c)}:
-                fields[attr] = _method(fn)
+        for c in reversed(cls.__mro__):  # omnijax's own methods (a subclass's override wins); plain functions only
+            if not c.__module__.startswith("omnijax"):
+                continue
+            for attr, fn in vars(c).items():
+                if isinstance(fn, types.FunctionType) and (attr == "__call__" or not attr.startswith("_")):
+                    fields[attr] = _method(fn)
         _CLASSES[key] = type(f"Lora{cls.__name__}", (cls,), fields)
     return _CLASSES[key]
 
