@@ -227,20 +227,37 @@ def test_the_compilation_cache_is_turned_off_only_where_the_installed_jaxlib_han
 
 
 _EXIT_PAIR = """
+import time
 from omnijax.train import launch
 launch.maybe_initialize_distributed()
 watch = launch.peer_watch()
+real = watch.client
+
+class Blocking:  # every read of a peer's beat waits 2 s inside a native coordination-client call
+    def key_value_set(self, *args, **kwargs):
+        return real.key_value_set(*args, **kwargs)
+
+    def key_value_try_get(self, key):
+        try:
+            return real.blocking_key_value_get("never/" + key, 2000)
+        except Exception:
+            return real.key_value_try_get(key)
+
+watch.client = Blocking()
 watch.arm(0.5, lambda: "none", armed=False)
-watch.interval = 0.0   # the watch threads inside coordination-client calls nearly all the time
+watch.interval = 0.0
+time.sleep(1.0)  # from here the watch thread is inside a blocking client call nearly all the time
 from jax.experimental import multihost_utils
 multihost_utils.sync_global_devices("done")
 """
 
 
 def test_a_finished_process_exits_cleanly_while_its_peer_watch_is_busy(tmp_path):
-    """A clean-clone suite run saw a finished tiny_lm pair's process 0 abort at exit (SIGABRT, "FATAL: exception not rethrown"): a watch
-    thread was inside a coordination-client call when the interpreter finalised. With the threads beating without
-    pause, every pair aborted (10 of 10) before `PeerWatch.close` ran at exit; none since (30 of 30)."""
+    """A clean-clone suite run saw a finished tiny_lm pair's process 0 abort at exit (SIGABRT, "FATAL: exception
+    not rethrown"): a watch thread was inside a coordination-client call when the interpreter finalised. The
+    race is made deterministic: every read of the watch blocks 2 s inside a native client call, so at exit a
+    thread is always inside one. Without `PeerWatch.close` at exit both processes abort (checked: rc 134);
+    with it, close waits for the thread to leave the call and both exit 0."""
     from recipes.launch import free_port
 
     port = free_port()
@@ -560,3 +577,47 @@ def test_slurm_requeue_does_not_depend_on_task_0(tmp_path):
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert (tmp_path / "calls").read_text().splitlines() == ["requeue 4242"]
+
+
+def test_the_peer_watch_judges_beats_by_its_clock():
+    """PeerWatch's judgement with an injected clock and coordination client: no wall time, no load."""
+    from omnijax.train.launch import PeerWatch
+
+    class Client:
+        def __init__(self):
+            self.kv = {}
+
+        def key_value_set(self, key, value, allow_overwrite=False):
+            self.kv[key] = value
+
+        def key_value_try_get(self, key):
+            return self.kv[key]
+
+    client, now, reports = Client(), [100.0], []
+    watch = PeerWatch(5, lambda: "step 4 in runs/x/checkpoints", client=client, me=0, n=2, clock=lambda: now[0])
+    watch._report = lambda j, why: reports.append((j, why))
+    client.kv["omnijax_beat/1"] = "1"
+    watch.beat_round()
+    now[0] = 1000.0
+    watch.beat_round()                                  # not armed (no trainer yet): a silent peer is not judged
+    assert reports == [] and client.kv["omnijax_beat/0"] == "2"
+    watch.arm(5, lambda: "x")                           # judged from now on
+    now[0] = 1004.0
+    client.kv["omnijax_beat/1"] = "2"
+    watch.beat_round()                                  # it beat: seen at 1004
+    now[0] = 1009.0
+    watch.beat_round()
+    watch.check_coordinator()
+    assert reports == []                                # 5 s without a beat: exactly the limit, not past it
+    now[0] = 1009.5
+    watch.beat_round()
+    assert reports == [(1, "sent no heartbeat for 6 s")]
+    watch._last_round = 1009.5
+    now[0] = 1014.6
+    watch.check_coordinator()                           # no round of beats completed for 5.1 s
+    assert reports[-1] == (0, "(the coordinator) did not answer for 5 s")
+    watch.disarm()
+    now[0] = 5000.0
+    watch.beat_round()
+    watch.check_coordinator()
+    assert len(reports) == 2

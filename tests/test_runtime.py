@@ -88,27 +88,30 @@ def test_nonfinite_guard_stops_with_a_clear_message(tmp_path):
 def test_a_stuck_loop_is_stopped_with_its_stacks_and_one_line(tmp_path, monkeypatch, capfd):
     """Alive but stuck (here a hook that never returns, like a collective whose peer never comes): the hang
     watch writes every thread's stack and one line, then exits 124. The exit is replaced by one that records
-    its code and lets the hook go, so the run finishes and the test sees what a user would."""
+    its code and lets the hook go, so the run finishes and the test sees what a user would. The watch judges
+    by an injected clock that moves only when the hook is stuck: a slow step on a loaded machine cannot fire
+    it, and it fires exactly once."""
     import threading
 
     from omnijax.train import watchdog
 
-    blocked, released, codes = threading.Event(), threading.Event(), []
+    blocked, released, codes, now = threading.Event(), threading.Event(), [], [0.0]
 
     def exit_(code):
         codes.append(code)
-        if blocked.is_set():  # (a slow step under load may fire it earlier: recorded, not a release)
-            released.set()
+        released.set()
 
     def stuck_at_3(trainer, step, row):
         if step == 3:
             blocked.set()
+            now[0] += 2.0  # 2 s pass on the watch's clock (trainer.hang_timeout_s=1) while no step finishes
             assert released.wait(60), "the hang watch never fired"
 
     monkeypatch.setattr(watchdog, "_exit", exit_)
-    result = _trainer(tmp_path, 5, ["trainer.hang_timeout_s=1", "trainer.checkpoint_every=2"],
-                      hooks=(stuck_at_3,)).fit()
-    assert result.status == "finished" and released.is_set() and set(codes) == {124}
+    trainer = _trainer(tmp_path, 5, ["trainer.hang_timeout_s=1", "trainer.checkpoint_every=2"], hooks=(stuck_at_3,))
+    trainer.clock = lambda: now[0]
+    result = trainer.fit()
+    assert result.status == "finished" and released.is_set() and codes == [124]
     err = capfd.readouterr().err
     line = [l for l in err.splitlines() if "no training step finished for" in l and "at step 3" in l][-1]
     assert "trainer.hang_timeout_s=1;" in line and "exit 124" in line and "Last checkpoint: " in line

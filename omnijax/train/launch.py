@@ -200,12 +200,16 @@ class PeerWatch:
     makes this process print one line and exit EXIT_PEER_LOST (see the module docstring)."""
 
     def __init__(self, timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
-                 last_checkpoint: Callable[[], str] = lambda: "unknown"):
-        from omnijax.jax_private import distributed
-        import jax
+                 last_checkpoint: Callable[[], str] = lambda: "unknown", *, client=None, me: int | None = None,
+                 n: int | None = None, clock: Callable[[], float] = time.monotonic):
+        """`client` (the coordination client, with key_value_set / key_value_try_get), `me`, `n` and `clock`
+        default to jax's and time.monotonic; tests pass their own to judge without wall time."""
+        if client is None or me is None or n is None:
+            from omnijax.jax_private import distributed
+            import jax
 
-        self.client = distributed.global_state.client
-        self.me, self.n = jax.process_index(), jax.process_count()
+            client, me, n = distributed.global_state.client, jax.process_index(), jax.process_count()
+        self.client, self.me, self.n, self.clock = client, me, n, clock
         self.armed = False
         self._beat = 0
         self._stop = threading.Event()
@@ -217,7 +221,7 @@ class PeerWatch:
         """Start judging the peers (the trainer calls this with trainer.peer_timeout_s); beats run from start()."""
         self.timeout_s, self.last_checkpoint = float(timeout_s), last_checkpoint
         self.interval = max(0.05, min(1.0, self.timeout_s / 10))
-        now = time.monotonic()
+        now = self.clock()
         self._seen = {j: (getattr(self, "_seen", {}).get(j, (None,))[0], now) for j in range(self.n) if j != self.me}
         self._last_round = now
         self.armed = armed and self.client is not None and self.n > 1
@@ -250,30 +254,39 @@ class PeerWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._beat += 1
-                self.client.key_value_set(f"omnijax_beat/{self.me}", str(self._beat), allow_overwrite=True)
-                now = time.monotonic()
-                for j, (value, since) in self._seen.items():
-                    try:
-                        got = self.client.key_value_try_get(f"omnijax_beat/{j}")
-                    except Exception:  # noqa: BLE001 - not yet written
-                        got = value
-                    if got != value:
-                        self._seen[j] = (got, now)
-                    elif self.armed and now - since > self.timeout_s:
-                        self._report(j, f"sent no heartbeat for {now - since:.0f} s")
-                self._last_round = now
-            except Exception:  # noqa: BLE001 - the coordinator is gone: _watch_coordinator reports it
-                pass
+            self.beat_round()
             self._stop.wait(self.interval)
+
+    def beat_round(self) -> None:
+        """Bump this process's counter, read the peers'; report a peer whose counter has not moved for
+        timeout_s (by `clock`)."""
+        try:
+            self._beat += 1
+            self.client.key_value_set(f"omnijax_beat/{self.me}", str(self._beat), allow_overwrite=True)
+            now = self.clock()
+            for j, (value, since) in self._seen.items():
+                try:
+                    got = self.client.key_value_try_get(f"omnijax_beat/{j}")
+                except Exception:  # noqa: BLE001 - not yet written
+                    got = value
+                if got != value:
+                    self._seen[j] = (got, now)
+                elif self.armed and now - since > self.timeout_s:
+                    self._report(j, f"sent no heartbeat for {now - since:.0f} s")
+            self._last_round = now
+        except Exception:  # noqa: BLE001 - the coordinator is gone: check_coordinator reports it
+            pass
 
     def _watch_coordinator(self) -> None:
         while not self._stop.is_set():
-            quiet = time.monotonic() - self._last_round
-            if self.armed and quiet > self.timeout_s:
-                self._report(0, f"(the coordinator) did not answer for {quiet:.0f} s")
+            self.check_coordinator()
             self._stop.wait(self.interval)
+
+    def check_coordinator(self) -> None:
+        """Report the coordinator when no round of beats has completed for timeout_s (by `clock`)."""
+        quiet = self.clock() - self._last_round
+        if self.armed and quiet > self.timeout_s:
+            self._report(0, f"(the coordinator) did not answer for {quiet:.0f} s")
 
     def _report(self, j: int, why: str) -> None:
         self.lost = j

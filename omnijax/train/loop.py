@@ -110,6 +110,8 @@ class Trainer:
     Hooks are `hook(trainer, step, metrics)` called after each logged step (Levanter-style).
     """
 
+    clock: Callable[[], float] = staticmethod(time.monotonic)  # what the hang watch judges by (tests inject one)
+
     def __init__(self, cfg: Config, model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, loader: Loader, *,
                  placement: Any | None = None, eval_fn: Callable[[Any], dict] | None = None,
                  aux_weights: dict[str, float] | None = None,
@@ -270,7 +272,8 @@ class Trainer:
                               placement_state=getattr(self.placement, "get_state", None))
         if self.peer_watch is not None:
             self.peer_watch.arm(tcfg.peer_timeout_s, self._last_checkpoint)
-        hang_watch = HangWatch(tcfg.hang_timeout_s, self._last_checkpoint, process=jax.process_index())
+        hang_watch = HangWatch(tcfg.hang_timeout_s, self._last_checkpoint, clock=self.clock,
+                               process=jax.process_index())
         failed, diverged = False, None
         try:
             with _Preemption() as preempt:
