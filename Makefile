@@ -10,6 +10,8 @@ PYTHON := $(shell for v in $(TESTED_PYTHONS); do \
 endif
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# what running needs; then that, the test extra and the gpu extra: everything the tests need
+RUN_STAMP := $(VENV)/.installed-run
 STAMP  := $(VENV)/.installed
 RECIPE ?= tiny_omni
 # tests: 2 workers (this project's machines have 2 cores); the slowest 20 are listed after every run
@@ -17,21 +19,29 @@ PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=20
 
 .PHONY: run test bench setup clean
 
-$(STAMP): pyproject.toml
+# The gpu extra's CUDA plugin compiles for GPUs anywhere (dryrun target=...) and runs on them; on a machine
+# without one, jax is told to stay on the CPU instead of logging its failed driver probe (a JAX_PLATFORMS you set
+# wins).
+NO_GPU := $(if $(wildcard /dev/nvidia0),,1)
+
+# `make run` installs what running needs: omnijax's dependencies, and the gpu extra on a machine with an NVIDIA
+# GPU. The test extra (torch with its CUDA libraries, transformers, peft: several GB) comes with `make test` /
+# `make setup`, which also install the gpu extra (the tests compile for GPU targets).
+$(RUN_STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python $(TESTED_PYTHONS) found (on PATH or under pyenv); install one, or run 'make PYTHON=python3 ...'"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setup: $(VENV) on $$($(PY) --version)"
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.$(if $(NO_GPU),,[gpu])'
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(PY) -m pip install -q -e '.[test,gpu]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-# The gpu extra's CUDA plugin compiles for GPUs anywhere (dryrun target=...); on a machine without one, jax is
-# told to stay on the CPU instead of logging its failed driver probe (a JAX_PLATFORMS you set wins).
-NO_GPU := $(if $(wildcard /dev/nvidia0),,1)
-
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(if $(NO_GPU),JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} )$(PY) -m recipes $(RECIPE)
 
 test: $(STAMP)
