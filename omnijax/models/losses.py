@@ -108,34 +108,39 @@ def _chunked_ce_fwd(hs, w, ts, ms, tied):
     return total, (hs, w, ts, ms, lse, needed)
 
 
+def _chunk_grads(h, t, m, l, w, g, tied):
+    """(d loss / d w in float32, d loss / d h) of one chunk, its logits recomputed (l: its log-sum-exp)."""
+    logits = _chunk_logits(h, w, tied)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    d = (jnp.exp(logits - l[..., None]) - (ids == t[..., None]).astype(jnp.float32)) * (g * m)[..., None]
+    d = d.astype(w.dtype)
+    if tied:
+        return (jnp.einsum("...v,...d->vd", d, h, preferred_element_type=jnp.float32),
+                jnp.einsum("...v,vd->...d", d, w, preferred_element_type=jnp.float32).astype(h.dtype))
+    return (jnp.einsum("...d,...v->dv", h, d, preferred_element_type=jnp.float32),
+            jnp.einsum("...v,dv->...d", d, w, preferred_element_type=jnp.float32).astype(h.dtype))
+
+
 def _chunked_ce_bwd(tied, res, g):
     hs, w, ts, ms, lse, needed = res
+    # the first chunk (always needed when any position carries loss) starts the float32 sum of the weight's
+    # gradient, so the loop carries the buffer that chunk's matmul wrote (no separate zeros of the head's size)
+    dw, dh0 = _chunk_grads(hs[0], ts[0], ms[0], lse[0], w, g, tied)
 
     def body(dw, xs):
         h, t, m, l, k = xs
 
         def compute(dw):
-            logits = _chunk_logits(h, w, tied)
-            p = jnp.exp(logits - l[..., None])
-            ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-            d = (p - (ids == t[..., None]).astype(jnp.float32)) * (g * m)[..., None]
-            d = d.astype(w.dtype)
-            if tied:
-                dh = jnp.einsum("...v,vd->...d", d, w, preferred_element_type=jnp.float32)
-                dw = dw + jnp.einsum("...v,...d->vd", d, h, preferred_element_type=jnp.float32)
-            else:
-                dh = jnp.einsum("...v,dv->...d", d, w, preferred_element_type=jnp.float32)
-                dw = dw + jnp.einsum("...d,...v->dv", h, d, preferred_element_type=jnp.float32)
-            return dw, dh.astype(h.dtype)
+            dw_k, dh = _chunk_grads(h, t, m, l, w, g, tied)
+            return dw + dw_k, dh
 
         def skip(dw):
             return dw, (jnp.zeros(h.shape, jnp.float32) + _typed_zero(h, w, m, l, g)).astype(h.dtype)
 
         return jax.lax.cond(k < needed, compute, skip, dw)
 
-    dw0 = jnp.zeros(w.shape, jnp.float32) + _typed_zero(hs, w, ms, lse, g)
-    dw, dhs = jax.lax.scan(body, dw0, (hs, ts, ms, lse, jnp.arange(hs.shape[0])))
-    return dhs, dw.astype(w.dtype), None, None
+    dw, dhs = jax.lax.scan(body, dw, (hs[1:], ts[1:], ms[1:], lse[1:], jnp.arange(1, hs.shape[0])))
+    return jnp.concatenate([dh0[None], dhs]), dw.astype(w.dtype), None, None
 
 
 _chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
