@@ -77,3 +77,27 @@ def test_leveling_leaves_text_only_windows_alone():
     items = [B.Item(k, float(10 + k % 7), 8 + k % 5) for k in range(60)]
     cap = B.Capacity(2, 32)
     assert B.plan_window(items, 3, 2, 1, cap) == B.plan_window(items, 3, 2, 1, cap, level=False)
+
+
+def test_large_windows_score_a_bounded_set_of_items_and_still_level(monkeypatch):
+    """A window of many samples per step scores only `leveling.MOVABLE` items of each step a round
+    (the most and fewest rows of each encoder): with a small bound here the plan is still complete,
+    within capacity and deterministic, and leveling still lowers the window's idle encoder rows."""
+    from omnijax.data import leveling
+
+    monkeypatch.setattr(leveling, "MOVABLE", 24)
+    steps, ranks = 3, 4
+    cap = B.Capacity(2, 64, (2048, 1024))
+    items = _window(5)
+    base = B.plan_window(items, steps, ranks, 1, cap, level=False)
+    plan = B.plan_window(items, steps, ranks, 1, cap)
+    assert plan == B.plan_window(list(reversed(items)), steps, ranks, 1, cap)
+    placed = [k for b in plan.bins for k, _ in b]
+    assert sorted(placed + list(plan.unplaced)) == list(range(len(items)))
+    by_key = {it.key: it for it in items}
+    for b in plan.bins:
+        for e in range(2):
+            assert sum(by_key[k].enc[e] for k, _ in b) <= cap.enc[e]
+    R, R0 = _rows(plan, items, steps, ranks), _rows(base, items, steps, ranks)
+    idle = lambda R: (steps * R.max(0) - R.sum(0)).sum()  # noqa: E731
+    assert idle(R) < idle(R0)

@@ -207,6 +207,34 @@ def _pool_representatives(w: Window) -> list[int]:
     return sorted(oldest.values())
 
 
+MOVABLE = 256  # items per step (and of the pool) a round scores: all of them in windows of this size or less
+
+
+def _movable(w: Window, keys: list[int], limit: int | None = None) -> list[int]:
+    """The items of a step a round scores: all of them up to `limit`, else (a step of thousands of
+    samples) the `limit` ones with the most and the fewest rows of each encoder, and then the fewest
+    tokens, ties by key: the moves that change an encoder's rows per step most or least, so the
+    scoring matrices of a round stay limit x limit whatever the batch size. Deterministic."""
+    limit = MOVABLE if limit is None else limit
+    if len(keys) <= limit:
+        return keys
+    arr = np.asarray(keys, np.int64)
+    rows = w.enc[[w.idx[k] for k in keys]]
+    n_enc = rows.shape[1]
+    per = max(1, limit // (2 * n_enc + 1))
+    pick: set[int] = set()
+    for m in range(n_enc):
+        order = np.lexsort((arr, rows[:, m]))
+        pick.update(arr[order[:per]].tolist())
+        pick.update(arr[np.lexsort((arr, -rows[:, m]))[:per]].tolist())
+    order = np.lexsort((arr, w.tokens[[w.idx[k] for k in keys]]))
+    for k in arr[order].tolist():
+        if len(pick) >= limit:
+            break
+        pick.add(k)
+    return sorted(pick)
+
+
 def _token_room(w: Window) -> tuple[np.ndarray, np.ndarray]:
     """Free tokens of each placed item's row (by item), and the largest free row of each step."""
     room = np.zeros(len(w.idx), np.int64)
@@ -252,8 +280,8 @@ def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: li
 def _candidates(w: Window) -> np.ndarray | None:
     """Every improving move of this round (`_pair_candidates` rows), or None."""
     fullest = _fullest_steps(w)
-    members = [sorted(k for k, b in w.where.items() if b // w.per_step == g) for g in range(w.steps)]
-    pool_keys = _pool_representatives(w)
+    members = [_movable(w, sorted(k for k, b in w.where.items() if b // w.per_step == g)) for g in range(w.steps)]
+    pool_keys = _movable(w, _pool_representatives(w))
     room, widest = _token_room(w)
     cands = []
     for a in range(w.steps):

@@ -31,7 +31,7 @@ def _options(overrides: list[str]) -> dict:
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 3, "cal_batch_size": 32,
             "cal_rounds": 5, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
             "plot": "1", "long_factor": 0.25, "refine": "1",
-            "balance_target": 1.05, "bucket_growth": 1.25,
+            "balance_target": 1.05, "bucket_growth": 0.0,
             "host_devices": 16384, "host_tokens": 16777216, "host_layout": "omni_8b", "host_process": "0,1000",
             "host_steps": 1}
     for item in overrides:
@@ -136,6 +136,7 @@ def calibration(opts: dict) -> dict:
     from omnijax.config import from_dict
     from omnijax.mm_config import MMConfig
     from omnijax.perfmodel import scale
+    from omnijax.parallel import routing
     from omnijax.parallel.engine import LLMParallel
     from omnijax.parallel.multiplex import Multiplexer
     from recipes.bench import omni
@@ -150,7 +151,7 @@ def calibration(opts: dict) -> dict:
     for name in ("omnijax", "coupled"):
         mode, long_short, _ = omni.VARIANTS[name]
         mx = Multiplexer(LLMParallel(o["llm"], cfg.llm), cfg, encoder_layout=o["encoder"], mode=mode,
-                         long_short=long_short, balance_rows=False, growth=o["bucket_growth"])
+                         long_short=long_short, balance_rows=False, growth=routing.BUCKET_GROWTH, hosts=o["hosts"])
         mx.size_window(host)  # the trainer's window sizing
         plans[name] = (mx.grid.esp, [mx.host_plan(b) for b in host])
     # CPU constants timed here, interleaved: encoders over the span lengths of bench omni's buffers and
@@ -348,6 +349,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
 
         setup_devices(["parallel.cpu_devices=8"])
     from omnijax.errors import ConfigError
+    from omnijax.parallel import routing
     from omnijax.perfmodel import scale
 
     if opts["hardware"] not in scale.HARDWARE:
@@ -371,10 +373,10 @@ def run(overrides: list[str]) -> Iterator[dict]:
                 row = scale.scaling_row(layout, devices, scale.MIXES[mix], costs, model, steps=opts["steps"],
                                         long_factor=opts["long_factor"], refine=opts["refine"] in ("1", "true"),
                                         balance_target=opts["balance_target"] or None,
-                                        growth=opts["bucket_growth"])
+                                        growth=opts["bucket_growth"] or routing.BUCKET_GROWTH)
                 row["long_factor"] = opts["long_factor"]
                 row["refine"] = opts["refine"] in ("1", "true")
-                row["bucket_growth"] = opts["bucket_growth"]
+                row["bucket_growth"] = opts["bucket_growth"] or routing.BUCKET_GROWTH
                 row["bench_s"] = round(time.perf_counter() - t0, 1)
                 rows.append(row)
                 yield row
