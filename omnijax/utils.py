@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from omnijax.errors import UserError
@@ -33,3 +35,38 @@ def read_jsonl(path: Path) -> list[dict]:
                 raise UserError(f"{path}:{n}: not a JSON row ({exc.msg}); the file is damaged: "
                                 f"fix or remove that line") from None
     return rows
+
+
+class AtomicFolder:
+    """A folder written under a temporary name next to `out` and renamed to `out` when complete (process 0 writes;
+    with several processes all of them meet at the end). An existing `out` is one line, before anything is written."""
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        if self.out.exists():
+            raise UserError(f"{self.out} exists; choose a new output folder or remove it (nothing was written)")
+        import jax
+
+        self.write = jax.process_index() == 0
+        self.tmp: Path | None = None
+
+    def __enter__(self) -> Path:
+        if self.write:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        return self.tmp if self.tmp is not None else self.out
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.tmp is not None:
+            if exc_type is None:
+                os.rename(self.tmp, self.out)
+            else:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        import jax
+
+        if jax.process_count() > 1 and exc_type is None:
+            from jax.experimental import multihost_utils
+
+            # named by the folder's own name: process 0 writes a nested folder under its temporary parent, the
+            # others name it under the final one, and every process must pass the same name
+            multihost_utils.sync_global_devices(f"export {self.out.name}")

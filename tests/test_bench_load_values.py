@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from omnijax.interop import pretrained
+from omnijax.interop import layout, pretrained
 from omnijax.models.llm import LLM
 from omnijax.parallel.engine import LLMParallel
 from recipes.bench import load as bench_load
@@ -24,7 +24,7 @@ def test_the_value_check_sees_a_wrong_layout_in_any_tensor(tmp_path):
                           params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
     loaded = pretrained.load_llm_params(folder, target)
     assert bench_load.values_match(folder, cfg, loaded)
-    kinds = {t.kind: t for t in reversed(pretrained.llm_tensors(cfg))}   # the first tensor of each layout
+    kinds = {t.kind: t for t in reversed(layout.llm_tensors(cfg))}   # the first tensor of each layout
     assert set(kinds) == {"same", "linear_in", "linear_out"}
     for kind, t in kinds.items():
         flat = dict(nnx.to_flat_state(loaded))
@@ -34,7 +34,7 @@ def test_the_value_check_sees_a_wrong_layout_in_any_tensor(tmp_path):
         assert not bench_load.values_match(folder, cfg, loaded), kind
         flat[t.path].set_value(value)
         assert bench_load.values_match(folder, cfg, loaded), kind   # put back: right again
-    q = next(t for t in pretrained.llm_tensors(cfg) if t.kind == "linear_in" and t.path[-1] == "q")
+    q = next(t for t in layout.llm_tensors(cfg) if t.kind == "linear_in" and t.path[-1] == "q")
     value = dict(nnx.to_flat_state(loaded))[q.path].get_value()
     from safetensors.numpy import load_file
 

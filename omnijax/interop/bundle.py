@@ -25,6 +25,7 @@ from flax import nnx
 
 from omnijax.errors import UserError
 from omnijax.mm_config import MMConfig, encoder_configs
+from omnijax.utils import AtomicFolder
 
 FORMAT = 1
 MANIFEST = "omnijax.json"
@@ -116,7 +117,7 @@ def write_bundle(out_dir: str | Path, cfg: MMConfig, params: Any, *, llm_from: s
     encs = encoder_configs(cfg)
     write = jax.process_index() == 0
     parts: dict[str, Any] = {}
-    with pretrained.AtomicFolder(out) as folder:   # an existing DIR is one line, before anything is written
+    with AtomicFolder(out) as folder:   # an existing DIR is one line, before anything is written
         pretrained.export_llm(params["llm"], cfg.llm, folder / "llm", like=llm_from, tokenizer_dir=tokenizer)
         parts["llm"] = {"folder": "llm", "from": llm_from, "format": "hf"}
         for name, enc in encs.items():

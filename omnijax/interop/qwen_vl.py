@@ -3,7 +3,7 @@
 The folder becomes omnijax's multimodal model as its parts: the vision tower an encoder of kind `qwen_vit`
 (`omnijax/models/qwen_vision.py`), its patch merger that encoder's projector, and the Qwen2 LLM with
 M-RoPE (`model.llm.rope.mrope_section`). One table (`weight_layout`) names every HF tensor, the omnijax
-variable it fills and the layout kind the shared reader applies (`omnijax/interop/pretrained.py`:
+variable it fills and the layout kind the shared reader applies (`omnijax/interop/sharded.py`:
 `load_params` over `tensors.TensorIndex`, each process reading only its shards' slices).
 
 Both spellings of the names are read: the released checkpoints' (`visual.*`, `model.layers.*`) and the
@@ -21,7 +21,7 @@ from flax import nnx
 from omnijax.config import LLMConfig
 from omnijax.errors import UserError
 from omnijax.interop import hf
-from omnijax.interop.pretrained import _layout
+from omnijax.interop.layout import layout
 from omnijax.interop.tensors import TensorIndex
 from omnijax.mm_config import MMConfig, QwenVisionConfig
 
@@ -163,13 +163,13 @@ def tensors(cfg: MMConfig, encoder: str = "vision", index: TensorIndex | None = 
     from omnijax.models.mllm import MultimodalModel
 
     model = nnx.eval_shape(lambda: MultimodalModel(cfg, rngs=nnx.Rngs(0)))
-    return _layout(model, weight_layout(model, encoder, index))
+    return layout(model, weight_layout(model, encoder, index))
 
 
 def load_params(path: str | Path, target: Any, encoder: str = "vision") -> nnx.State:
     """The MultimodalModel's Param state (`target`: leaves ShapeDtypeStruct with .sharding, or arrays) from a
     Qwen2-VL / Qwen2.5-VL folder, every process reading only the slices its shards hold."""
-    from omnijax.interop import pretrained
+    from omnijax.interop import sharded
 
     path = Path(path)
     cfg, _ = config_from_folder(path, encoder)
@@ -180,7 +180,7 @@ def load_params(path: str | Path, target: Any, encoder: str = "vision") -> nnx.S
              and not (n == "lm_head.weight" and cfg.llm.tie_embeddings)]
     if extra:
         raise UserError(f"{path}: unexpected tensor(s) for this config, e.g. {extra[0]!r}")
-    return pretrained.load_params(index, table, target, str(path))
+    return sharded.load_params(index, table, target, str(path))
 
 
 # ------------------------------------------------------------------------------ out
@@ -197,15 +197,17 @@ def export(params: Any, out_dir: str | Path, like: str | Path, encoder: str = "v
 
     import jax
 
-    from omnijax.interop import pretrained
+    from omnijax.interop.pretrained import TOKENIZER_FILES
+    from omnijax.interop.writer import write_weights
+    from omnijax.utils import AtomicFolder
 
     like = Path(like)
     cfg, _ = config_from_folder(like, encoder)
     index = TensorIndex(like)
     table = tensors(cfg, encoder, index)
-    with pretrained.AtomicFolder(out_dir) as folder:
-        pretrained._write_weights(folder, table, params, index, jax.process_index() == 0)
+    with AtomicFolder(out_dir) as folder:
+        write_weights(folder, table, params, index, jax.process_index() == 0)
         if jax.process_index() == 0:
-            for name in _FOLDER_FILES + pretrained._TOKENIZER_FILES:
+            for name in _FOLDER_FILES + TOKENIZER_FILES:
                 if (like / name).exists() and not (folder / name).exists():
                     shutil.copy2(like / name, folder / name)

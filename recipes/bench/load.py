@@ -58,14 +58,14 @@ def write_folder(b: BenchConfig, folder: Path) -> int:
     """A Llama folder of random float32 weights written tensor by tensor; returns its parameter bytes."""
     import numpy as np
 
-    from omnijax.interop import hf, pretrained
+    from omnijax.interop import hf, layout
     from omnijax.interop.tensors import write_file
 
     cfg = _llm_config(b)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf.config_to_hf(cfg, "llama", "float32"), indent=2))
     groups, used = [[]], 0
-    for t in pretrained.llm_tensors(cfg):
+    for t in layout.llm_tensors(cfg):
         size = 4 * int(np.prod(t.hf_shape))
         if groups[-1] and used + size > b.file_mb << 20:
             groups.append([])
@@ -113,12 +113,12 @@ def values_match(folder: str | Path, cfg, loaded) -> bool:
     from flax import nnx
     from safetensors import safe_open
 
-    from omnijax.interop import pretrained
+    from omnijax.interop import layout
 
     folder = Path(folder)
     files = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     flat = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(loaded)}
-    tensors = pretrained.llm_tensors(cfg)
+    tensors = layout.llm_tensors(cfg)
     if {t.path for t in tensors} != set(flat):
         return False
     for t in tensors:
