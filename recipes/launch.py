@@ -10,8 +10,8 @@ its newest intact checkpoint, so the losses continue as if undisturbed. A group 
 finished for `trainer.hang_timeout_s`) is stopped by its own processes (exit 124) and restarted the
 same way, as is a preempted one (SIGTERM: it saved and exited 143). A process that stops with a user
 error (exit 2: bad config, missing data) or a diverged run (exit 65) is not restarted: a rerun would
-fail the same way. Neither is an attempt that fails the same way (same process, same exit code) at the
-same step (the same last logged step) as the attempt before it: a deterministic crash.
+fail the same way. Neither is an attempt that fails the same way (the same exit code) at the same step
+(the same last logged step) as the attempt before it: a deterministic crash.
 
 Under Slurm (SLURM_JOB_ID and SLURM_PROCID set: this task was started by `srun`), the scheduler owns
 the processes: launch runs the recipe in this task (jax finds the others through Slurm), and when it
@@ -97,9 +97,10 @@ def _last_logged_step(run_dir: Path) -> int:
 
 def same_failure(before: tuple | None, now: tuple) -> bool:
     """Whether two consecutive attempts' (process, exit code, last logged step) say one deterministic
-    failure: the same process failing the same way at the same step. A preemption is not one (the run saved
-    and was asked to stop)."""
-    return before is not None and before == now and now[1] != EXIT_PREEMPTED
+    failure: the same exit code at the same step. Which process is seen failing first is left out (a bug
+    every process meets exits them all, in any order). A preemption is not one (the run saved and was asked
+    to stop)."""
+    return before is not None and before[1:] == now[1:] and now[1] != EXIT_PREEMPTED
 
 
 def _last_checkpoint(folder: Path) -> str:
