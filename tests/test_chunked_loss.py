@@ -62,6 +62,22 @@ def test_chunked_equals_full_loss_and_gradients(tied):
     assert needed == -(-int(mask.sum(1).max()) // 4) < nc
 
 
+def test_bf16_chunked_stays_close_to_full():
+    """bf16 compute: the head's gradient summed over chunks in bf16 stays within bf16 rounding of the full path's."""
+    rng = np.random.default_rng(2)
+    b, l, d, v = 2, 64, 32, 96
+    h = jnp.asarray(rng.normal(size=(b, l, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(d, v)) / 4, jnp.bfloat16)
+    t = jnp.asarray(rng.integers(0, v, (b, l)), jnp.int32)
+    m = jnp.ones((b, l), jnp.float32)
+    full = jax.grad(lambda h, w: masked_cross_entropy(_logits(h, w, False), t, m)[0], (0, 1))(h, w)
+    chunked = jax.grad(lambda h, w: chunked_cross_entropy(h, w, t, m, chunk=8, tied=False)[0], (0, 1))(h, w)
+    for a, c in zip(chunked, full):
+        assert a.dtype == c.dtype == jnp.bfloat16
+        a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
+        assert np.abs(a - c).max() <= 3e-2 * np.abs(c).max()
+
+
 def _big_buffers(hlo: str, elements: int) -> list[str]:
     shapes = set(re.findall(r"\b(?:f32|bf16)\[[0-9,]+\]", hlo))
     return sorted(s for s in shapes if math.prod(int(x) for x in s.split("[")[1][:-1].split(",")) >= elements)

@@ -109,22 +109,25 @@ def _chunked_ce_fwd(hs, w, ts, ms, tied):
 
 
 def _chunk_grads(h, t, m, l, w, g, tied):
-    """(d loss / d w in float32, d loss / d h) of one chunk, its logits recomputed (l: its log-sum-exp)."""
+    """(d loss / d w, d loss / d h) of one chunk, its logits recomputed (l: its log-sum-exp). The weight's
+    gradient comes out in the weight's (compute) dtype, as the full path's single matmul gives it: a float32
+    sum would hold two float32 copies of the head (the carry and the chunk's product) where the full path
+    holds one bf16 gradient; fp32 runs sum in fp32."""
     logits = _chunk_logits(h, w, tied)
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     d = (jnp.exp(logits - l[..., None]) - (ids == t[..., None]).astype(jnp.float32)) * (g * m)[..., None]
     d = d.astype(w.dtype)
     if tied:
-        return (jnp.einsum("...v,...d->vd", d, h, preferred_element_type=jnp.float32),
+        return (jnp.einsum("...v,...d->vd", d, h, preferred_element_type=jnp.float32).astype(w.dtype),
                 jnp.einsum("...v,vd->...d", d, w, preferred_element_type=jnp.float32).astype(h.dtype))
-    return (jnp.einsum("...d,...v->dv", h, d, preferred_element_type=jnp.float32),
+    return (jnp.einsum("...d,...v->dv", h, d, preferred_element_type=jnp.float32).astype(w.dtype),
             jnp.einsum("...v,dv->...d", d, w, preferred_element_type=jnp.float32).astype(h.dtype))
 
 
 def _chunked_ce_bwd(tied, res, g):
     hs, w, ts, ms, lse, needed = res
-    # the first chunk (always needed when any position carries loss) starts the float32 sum of the weight's
-    # gradient, so the loop carries the buffer that chunk's matmul wrote (no separate zeros of the head's size)
+    # the first chunk (always needed when any position carries loss) starts the sum of the weight's gradient,
+    # so the loop carries the buffer that chunk's matmul wrote (no separate zeros of the head's size)
     dw, dh0 = _chunk_grads(hs[0], ts[0], ms[0], lse[0], w, g, tied)
 
     def body(dw, xs):
@@ -140,7 +143,7 @@ def _chunked_ce_bwd(tied, res, g):
         return jax.lax.cond(k < needed, compute, skip, dw)
 
     dw, dhs = jax.lax.scan(body, dw, (hs[1:], ts[1:], ms[1:], lse[1:], jnp.arange(1, hs.shape[0])))
-    return jnp.concatenate([dh0[None], dhs]), dw.astype(w.dtype), None, None
+    return jnp.concatenate([dh0[None], dhs]), dw, None, None
 
 
 _chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
