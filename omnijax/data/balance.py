@@ -44,14 +44,26 @@ def plan_lpt(items: list[Item], n_bins: int, cap: Capacity) -> Plan:
 def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -> Plan:
     """LPT over ranks (a rank's cost is the sum of its microbatches: they run one after the other),
     then within the chosen rank the microbatch whose fullest buffer stays lowest (the microbatch
-    split does not change the rank's cost, only its padding). Bins are ordered (rank, microbatch)."""
+    split does not change the rank's cost, only its padding). Bins are ordered (rank, microbatch).
+    A rank whose rows are all open and too full for any item still to come leaves the heap, so a step
+    spread over thousands of ranks does not try every full rank for every item."""
     if ranks <= 0 or microbatches <= 0:
         raise ValueError(f"ranks={ranks}, microbatches={microbatches}: must be > 0")
     bins = [Bin(cap) for _ in range(ranks * microbatches)]
     loads = [0.0] * len(bins)
     heap = [(0.0, r) for r in range(ranks)]
     unplaced = []
-    for item in sorted(items, key=lambda it: (-it.cost, it.key)):
+    order = sorted(items, key=lambda it: (-it.cost, it.key))
+    least = [0] * (len(order) + 1)  # fewest tokens of any item from position i on
+    least[-1] = cap.row_len + 1
+    for i in range(len(order) - 1, -1, -1):
+        least[i] = min(order[i].tokens, least[i + 1])
+
+    def closed(r: int, i: int) -> bool:  # no row of rank r can take an item from position i on: drop it
+        return all(len(bins[b].free) >= cap.rows and (not bins[b].by_free or bins[b].by_free[-1][0] < least[i])
+                   for b in range(r * microbatches, (r + 1) * microbatches))
+
+    for i, item in enumerate(order):
         tried = []
         placed = False
         while heap:
@@ -70,8 +82,9 @@ def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -
                 tried[-1] = (load + item.cost, r)
                 placed = True
                 break
-        for t in tried:
-            heapq.heappush(heap, t)
+        for t in tried:  # ranks full for every item still to come leave the heap: O(log ranks) an item
+            if not closed(t[1], i + 1):
+                heapq.heappush(heap, t)
         if not placed:
             unplaced.append(item.key)
     return Plan(tuple(tuple(b.items) for b in bins), tuple(loads), tuple(sorted(unplaced)))
