@@ -102,8 +102,16 @@ def _multimodal_parts(cfg, devices):
 
 
 def _plan_capacities(cfg, mux) -> dict[str, int]:
-    """The encoder-buffer and route capacities the trainer's first window would reserve: one data-plane
-    window of the recipe's sources (metadata only, nothing decoded) sized by `Multiplexer.size_window`."""
+    """The encoder-buffer and route capacities of the compiled step.
+
+    What the trainer's first window would reserve (one data-plane window of the recipe's sources, metadata
+    only, sized by `Multiplexer.size_window`), grown to the load the config declares: `capacity.NAME`
+    (encoder input rows of a global batch) spread evenly over the devices' short buffers, and a route
+    capacity that holds every output token of a device going to one destination (an upper bound). The
+    built-in world's media are small, so a window of it alone would compile omni_8b with a few dozen
+    encoder rows per device instead of the 4096 vision rows its capacity says."""
+    import math
+
     from recipes import tiny_omni
 
     tok = None
@@ -113,7 +121,14 @@ def _plan_capacities(cfg, mux) -> dict[str, int]:
         tok = load_tokenizer(cfg.tokenizer.path)
     loader = tiny_omni.make_loader(cfg, tok, None)
     window = [next(loader) for _ in range(loader.window)]
-    return mux.size_window(window)
+    caps = dict(mux.size_window(window))
+    D, tokens = mux.grid.num_devices, 0
+    for name, r in mux.reductions.items():
+        even = math.ceil(int(cfg.capacity[name]) / D / r) * r
+        caps[f"{name}_short"] = max(int(caps.get(f"{name}_short", 0)), even)
+        tokens += (caps[f"{name}_short"] + int(caps.get(f"{name}_long", 0))) // r
+    caps["route"] = max(int(caps.get("route", 0)), tokens)
+    return caps
 
 
 def compiled_dryrun(name: str, target_name: str, overrides: list[str]) -> int:
