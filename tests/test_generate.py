@@ -16,7 +16,7 @@ from omnijax.data import tokenizer
 from omnijax.data.packing import SamplePacker
 from omnijax.data.sample import Sample, Segment
 from omnijax.errors import UserError
-from omnijax.interop import hf
+from omnijax.interop import pretrained
 from omnijax.mm_config import MMConfig
 from omnijax.models.llm import init_cache
 from omnijax.models.mllm import MultimodalModel
@@ -44,7 +44,7 @@ def llama(tmp_path_factory):
                 p.normal_(0.0, 0.08)
     path = tmp_path_factory.mktemp("llama")
     ref.save_pretrained(path)
-    model = hf.load_model(path)
+    model = pretrained.load_llm(path)
     gen = Generator(model)  # one device; shared by the tests (its compiled programs too)
     greedy = gen.generate(PROMPTS, SamplingConfig(max_new_tokens=NEW), batch_size=4)
     return ref, gen, greedy, path

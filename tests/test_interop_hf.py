@@ -1,8 +1,8 @@
-"""HF interop: tiny random Llama/Qwen2 from transformers -> omnijax logits parity, export round trip."""
+"""HF interop: tiny random Llama/Qwen2 from transformers -> omnijax logits parity, export round trip, through the
+product path (the sharded reader, `pretrained.load_llm`, and the writer, `pretrained.export_llm`)."""
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -10,7 +10,7 @@ from flax import nnx
 import omnijax  # noqa: F401
 from omnijax.config import LLMConfig, MoEConfig
 from omnijax.errors import UserError
-from omnijax.interop import hf
+from omnijax.interop import hf, pretrained
 from omnijax.models.llm import LLM
 
 torch = pytest.importorskip("torch")
@@ -69,7 +69,7 @@ def test_import_matches_transformers_logits(case):
     if case["save_kw"]:
         assert (case["path"] / "model.safetensors.index.json").exists()
         assert len(list(case["path"].glob("*.safetensors"))) > 1
-    model = hf.load_model(case["path"])
+    model = pretrained.load_llm(case["path"])
     out = np.asarray(_logits(model, case["tokens"], case["positions"]))
     diff = float(np.abs(out - case["ref_logits"]).max())
     print(f"\nPARITY {case['name']}: max_abs_diff={diff:.3e} (|logits| max {np.abs(case['ref_logits']).max():.2f})")
@@ -77,15 +77,15 @@ def test_import_matches_transformers_logits(case):
 
 
 def test_export_roundtrip_bit_identical_and_loadable_by_transformers(case, tmp_path):
-    model = hf.load_model(case["path"])
-    hf.save_model(model, tmp_path)
-    again = hf.load_model(tmp_path)
+    model = pretrained.load_llm(case["path"])
+    pretrained.export_llm(nnx.state(model, nnx.Param), model.config, tmp_path / "export")
+    again = pretrained.load_llm(tmp_path / "export")
     a, b = nnx.state(model, nnx.Param), nnx.state(again, nnx.Param)
     assert jax.tree.structure(a) == jax.tree.structure(b)
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     np.testing.assert_array_equal(np.asarray(_logits(model, case["tokens"], case["positions"])),
                                   np.asarray(_logits(again, case["tokens"], case["positions"])))
-    reloaded = case["cls"].from_pretrained(tmp_path).float().eval()
+    reloaded = case["cls"].from_pretrained(tmp_path / "export").float().eval()
     with torch.no_grad():
         out = reloaded(torch.tensor(case["tokens"]), position_ids=torch.tensor(case["positions"].copy())).logits.numpy()
     diff = float(np.abs(out - case["ref_logits"]).max())
@@ -111,7 +111,7 @@ def test_rope_frequencies_match_transformers(params):
     assert not np.allclose(inv, base)  # the scaling really changes frequencies
 
 
-def test_config_translation_and_dtype(tmp_path):
+def test_config_translation(tmp_path):
     cfg = hf.config_from_hf({"model_type": "llama", **COMMON, "tie_word_embeddings": True,
                              "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 5e5})
     assert cfg.rope.scaling == "linear" and cfg.rope.factor == 2.0 and cfg.rope.theta == 5e5
@@ -119,41 +119,40 @@ def test_config_translation_and_dtype(tmp_path):
     q = hf.config_from_hf({"model_type": "qwen2", **COMMON})
     assert q.qkv_bias and q.rope.scaling == "none"
     model = LLM(LLMConfig(qkv_bias=True), rngs=nnx.Rngs(0))
-    written = json.loads((hf.save_model(model, tmp_path) / "config.json").read_text())
+    pretrained.export_llm(nnx.state(model, nnx.Param), model.config, tmp_path / "q")
+    written = json.loads((tmp_path / "q" / "config.json").read_text())
     assert written["model_type"] == "qwen2" and written["tie_word_embeddings"] is True
-    bf = hf.load_model(tmp_path, dtype=jnp.bfloat16)
-    assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(nnx.state(bf, nnx.Param)))
 
 
 def test_bad_inputs_give_clear_errors(tmp_path):
     with pytest.raises(UserError, match="not found"):
-        hf.load_model(tmp_path / "nope")
+        pretrained.load_llm(tmp_path / "nope")
     with pytest.raises(UserError, match="no config.json"):
-        hf.load_model(tmp_path)
+        pretrained.load_llm(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", **COMMON}))
     with pytest.raises(UserError, match="model_type 'gpt2' is not supported"):
-        hf.load_model(tmp_path)
+        pretrained.load_llm(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **COMMON}))
     with pytest.raises(UserError, match="no \\*.safetensors"):
-        hf.load_model(tmp_path)
+        pretrained.load_llm(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
-    with pytest.raises(UserError, match="missing shard"):
-        hf.load_model(tmp_path)
+    with pytest.raises(UserError, match="lists missing file"):
+        pretrained.load_llm(tmp_path)
     with pytest.raises(UserError, match="mlp_bias"):
         hf.config_from_hf({"model_type": "llama", **COMMON, "mlp_bias": True})
     with pytest.raises(UserError, match="rope type 'longrope'"):
         hf.config_from_hf({"model_type": "llama", **COMMON, "rope_parameters": {"rope_type": "longrope"}})
     moe = LLM(LLMConfig(moe=MoEConfig(every=1)), rngs=nnx.Rngs(0))
     with pytest.raises(UserError, match="mixture-of-experts"):
-        hf.save_model(moe, tmp_path / "moe")
+        pretrained.export_llm(nnx.state(moe, nnx.Param), moe.config, tmp_path / "moe")
 
 
 def test_missing_weight_is_reported(tmp_path):
     from safetensors.numpy import load_file, save_file
     model = LLM(LLMConfig(tie_embeddings=False), rngs=nnx.Rngs(0))
-    hf.save_model(model, tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
+    pretrained.export_llm(nnx.state(model, nnx.Param), model.config, tmp_path / "m")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(UserError, match="lacks 1 weight"):
-        hf.load_model(tmp_path)
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match="lacks 1 tensor.*model.layers.1.mlp.up_proj.weight"):
+        pretrained.load_llm(tmp_path / "m")

@@ -1,4 +1,5 @@
-"""SigLIP parity: a tiny random HF SiglipVisionModel, saved as safetensors, imported into the packed ViT."""
+"""SigLIP parity: a tiny random HF SiglipVisionModel, saved as safetensors, read by the sharded reader
+(`pretrained.load_encoder`) into the packed ViT."""
 import jax
 import numpy as np
 import pytest
@@ -6,8 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from omnijax.data import features  # noqa: E402
 from omnijax.errors import UserError  # noqa: E402
-from omnijax.interop import siglip  # noqa: E402
+from omnijax.interop import pretrained  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +27,18 @@ def hf_dir(tmp_path_factory):
     return path, model
 
 
+def _pack(images, cfg):
+    """Same-size images [B, H, W, 3] as one packed buffer (patches, segment ids, positions), by the data plane's
+    own patching."""
+    rows, segs, poss = [], [], []
+    for i, img in enumerate(images):
+        patches, grid = features.image_patches(img, cfg.patch, cfg.temporal_patch, cfg.merge, cfg.max_side)
+        rows.append(patches)
+        poss.append(features.patch_positions(grid, cfg.merge))
+        segs.append(np.full(len(patches), i + 1, np.int32))
+    return np.concatenate(rows), np.concatenate(segs), np.concatenate(poss)
+
+
 def test_siglip_parity(hf_dir):
     path, hf = hf_dir
     rng = np.random.default_rng(0)
@@ -34,8 +48,8 @@ def test_siglip_parity(hf_dir):
     ref_hidden = out.last_hidden_state.numpy()
     ref_pool = out.pooler_output.numpy()
 
-    model = siglip.load_siglip_vision(path)
-    x, seg, pos = siglip.pack_images(images, model.cfg)
+    model = pretrained.load_encoder(path)
+    x, seg, pos = _pack(images, model.cfg)
     hidden = np.asarray(jax.jit(lambda m, a, b, c: m.hidden(a, b, c))(model, x, seg, pos))
     pooled = np.asarray(jax.jit(lambda m, h, s: m.pool(h, s, 3))(model, hidden, seg))
     hidden_err = np.abs(hidden.reshape(ref_hidden.shape) - ref_hidden).max()
@@ -47,4 +61,4 @@ def test_siglip_parity(hf_dir):
 
 def test_siglip_bad_checkpoint(tmp_path):
     with pytest.raises(UserError, match="config.json"):
-        siglip.load_siglip_vision(tmp_path)
+        pretrained.load_encoder(tmp_path)

@@ -258,7 +258,7 @@ def test_peft_loads_our_adapter_and_merge_equals_peft(tmp_path, family):
     pytest.importorskip("peft")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    from omnijax.interop import hf, peft as peft_io, pretrained
+    from omnijax.interop import peft as peft_io, pretrained
 
     torch.manual_seed(0)
     kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -270,7 +270,7 @@ def test_peft_loads_our_adapter_and_merge_equals_peft(tmp_path, family):
             p.normal_(0.0, 0.05)
     hf_model.save_pretrained(tmp_path / "base", safe_serialization=True)
     cfg = LoraConfig(rank=4, alpha=12.0)
-    model = adapters.adapt(hf.load_model(tmp_path / "base"), cfg)
+    model = adapters.adapt(pretrained.load_llm(tmp_path / "base"), cfg)
     g, params, rest = nnx.split(model, nnx.Param, ...)
     key = iter(jax.random.split(jax.random.key(1), 64))
     params = jax.tree_util.tree_map_with_path(   # trained-looking adapters: A and B both non-zero
@@ -323,7 +323,7 @@ def test_peft_adapter_imports(tmp_path):
     torch = pytest.importorskip("torch")
     peft_lib = pytest.importorskip("peft")
     from transformers import LlamaConfig, LlamaForCausalLM
-    from omnijax.interop import hf, peft as peft_io
+    from omnijax.interop import peft as peft_io, pretrained
 
     torch.manual_seed(1)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -338,7 +338,7 @@ def test_peft_adapter_imports(tmp_path):
     tuned.save_pretrained(tmp_path / "adapter")
     cfg = peft_io.lora_config(tmp_path / "adapter")
     assert (cfg.rank, cfg.alpha, sorted(cfg.targets)) == (4, 8.0, ["down", "q", "v"])
-    model = adapters.adapt(hf.load_model(tmp_path / "base"), cfg)
+    model = adapters.adapt(pretrained.load_llm(tmp_path / "base"), cfg)
     g, params, rest = nnx.split(model, nnx.Param, ...)
     params = peft_io.load_adapter(tmp_path / "adapter", params)
     ids = np.array([[3, 9, 27, 81, 14, 42, 99, 5]])

@@ -1,22 +1,18 @@
-"""Hugging Face interop: Llama / Qwen2 checkpoints (config.json + safetensors) <-> omnijax LLM.
+"""The Llama / Qwen2 family: config.json <-> LLMConfig, and the family's one weight table (`weight_layout`).
 
 Weights map one to one; only layouts differ. HF stores a Linear as [out, in]; omnijax keeps
 [in, out] with the head axis split out: q [D, H, Dh], k/v [D, KVH, Dh], o [H, Dh, D]. Both sides use
 the "rotate half" rotary layout, so no q/k permutation is needed. Conversions are transposes and
-reshapes only, so export -> import is bit-exact.
+reshapes only (the layout kinds of `layout.py`), so export -> import is bit-exact. Folders are read by the
+sharded reader and written by the writer through `pretrained` (`load_llm_params`, `load_llm`, `export_llm`).
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from omnijax.config import LLMConfig, RopeConfig, from_dict
+from omnijax.config import LLMConfig, RopeConfig
 from omnijax.errors import UserError
 from omnijax.models.llm import LLM
 
@@ -117,36 +113,7 @@ def config_to_hf(cfg: LLMConfig, model_type: str, dtype: str = "float32") -> dic
     return out
 
 
-# ---------------------------------------------------------------------------- weight map
-def _linear_in(shape: tuple[int, ...]) -> tuple[Callable, Callable]:
-    """omnijax [in, *out] <-> HF [prod(out), in]."""
-    def to_ours(w):
-        return w.T.reshape(shape)
-
-    def to_hf(p):
-        return p.reshape(shape[0], -1).T
-    return to_ours, to_hf
-
-
-def _linear_out(shape: tuple[int, ...]) -> tuple[Callable, Callable]:
-    """omnijax [*in, out] (o: [H, Dh, D]) <-> HF [out, prod(in)]."""
-    def to_ours(w):
-        return w.T.reshape(shape)
-
-    def to_hf(p):
-        return p.reshape(-1, shape[-1]).T
-    return to_ours, to_hf
-
-
-def _same(shape):
-    return (lambda w: w.reshape(shape)), (lambda p: p)
-
-
-def _bias(shape):
-    """omnijax [heads, Dh] <-> HF [heads * Dh]."""
-    return (lambda w: w.reshape(shape)), (lambda p: p.reshape(-1))
-
-
+# ---------------------------------------------------------------------------- the weight table
 def weight_layout(model: LLM) -> Iterator[tuple[str, nnx.Variable, str]]:
     """(HF name, omnijax variable, layout kind) for every weight, in the HF checkpoint's order.
 
@@ -173,104 +140,3 @@ def weight_layout(model: LLM) -> Iterator[tuple[str, nnx.Variable, str]]:
     if model.lm_head is not None:
         yield "lm_head.weight", model.lm_head, "linear_in"
 
-
-_KINDS = {"same": _same, "linear_in": _linear_in, "linear_out": _linear_out, "bias": _bias}
-
-
-def _weight_map(model: LLM) -> Iterator[tuple[str, nnx.Variable, Callable, Callable]]:
-    """(HF name, omnijax variable, HF->omnijax, omnijax->HF) for every weight."""
-    for name, var, kind in weight_layout(model):
-        yield name, var, *_KINDS[kind](var.shape)
-
-
-# --------------------------------------------------------------------------------- files
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
-        if not names:
-            raise UserError(f"{index}: empty weight_map")
-        files = [path / n for n in names]
-        missing = [str(f) for f in files if not f.exists()]
-        if missing:
-            raise UserError(f"{index} lists missing shard(s): {', '.join(missing[:3])}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{path}: no *.safetensors weights found (omnijax reads safetensors, not .bin; "
-                        "re-save with save_pretrained(safe_serialization=True))")
-    return files
-
-
-def load_model(path: str | Path, dtype: Any = jnp.float32) -> LLM:
-    """Load a Llama/Qwen2 checkpoint directory into an omnijax LLM with params of `dtype`.
-
-    dtype=None keeps each tensor's stored dtype. Unsupported architectures, missing files and
-    weights that do not fit config.json raise UserError naming the file and the problem.
-    """
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"checkpoint directory not found: {path}")
-    if not (path / "config.json").exists():
-        raise UserError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    cfg = config_from_hf(_read_json(path / "config.json"))
-    files = _weight_files(path)
-    model = nnx.eval_shape(lambda: LLM(cfg, rngs=nnx.Rngs(0)))
-    wanted = {name: (var, to_ours) for name, var, to_ours, _ in _weight_map(model)}
-    found: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="np") as f:
-            for name in f.keys():
-                if name not in wanted:
-                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_embeddings):
-                        continue
-                    raise UserError(f"{file.name}: unexpected weight {name!r} for a {cfg.num_layers}-layer "
-                                    f"{'tied' if cfg.tie_embeddings else 'untied'} model")
-                var, to_ours = wanted[name]
-                value = to_ours(np.asarray(f.get_tensor(name)))
-                if value.shape != var.shape:
-                    raise UserError(f"{file.name}: weight {name!r} has shape {value.shape}, config.json implies "
-                                    f"{var.shape}")
-                var.set_value(jnp.asarray(value, dtype=dtype))
-                found.add(name)
-    missing = sorted(set(wanted) - found)
-    if missing:
-        raise UserError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. {missing[0]!r}")
-    return model
-
-
-def save_model(model: LLM, path: str | Path, model_type: str | None = None) -> Path:
-    """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads.
-
-    model_type defaults to qwen2 when the model has q/k/v biases, else llama.
-    """
-    from safetensors.numpy import save_file
-
-    cfg = model.config
-    model_type = model_type or ("qwen2" if cfg.qkv_bias else "llama")
-    if model_type not in SUPPORTED:
-        raise UserError(f"model_type {model_type!r} is not supported; omnijax exports {', '.join(SUPPORTED)}")
-    if model_type == "llama" and cfg.qkv_bias:
-        raise UserError("a model with q/k/v biases exports as qwen2 (Llama's attention_bias also biases o_proj)")
-    if model_type == "qwen2" and not cfg.qkv_bias:
-        raise UserError("qwen2 always has q/k/v biases; export this model as llama")
-    tensors, dtypes = {}, set()
-    for name, var, _, to_hf in _weight_map(model):
-        arr = np.asarray(jax.device_get(var[...]))
-        tensors[name] = np.ascontiguousarray(to_hf(arr))
-        dtypes.add(str(arr.dtype))
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, model_type, dtype), indent=2) + "\n")
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path

@@ -101,6 +101,16 @@ def load_llm_params(path: str | Path, target: Any) -> nnx.State:
     return load_params(index, tensors, target, str(path))
 
 
+def load_llm(path: str | Path) -> nnx.Module:
+    """The omnijax LLM of a Llama/Qwen2 folder on one device (jax's first), read by the sharded reader: for
+    tests, benches and tools that want the module itself; a layout's shardings go through `load_llm_params`."""
+    from omnijax.models.llm import LLM
+
+    cfg = llm_config_from_folder(path)
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: LLM(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    return nnx.merge(graphdef, load_llm_params(path, params), rest)
+
+
 def _whisper_prefix(index: TensorIndex) -> str:
     return "model.encoder." if "model.encoder.conv1.weight" in index else "encoder."
 
@@ -128,6 +138,18 @@ def load_encoder_params(path: str | Path, target: Any) -> nnx.State:
     if isinstance(cfg, VisionConfig) and has_head != cfg.head:  # a target built without (or with) the head
         cfg = VisionConfig(**{**cfg.__dict__, "head": has_head})
     return load_params(index, encoder_tensors(cfg, prefix), target, str(path))
+
+
+def load_encoder(path: str | Path) -> nnx.Module:
+    """The omnijax encoder of a SigLIP or Whisper folder (its config from `encoder_config_from_folder`) on one
+    device, read by the sharded reader: the encoder-side `load_llm`."""
+    cfg = encoder_config_from_folder(path)
+    if isinstance(cfg, WhisperConfig):
+        from omnijax.models.whisper import WhisperEncoder as Encoder
+    else:
+        from omnijax.models.vision import VisionEncoder as Encoder
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Encoder(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    return nnx.merge(graphdef, load_encoder_params(path, params), rest)
 
 
 def _same_llm(a: LLMConfig, b: LLMConfig) -> bool:

@@ -52,7 +52,7 @@ def preprocessor_to_hf(cfg: WhisperConfig) -> dict:
 
 
 def weight_layout(model, prefix: str = "encoder.") -> Iterator[tuple]:
-    """(HF name, omnijax variable, kind, HF shape or None) of every encoder weight (`omnijax.interop.pretrained`)."""
+    """(HF name, omnijax variable, kind, HF shape or None) of every encoder weight (kinds of `omnijax.interop.layout`)."""
     d = model.out_dim
     yield prefix + "conv1.weight", model.conv1, "conv1d"
     yield prefix + "conv1.bias", model.conv1_bias, "same"

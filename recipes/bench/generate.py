@@ -56,7 +56,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     import torch
     import transformers
 
-    from omnijax.interop import hf
+    from omnijax.interop import pretrained
     from omnijax.serve.generate import Generator, SamplingConfig
 
     torch.manual_seed(cfg.seed)
@@ -70,7 +70,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     ref = transformers.LlamaForCausalLM(hf_cfg).float().eval()
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_pretrained(tmp)
-        model = hf.load_model(tmp)
+        model = pretrained.load_llm(tmp)
     ref = ref.to(cfg.torch_device)
     gen = Generator(model)
     rng = np.random.default_rng(cfg.seed)
