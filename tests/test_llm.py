@@ -84,6 +84,10 @@ def test_defaults_and_call_match_forward(dense):
             x, _ = blk(x, seg, pos)
         return model.logits(model.final_norm(x))
     np.testing.assert_allclose(np.asarray(by_hand(dense, tokens)), np.asarray(full), atol=1e-5)
+    # head=False: the final-normed hidden states the chunked loss applies the head to
+    hidden, _ = jax.jit(lambda m, t: m.forward_embeddings(m.embed(t), head=False))(dense, tokens)
+    assert hidden.shape == (2, L, CFG.embed_dim)
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda m, h: m.logits(h))(dense, hidden)), np.asarray(full), atol=1e-6)
     # dense blocks are homogeneous (stackable for pipeline stages)
     s0, s1 = (jax.tree.structure(nnx.state(b, nnx.Param)) for b in dense.blocks)
     assert s0 == s1
