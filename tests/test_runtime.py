@@ -167,7 +167,7 @@ def test_a_nan_gradient_streak_stops_naming_the_last_good_checkpoint(tmp_path):
     line = str(err.value)
     assert err.value.exit_code == EXIT_DIVERGED != 2 and "\n" not in line
     assert "at steps 5..6" in line and f"Last good checkpoint: step 4 in {tmp_path / 'checkpoints'}" in line
-    assert "optimizer.lr=0.0003" in line and "steps 6, saved during the streak, were set aside" in line
+    assert "optimizer.lr=0.0003" in line and "step 6, saved during the streak, was set aside" in line
     assert sorted(p.name for p in (tmp_path / "checkpoints_set_aside").iterdir()) == ["6"]
     ck = Checkpointer(tmp_path / "checkpoints")
     assert ck.all_steps() == [2, 4]

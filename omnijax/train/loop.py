@@ -440,8 +440,9 @@ class Trainer:
         for s in moved:
             self.checkpointer.set_aside(s)
         good = self.checkpointer.all_steps()
-        aside = (f" (steps {', '.join(map(str, moved))}, saved during the streak, were set aside in "
-                 f"{self.checkpointer.directory}_set_aside)" if moved else "")
+        aside = (f" (step{'s' if len(moved) > 1 else ''} {', '.join(map(str, moved))}, saved during the streak, "
+                 f"{'were' if len(moved) > 1 else 'was'} set aside in {self.checkpointer.directory}_set_aside)"
+                 if moved else "")
         if not good:
             return NonFiniteError(f"{head}; no checkpoint was saved before it{aside}: run again with a lower "
                                   f"optimizer.lr (e.g. optimizer.lr={lr / 10:g}) or optimizer.grad_clip", exc.step,

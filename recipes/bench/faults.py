@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from omnijax.train.launch import EXIT_DIVERGED, EXIT_PREEMPTED
+
 DESCRIPTION = ("faults injected on the tiny recipes (damaged checkpoint, failed save, SIGKILL under launch, SIGTERM "
-               "during an async save, truncated shard, undecodable media): survived or a one-line stop")
+               "during an async save, truncated shard, undecodable media, changed config on resume, I/O error on "
+               "restore, preemption and a deterministic crash under launch, NaN streak): survived or a one-line stop")
 
 
 @dataclass
@@ -35,7 +38,10 @@ class FaultsBench:
 
 
 ROWS = ("damaged_checkpoint", "failed_save", "sigkill_under_launch", "sigterm_during_save", "truncated_shard",
-        "undecodable_media", "checksum_cost")
+        "undecodable_media", "resume_changed_config", "io_error_on_restore", "preemption_under_launch",
+        "crash_under_launch", "nan_streak", "checksum_cost")
+NEEDS_REF = {"damaged_checkpoint", "failed_save", "sigkill_under_launch", "sigterm_during_save",
+             "resume_changed_config", "preemption_under_launch"}
 
 
 class Run:
@@ -242,7 +248,7 @@ def _descendants(pid: int) -> list[tuple[int, str]]:
 
 def sigterm_during_save(b: FaultsBench, ref: dict) -> dict:
     """SIGTERM the moment an async save's temporary folder appears: the run finishes that save, says so
-    and exits 0; the rerun resumes from it."""
+    and exits EXIT_PREEMPTED (it did not finish); the rerun resumes from it."""
     name = "bench_faults_term"
     _fresh(name)
     run = Run(_lm_args(b, name), _env(b.cpu_devices))
@@ -260,11 +266,11 @@ def sigterm_during_save(b: FaultsBench, ref: dict) -> dict:
     resumed = rerun.first("resumed from")
     at = int(re.search(r"at step (\d+)", resumed[1]).group(1)) if resumed else 0
     got = losses(name)
-    ok = rc == 0 and said is not None and rc2 == 0 and resumed is not None and max(got) == b.steps
+    ok = rc == EXIT_PREEMPTED and said is not None and rc2 == 0 and resumed is not None and max(got) == b.steps
     back = _wait_t(rerun, "resumed from")
     return _row("sigterm_during_save", "survived" if ok else "FAILED", said and said[0] - fault_at,
                 back and back - fault_at, stopped_at - at, _delta(ref, got, range(1, b.steps + 1)),
-                said[1] if said else run.text()[-240:], stopped_at_step=stopped_at, resumed_at_step=at)
+                said[1] if said else run.text()[-240:], stopped_at_step=stopped_at, resumed_at_step=at, exit_code=rc)
 
 
 def _wait_t(run: Run, needle: str) -> float | None:
@@ -343,6 +349,206 @@ def undecodable_media(b: FaultsBench, ref: dict) -> dict:
                 warn[1] if warn else run.text()[-240:], skipped_bad_records=skipped)
 
 
+def _snapshot(root: Path) -> dict:
+    """Every file under `root` with its size and modification time ("nothing moved" compares two)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def _last_line(run: Run) -> str:
+    return next((l for _, l in reversed(run.lines) if l.strip()), "")
+
+
+def resume_changed_config(b: FaultsBench, ref: dict) -> dict:
+    """The undisturbed run's command again with model.num_layers=3 (it trained 4): a checkpoint of another
+    model, not damage. One line naming the differing parameters and the key, exit 2, every file in place."""
+    name = "bench_faults_ref"
+    folder = _runs() / name
+    before = _snapshot(folder)
+    t0 = time.monotonic()
+    run = Run(_lm_args(b, name, f"trainer.steps={b.steps + b.every}", "model.num_layers=3"), _env(b.cpu_devices))
+    rc = run.wait(b.timeout_s)
+    line = _last_line(run)
+    moved = _snapshot(folder) != before or (_runs() / f"{name}_set_aside").exists() or any(
+        folder.glob("checkpoints_*"))
+    ok = (rc == 2 and line.startswith("error:") and "model.num_layers: 4 -> 3" in line and "damaged" not in run.text()
+          and "Traceback" not in run.text() and not moved)
+    at = run.first("holds another model")
+    return _row("resume_changed_config", "clean stop" if ok else "FAILED", at and at[0] - t0, None, None, None, line,
+                exit_code=rc, files_moved=moved)
+
+
+def io_error_on_restore(b: FaultsBench, ref: dict) -> Iterator[dict]:
+    """An OS error (EIO, as a flaky network mount gives) on the reads of a restore, in-process on the trainer's
+    Checkpointer: twice, then the reads work (retried, restored); every time (one line naming the file).
+    Nothing is set aside either way. The failing read is injected into orbax's restore call."""
+    import errno
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from omnijax.train import checkpoint
+    from omnijax.train.checkpoint import Checkpointer, CheckpointReadError
+
+    with tempfile.TemporaryDirectory(dir=_runs()) as tmp:
+        ck = Checkpointer(Path(tmp) / "checkpoints")
+        tree = {"w": jnp.asarray(np.arange(4096, dtype=np.float32))}
+        ck.save(1, tree)
+        ck.wait()
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        victim = str(max((p for p in Path(tmp).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size))
+        real, fails, lines = ck._manager.restore, [], []
+
+        def flaky(step, args=None):
+            if fails:
+                fails.pop()
+                raise OSError(errno.EIO, os.strerror(errno.EIO), victim)
+            return real(step, args=args)
+
+        ck._manager.restore = flaky
+        for variant, n in (("io_error_on_restore_transient", 2), ("io_error_on_restore_persistent", 99)):
+            before = _snapshot(Path(tmp))
+            fails[:] = [1] * n
+            t0 = time.monotonic()
+            try:
+                state, _, _ = ck.restore_good(target, log=lines.append)
+                ok, line = bool(np.array_equal(np.asarray(state["w"]), np.asarray(tree["w"]))), lines[-1]
+                outcome = "survived"
+            except CheckpointReadError as exc:
+                ok, line, outcome = n > len(checkpoint.READ_RETRY_S), f"error: {exc}", "clean stop"
+            took = time.monotonic() - t0
+            moved = _snapshot(Path(tmp)) != before or (Path(tmp) / "checkpoints_set_aside").exists()
+            yield _row(variant, outcome if ok and not moved else "FAILED", took, None, None, None, line,
+                       attempts=min(n, len(checkpoint.READ_RETRY_S)) + 1, files_moved=moved)
+        ck._manager.restore = real
+        ck.close()
+
+
+def preemption_under_launch(b: FaultsBench, ref: dict) -> dict:
+    """SIGTERM to the recipe process under `launch` (one process; the launcher itself is not signalled): it
+    saves, exits EXIT_PREEMPTED, launch restarts it, and the run ends with the undisturbed losses."""
+    name = "bench_faults_preempt"
+    _fresh(name)
+    run = Run(["launch", "--processes", "1", "--cpu-devices-per-process", str(b.cpu_devices), "--max-restarts", "1",
+               *_lm_args(b, name)], dict(os.environ))
+    at = b.every + b.every // 2
+    _wait_step(name, at, run, b.timeout_s)
+    kids = [p for p, args in _descendants(run.proc.pid) if "--process-id 0" in args]
+    reached = max(losses(name) or {0: 0})
+    if not kids:
+        run.proc.kill()
+        return _row("preemption_under_launch", "FAILED", None, None, None, None, "no recipe process found")
+    os.kill(kids[-1], signal.SIGTERM)
+    fault_at = time.monotonic()
+    rc = run.wait(b.timeout_s)
+    restarted = run.first("launch: restart")
+    got = losses(name)
+    ok = (rc == 0 and restarted is not None and f"preempted: it saved and stopped (exit {EXIT_PREEMPTED})" in
+          restarted[1] and max(got) == b.steps)
+    return _row("preemption_under_launch", "survived" if ok else "FAILED", restarted and restarted[0] - fault_at,
+                None, None, _delta(ref, got, range(1, b.steps + 1)),
+                restarted[1] if restarted else run.text()[-240:], stopped_at_step=reached)
+
+
+# injected into real recipe processes through sitecustomize (every Python process imports it at start): patches
+# applied when the named omnijax module is first imported, so jax starts as the recipe configures it
+_SITE = """
+import importlib.abc, importlib.util, os, sys
+crash_at, nan_from = int(os.environ.get("BENCH_CRASH_AT", "0")), int(os.environ.get("BENCH_NAN_FROM", "0"))
+
+def _patch(name, module):
+    if name == "omnijax.train.loop" and crash_at:          # a deterministic bug at one step
+        check = module.Trainer._check_finite
+        def crash(self, step, scalars):
+            if step == crash_at:
+                raise IndexError(f"an injected bug at step {step}")
+            return check(self, step, scalars)
+        module.Trainer._check_finite = crash
+    if name == "omnijax.models.losses" and nan_from:       # NaN gradients from a step on (a poison the loader adds)
+        import jax.numpy as jnp
+        lm = module.lm_loss
+        def poisoned(model, batch):
+            loss_sum, count, aux = lm(model, {k: v for k, v in batch.items() if k != "poison"})
+            return loss_sum + jnp.sum(batch["poison"]) * loss_sum, count, aux
+        module.lm_loss = poisoned
+    if name == "recipes.common" and nan_from:
+        import numpy as np
+        nxt = module.IndexedLoader.__next__
+        def poison(self):
+            batch = nxt(self)
+            bad = self.step >= nan_from
+            return {**batch, "poison": np.full(len(batch["tokens"]), np.nan if bad else 0.0, np.float32)}
+        module.IndexedLoader.__next__ = poison
+
+class _Finder(importlib.abc.MetaPathFinder):
+    wanted = {"omnijax.train.loop", "omnijax.models.losses", "recipes.common"}
+    def find_spec(self, name, path, target=None):
+        if name not in self.wanted:
+            return None
+        self.wanted = self.wanted - {name}
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            _patch(name, module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+if crash_at or nan_from:
+    sys.meta_path.insert(0, _Finder())
+"""
+
+
+def _injected_env(base: dict, folder: Path, **values: int) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_SITE)
+    path = os.pathsep.join([str(folder), str(Path(__file__).resolve().parents[2]), base.get("PYTHONPATH", "")])
+    return {**base, "PYTHONPATH": path.rstrip(os.pathsep), **{k: str(v) for k, v in values.items()}}
+
+
+def crash_under_launch(b: FaultsBench, ref: dict) -> dict:
+    """A deterministic bug (an IndexError raised at step every+2 in both processes) under `launch` with
+    --max-restarts 3: restarted once from the last checkpoint, and when the attempt fails the same way at
+    the same step again, not restarted a second time."""
+    name = "bench_faults_crash"
+    _fresh(name)
+    at = b.every + 2
+    env = _injected_env(dict(os.environ), _runs() / name / "inject", BENCH_CRASH_AT=at)
+    t0 = time.monotonic()
+    run = Run(["launch", "--processes", "2", "--cpu-devices-per-process", str(max(1, b.cpu_devices // 2)),
+               "--max-restarts", "3", *_lm_args(b, name)], env)
+    rc = run.wait(b.timeout_s)
+    restarts = [l for _, l in run.lines if l.startswith("launch: restart")]
+    stop = run.first("again after step")
+    ok = rc != 0 and len(restarts) == 1 and stop is not None and max(losses(name) or {0: 0}) < b.steps
+    return _row("crash_under_launch", "clean stop" if ok else "FAILED", stop and stop[0] - t0, None, None, None,
+                stop[1] if stop else run.text()[-240:], exit_code=rc, restarts=len(restarts))
+
+
+def nan_streak(b: FaultsBench, ref: dict) -> dict:
+    """NaN gradients from step every+3 on (injected through the batch): the run skips those updates and stops
+    after trainer.max_nonfinite_in_row=3 with EXIT_DIVERGED, naming checkpoint `every` and the command with a
+    lower optimizer.lr; under launch it is not restarted."""
+    name = "bench_faults_nan"
+    _fresh(name)
+    env = _injected_env(dict(os.environ), _runs() / f"{name}_inject", BENCH_NAN_FROM=b.every + 3)
+    t0 = time.monotonic()
+    run = Run(["launch", "--processes", "1", "--cpu-devices-per-process", str(b.cpu_devices), "--max-restarts", "3",
+               *_lm_args(b, name, "trainer.max_nonfinite_in_row=3")], env)
+    rc = run.wait(b.timeout_s)
+    line = run.first("training diverged")
+    ok = (rc == EXIT_DIVERGED and line is not None and f"Last good checkpoint: step {b.every} in" in line[1]
+          and "optimizer.lr=" in line[1] and run.first("launch: restart") is None)
+    shutil.rmtree(_runs() / f"{name}_inject", ignore_errors=True)
+    return _row("nan_streak", "clean stop" if ok else "FAILED", line and line[0] - t0, None, None, None,
+                line[1] if line else run.text()[-240:], exit_code=rc)
+
+
 def checksum_cost(b: FaultsBench, ref: dict) -> Iterator[dict]:
     """What the checksums cost: seconds to hash a checkpoint at save (process 0's background thread, before
     the commit) and to verify it at restore, beside orbax's own save and restore, for a few sizes."""
@@ -381,7 +587,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     want = ROWS if b.faults == "all" else tuple(f.strip() for f in b.faults.split(","))
     ref_name = "bench_faults_ref"
     ref: dict = {}
-    if set(want) & {"damaged_checkpoint", "failed_save", "sigkill_under_launch", "sigterm_during_save"}:
+    if set(want) & NEEDS_REF:
         _fresh(ref_name)
         Run(_lm_args(b, ref_name), _env(b.cpu_devices)).wait(b.timeout_s)
         ref = losses(ref_name)
