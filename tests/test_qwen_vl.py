@@ -423,3 +423,43 @@ def test_video_split_over_esp_keeps_windows(folders):
                                    check_vma=False))(state, jnp.asarray(rows), jnp.asarray(seg), jnp.asarray(pos))
     split = np.asarray(jax.jit(lambda h: merger(h))(jax.device_get(hidden)))
     assert _rel(split, whole) < 1e-5
+
+
+def test_greedy_decode_of_an_image_prompt_equals_transformers_generate(folders, omni25):
+    """The LLM's KV-cache path with M-RoPE (prefill over the prompt's rope_positions, each new token at its slot
+    plus transformers' rope delta) gives the tokens and every step's logits (1e-4) of
+    Qwen2_5_VLForConditionalGeneration.generate, greedy; without the delta the logits differ."""
+    from omnijax.models.llm import init_cache
+
+    model = omni25[0]
+    grid, steps = (1, 6, 10), 4
+    tokens, segs, types = _sample("image", grid)
+    with torch.no_grad():
+        gen = folders["qwen2_5_vl"].generate(
+            input_ids=torch.tensor(tokens[None]), mm_token_type_ids=torch.tensor(types[None]),
+            pixel_values=torch.tensor(_pixels(grid, 7)[0]), image_grid_thw=torch.tensor([grid]),
+            max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref_tokens = gen.sequences[0, len(tokens):].numpy().tolist()
+    ref_logits = np.stack([x[0].numpy() for x in gen.logits])
+    n, slots = len(tokens), len(tokens) + steps + 2
+    batch = _batch([(tokens, segs, types, grid, "image")], slots)
+    llm = model.llm
+    prefill = jax.jit(lambda b, c: llm.prefill(model.embed(b), b["segment_ids"], b["positions"], jnp.array([n - 1]), c,
+                                               rope_positions=b["rope_positions"]))
+    decode = jax.jit(lambda t, p, d, c: llm.decode(t, p, c, rope_positions=jnp.repeat((p + d)[:, None], 3, axis=1)))
+
+    def run(delta):
+        logits, cache = prefill(batch, init_cache(llm.config, 1, slots))
+        toks, steps_logits = [], [np.asarray(logits[0])]
+        for i in range(steps - 1):
+            tok = jnp.asarray([ref_tokens[i]], jnp.int32)  # teacher-forced on transformers' tokens
+            toks.append(int(jnp.argmax(logits[0])))
+            logits, cache = decode(tok, jnp.array([n + i], jnp.int32), jnp.int32(delta), cache)
+            steps_logits.append(np.asarray(logits[0]))
+        return toks + [int(np.argmax(steps_logits[-1]))], np.stack(steps_logits)
+
+    delta = mrope.decode_delta(np.asarray(batch["rope_positions"][0]), n)
+    assert delta < 0  # the image's 15 tokens span 5 positions
+    toks, logits = run(delta)
+    assert toks == ref_tokens and _rel(logits, ref_logits) < 1e-4
+    assert _rel(run(0)[1][1:], ref_logits[1:]) > 1e-4  # the delta matters for every generated token

@@ -48,10 +48,9 @@ def apply_mrope(x: jax.Array, rope_positions: jax.Array, table: np.ndarray, scal
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(attn, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, rope_positions: jax.Array,
-              section: Sequence[int]) -> jax.Array:
-    """`omnijax.layers.attention.Attention`'s forward with M-RoPE: the same parameters and projections,
-    q/k turned by `rope_positions` [B, L, 3], the causal mask from `positions` [B, L]."""
+def project_qkv(attn, x: jax.Array, rope_positions: jax.Array, section: Sequence[int]):
+    """`Attention.project_qkv` with M-RoPE: the same parameters and projections, q/k turned by
+    `rope_positions` [B, L, 3]."""
     dt = x.dtype
     q = jnp.einsum("bld,dhk->blhk", x, attn.q[...].astype(dt))
     k = jnp.einsum("bld,dhk->blhk", x, attn.k[...].astype(dt))
@@ -59,11 +58,52 @@ def attention(attn, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, 
     if attn.q_bias is not None:
         q, k, v = q + attn.q_bias[...].astype(dt), k + attn.k_bias[...].astype(dt), v + attn.v_bias[...].astype(dt)
     table = section_table(attn.inv_freq, section)
-    q = apply_mrope(q, rope_positions, table, attn.rope_scale)
-    k = apply_mrope(k, rope_positions, table, attn.rope_scale)
+    return apply_mrope(q, rope_positions, table, attn.rope_scale), apply_mrope(k, rope_positions, table,
+                                                                                 attn.rope_scale), v
+
+
+def attention(attn, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, rope_positions: jax.Array,
+              section: Sequence[int]) -> jax.Array:
+    """`omnijax.layers.attention.Attention`'s forward with M-RoPE: the causal mask from `positions` [B, L]."""
+    q, k, v = project_qkv(attn, x, rope_positions, section)
     out = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                                 q_positions=positions, kv_positions=positions, causal=True, impl=attn.impl)
     return attn.output(out)
+
+
+def prefill(attn, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, rope_positions: jax.Array,
+            section: Sequence[int], cache_k: jax.Array, cache_v: jax.Array):
+    """`Attention.prefill` with M-RoPE: the prompt's attention and its k/v (turned) in cache slots [0, L)."""
+    q, k, v = project_qkv(attn, x, rope_positions, section)
+    out = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                                q_positions=positions, kv_positions=positions, causal=True, impl=attn.impl)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, 0, 0))
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, 0, 0))
+    return attn.output(out), cache_k, cache_v
+
+
+def decode(attn, x: jax.Array, positions: jax.Array, rope_positions: jax.Array, section: Sequence[int],
+           cache_k: jax.Array, cache_v: jax.Array):
+    """`Attention.decode` with M-RoPE: one token per row x [B, 1, D] into cache slot `positions` [B], turned by
+    `rope_positions` [B, 3] (a generated token is text: its three positions are equal)."""
+    from omnijax.layers.attention import reference_attention
+
+    b, s = cache_k.shape[:2]
+    q, k, v = project_qkv(attn, x, rope_positions[:, None, :], section)
+    rows = jnp.arange(b)
+    cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
+    cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
+    slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    out = reference_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+                              q_segment_ids=jnp.ones((b, 1), jnp.int32), kv_segment_ids=jnp.ones((b, s), jnp.int32),
+                              q_positions=positions[:, None].astype(jnp.int32), kv_positions=slots, causal=True)
+    return attn.output(out), cache_k, cache_v
+
+
+def decode_delta(rope_positions: np.ndarray, length: int) -> int:
+    """What a generated token adds to its cache slot to get its (equal) rope positions: max(prompt's) + 1 -
+    prompt length (transformers' `rope_deltas`)."""
+    return int(np.max(rope_positions[:length])) + 1 - int(length) if length else 0
 
 
 # ------------------------------------------------------------------------ positions (host side)

@@ -73,14 +73,22 @@ class Block(nnx.Module):
         return x + (self.mlp(h, segment_ids)[0] if self.is_moe else self.mlp(h))
 
     def prefill(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-                cache: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                cache: tuple[jax.Array, jax.Array],
+                rope_positions: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """``__call__`` over the prompt, its k/v written into the layer's cache (k, v)."""
+        if rope_positions is not None:
+            a, k, v = mrope.prefill(self.attn, self.attn_norm(x), segment_ids, positions, rope_positions,
+                                    self.mrope_section, *cache)
+            return self._ffn(x + a, segment_ids), (k, v)
         a, k, v = self.attn.prefill(self.attn_norm(x), segment_ids, positions, *cache)
         return self._ffn(x + a, segment_ids), (k, v)
 
-    def decode(self, x: jax.Array, positions: jax.Array,
-               cache: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def decode(self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array],
+               rope_positions: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """One token per row (x [B, 1, D] at positions [B]) against the layer's cache."""
+        if rope_positions is not None:
+            a, k, v = mrope.decode(self.attn, self.attn_norm(x), positions, rope_positions, self.mrope_section, *cache)
+            return self._ffn(x + a, jnp.ones(x.shape[:2], jnp.int32)), (k, v)
         a, k, v = self.attn.decode(self.attn_norm(x), positions, *cache)
         return self._ffn(x + a, jnp.ones(x.shape[:2], jnp.int32)), (k, v)
 
@@ -174,22 +182,27 @@ class LLM(nnx.Module):
 
     # ------------------------------------------------------------------ KV-cache path (generation)
     def prefill(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, last: jax.Array,
-                cache: KVCache) -> tuple[jax.Array, KVCache]:
+                cache: KVCache, rope_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Prompt embeddings x [B, L, D] (one prompt per row from index 0, right-padded with segment id 0)
-        -> (float32 logits [B, V] at index ``last`` [B] of each row, the cache holding slots [0, L))."""
+        -> (float32 logits [B, V] at index ``last`` [B] of each row, the cache holding slots [0, L)).
+        M-RoPE models take the prompt's ``rope_positions`` [B, L, 3] (as ``forward_embeddings``)."""
         new = []
+        extra = () if rope_positions is None else (rope_positions,)
         for block, layer_cache in zip(self.blocks, cache):
-            x, layer_cache = block.prefill(x, segment_ids, positions, layer_cache)
+            x, layer_cache = block.prefill(x, segment_ids, positions, layer_cache, *extra)
             new.append(layer_cache)
         h = jnp.take_along_axis(x, last.astype(jnp.int32)[:, None, None], axis=1)  # [B, 1, D]
         return self.logits(self.final_norm(h))[:, 0], tuple(new)
 
-    def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """One token per row (tokens [B] at positions [B]) -> (float32 logits [B, V], updated cache)."""
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+               rope_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """One token per row (tokens [B] at positions [B]) -> (float32 logits [B, V], updated cache).
+        M-RoPE models take each token's ``rope_positions`` [B, 3] (positions + `mrope.decode_delta`)."""
         x = self.embed(tokens[:, None])
         new = []
+        extra = () if rope_positions is None else (rope_positions,)
         for block, layer_cache in zip(self.blocks, cache):
-            x, layer_cache = block.decode(x, positions, layer_cache)
+            x, layer_cache = block.decode(x, positions, layer_cache, *extra)
             new.append(layer_cache)
         return self.logits(self.final_norm(x))[:, 0], tuple(new)
 
