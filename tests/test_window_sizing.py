@@ -54,7 +54,11 @@ def test_a_lighter_window_gets_smaller_buffers_than_the_heavier_one_before_it():
 @given(st.integers(0, 10_000), st.integers(4, 9))
 def test_every_host_decodes_its_share_of_every_step(seed, n_segments):
     """With two hosts, every step of a fitted window leaves each host 45-55% of the step's payload
-    (float32 input bytes of the segments its devices encode), whatever tight buffers would pack."""
+    (float32 input bytes of the segments its devices encode) where some placement of its esp groups can:
+    else the split is the most even one of its groups (checked against every split), and the sizing
+    tried roomier buffers first."""
+    import itertools
+
     mx = _planner(hosts=2)
     window = _window(seed, n_segments)
     caps = mx.size_window(window)
@@ -62,8 +66,10 @@ def test_every_host_decodes_its_share_of_every_step(seed, n_segments):
         plan = _fits(mx, caps, b)
         shares = routing.host_payload_shares(plan.device_payload, np.arange(8) // 4)
         assert abs(shares.sum() - 1.0) < 1e-9
-        assert np.all(np.abs(shares - 0.5) <= 0.05 + 1e-9), shares
         assert plan.stats["host_payload_share_min"] == min(shares)
+        per = plan.device_payload.reshape(4, 2).sum(1)
+        best = min(abs(per[list(c)].sum() / max(per.sum(), 1e-9) - 0.5) for c in itertools.combinations(range(4), 2))
+        assert abs(shares[0] - 0.5) <= max(0.05, best) + 1e-9, (shares, best)
 
 
 def test_a_step_no_placement_can_split_evenly_still_gets_buffers_that_hold_it():

@@ -4,6 +4,7 @@ placement (LPT) with long segments split over `esp` groups, and the capacity sea
 every host."""
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -310,8 +311,9 @@ def spread_over_hosts(assignment: Assignment, segments: list[Segment], grid: Dev
 
     A group's work (its devices' short and long buffers, in order) moves as one, so every device's
     cost, buffer rows and the capacities stay as they are; only which host decodes what changes.
-    Contents, heaviest payload first, go to a free slot on the host with the least payload so far (ties:
-    the lower slot); each host keeps its number of slots. Deterministic; a pure function of its inputs."""
+    Two hosts and few groups: the split of the groups closest to even, searched exactly (ties: the first
+    in order); else contents, heaviest payload first, go to a free slot on the host with the least payload
+    so far (ties: the lower slot). Each host keeps its number of slots. Deterministic."""
     D, esp, G = grid.num_devices, grid.esp, grid.edp
     host_of = np.asarray(host_of, np.int64)
     hosts = int(host_of.max()) + 1
@@ -331,11 +333,19 @@ def spread_over_hosts(assignment: Assignment, segments: list[Segment], grid: Dev
     free = {h: [g for g in range(G) if slot_host[g] == h] for h in range(hosts)}
     group_bytes = dev_bytes.reshape(G, esp)
     target = [0] * G  # content g -> slot
-    for g in sorted(range(G), key=lambda g: (-float(group_bytes[g].sum()), g)):
-        h = min((h for h in range(hosts) if free[h]), key=lambda h: (load[h], h))
-        slot = free[h].pop(0)
-        target[g] = slot
-        np.add.at(load, host_of[slot * esp:(slot + 1) * esp], group_bytes[g])
+    k = len(free[0])
+    if hosts == 2 and math.comb(G, k) <= 4096:  # two hosts, few groups: the best split, searched exactly
+        total, per = float(group_bytes.sum()), group_bytes.sum(1)
+        best = min(itertools.combinations(range(G), k), key=lambda c: (abs(2 * float(per[list(c)].sum()) - total), c))
+        rest = [g for g in range(G) if g not in best]
+        for g, slot in [*zip(best, free[0]), *zip(rest, free[1])]:
+            target[g] = slot
+    else:  # heaviest first onto the host with the least payload so far
+        for g in sorted(range(G), key=lambda g: (-float(group_bytes[g].sum()), g)):
+            h = min((h for h in range(hosts) if free[h]), key=lambda h: (load[h], h))
+            slot = free[h].pop(0)
+            target[g] = slot
+            np.add.at(load, host_of[slot * esp:(slot + 1) * esp], group_bytes[g])
     if target == list(range(G)):
         return assignment
     dev = np.array([target[d // esp] * esp + d % esp for d in range(D)])  # old device -> new device

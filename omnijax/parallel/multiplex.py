@@ -430,8 +430,11 @@ class Multiplexer:
             return dict(fit)
         budget = self._enc_rows(fit) * (1.0 + self.reuse_slack)
         full = len(self.programs) >= self.max_programs
+        covers = lambda c: all(c.get(k, 0) >= v for k, v in fit.items() if k != "route")  # noqa: E731
         for caps in sorted(self.programs, key=lambda c: (self._enc_rows(c), sorted(c.items()))):
-            if (full or self._enc_rows(caps) <= budget) and self._holds(caps, parts):
+            # within budget: only programs at least as large as the fit in every buffer are planned
+            # against (a cheap filter; the window is planned once per candidate)
+            if (full or (self._enc_rows(caps) <= budget and covers(caps))) and self._holds(caps, parts):
                 return dict(caps)
         if not full:
             return fit
