@@ -126,9 +126,6 @@ def _chunk_grads(h, t, m, l, w, g, tied):
 
 def _chunked_ce_bwd(tied, res, g):
     hs, w, ts, ms, lse, needed = res
-    # the first chunk (always needed when any position carries loss) starts the sum of the weight's gradient,
-    # so the loop carries the buffer that chunk's matmul wrote (no separate zeros of the head's size)
-    dw, dh0 = _chunk_grads(hs[0], ts[0], ms[0], lse[0], w, g, tied)
 
     def body(dw, xs):
         h, t, m, l, k = xs
@@ -142,8 +139,9 @@ def _chunked_ce_bwd(tied, res, g):
 
         return jax.lax.cond(k < needed, compute, skip, dw)
 
-    dw, dhs = jax.lax.scan(body, dw, (hs[1:], ts[1:], ms[1:], lse[1:], jnp.arange(1, hs.shape[0])))
-    return jnp.concatenate([dh0[None], dhs]), dw, None, None
+    dw0 = (jnp.zeros(w.shape, jnp.float32) + _typed_zero(hs, w, ms, lse, g)).astype(w.dtype)
+    dw, dhs = jax.lax.scan(body, dw0, (hs, ts, ms, lse, jnp.arange(hs.shape[0])))
+    return dhs, dw, None, None
 
 
 _chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
