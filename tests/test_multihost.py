@@ -254,3 +254,31 @@ def test_a_finished_pair_exits_0_when_process_0_works_two_minutes_longer(tmp_pat
     line = [l for l in Path(f"{tmp_path / 'lost'}.p1").read_text().splitlines() if l.strip()][-1]
     assert line.startswith("error: process 1 of 2 stopped: ") or line.startswith("error: process 0 of 2 stopped"), line
     assert "peer process was lost" in line or "stopped answering" in line, line
+
+
+@pytest.mark.slow
+def test_a_preempted_pair_stops_at_one_step_and_exits_143(tmp_path):
+    """SIGTERM reaches only process 1 of a tiny_lm pair (a scheduler signals hosts at different moments):
+    both processes stop after the same step, save it together, say so and exit 143 (preempted, not
+    finished). Before the agreed step, process 1 stopped alone to save while process 0 went on into the
+    next step's collectives: the pair hung."""
+    import signal
+    import time
+
+    from omnijax.train.launch import EXIT_PREEMPTED
+
+    args = [*TINY_LM, "trainer.steps=400", "trainer.checkpoint_every=100", "trainer.hang_timeout_s=120"]
+    two = _two_processes("tiny_lm", args, tmp_path, "preempted")
+    metrics = tmp_path / "preempted" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in two), "the pair did not start stepping"
+        time.sleep(0.2)
+    two[1].send_signal(signal.SIGTERM)  # the supervisor `python -m recipes` passes it to the recipe process
+    outs = [p.communicate(timeout=300)[0] for p in two]
+    assert [p.returncode for p in two] == [EXIT_PREEMPTED] * 2, (outs[0][-2000:], outs[1][-2000:])
+    saved = [re.search(r"preempted: saved step (\d+)", out) for out in outs]
+    assert all(saved), outs
+    step = int(saved[0].group(1))
+    assert int(saved[1].group(1)) == step < 400
+    assert (tmp_path / "preempted" / "checkpoints" / str(step) / "omnijax_checksums.json").exists()

@@ -70,11 +70,23 @@ class FitResult:
 
 
 class _Preemption:
-    """Turns SIGTERM/SIGINT into a flag the loop checks between steps (then it saves and stops)."""
+    """Turns SIGTERM/SIGINT into a flag the loop checks between steps (then it saves and stops).
 
-    def __init__(self):
+    With several processes the stop must come at the same step everywhere (the save is collective; a
+    process that stopped alone would leave the others waiting in the next step's collectives), and the
+    signal may reach the processes at different steps, or only some of them. The first process to see it
+    writes a step AHEAD of its own to the coordination service; every process reads it between steps and
+    all stop at that step. A process's loop is at most 2 steps ahead of another's (each keeps one step in
+    flight, and reading a step's results waits for every process's part of it), so AHEAD=4 reaches them
+    all before they pass it."""
+
+    AHEAD = 4
+    KEY = "omnijax_preempt_at"
+
+    def __init__(self, client: Any = None):
         self.requested = False
         self._old = {}
+        self.client, self.target = client, None
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -92,6 +104,27 @@ class _Preemption:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+    def stop_at(self, step: int) -> bool:
+        """Whether the loop stops (saving) after `step`: at once in one process; at the agreed step in several."""
+        if self.client is None:
+            return self.requested
+        if self.target is None:
+            got = self._read()
+            if got is None and self.requested:
+                try:
+                    self.client.key_value_set(self.KEY, str(step + self.AHEAD))  # the first writer wins
+                except Exception:  # noqa: BLE001 - another process set it first
+                    pass
+                got = self._read()
+            self.target = int(got) if got is not None else None
+        return self.target is not None and step >= self.target
+
+    def _read(self) -> str | None:
+        try:
+            return self.client.key_value_try_get(self.KEY)
+        except Exception:  # noqa: BLE001 - not set
+            return None
 
 
 def _with_remat(loss_fn: LossFn, mode: Any) -> LossFn:
@@ -276,7 +309,7 @@ class Trainer:
                                process=jax.process_index())
         failed, diverged = False, None
         try:
-            with _Preemption() as preempt:
+            with _Preemption(self.peer_watch.client if self.peer_watch is not None else None) as preempt:
                 for step in range(start + 1, tcfg.steps + 1):
                     item = next(prefetch)  # read, decoded, planned and on the devices ahead of time
                     if step == start + 1:
@@ -347,7 +380,7 @@ class Trainer:
                     if self.checkpointer and (step % tcfg.checkpoint_every == 0 or last):
                         self._save(step, force=last)
                         saved = True
-                    if preempt.requested and not last:
+                    if preempt.stop_at(step) and not last:
                         if not saved:  # a periodic save of this very step is already under way
                             self._save(step, force=True)
                         result.status = "preempted"
