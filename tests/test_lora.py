@@ -346,3 +346,25 @@ def test_peft_adapter_imports(tmp_path):
     with torch.no_grad():
         theirs = tuned.eval()(torch.tensor(ids)).logits.numpy()
     assert np.abs(ours - theirs).max() / np.abs(theirs).max() <= 1e-4
+
+
+def test_pretrained_weights_enter_a_quantized_base():
+    """with_base (init.llm / init.encoders into a QLoRA run): the loader sees the base dequantised under the plain
+    model's paths, and what it returns is stored quantised again; the adapters are kept."""
+    model = adapters.adapt(LLM(DENSE, rngs=nnx.Rngs(0)), LoraConfig(rank=4, alpha=8.0, base_dtype="nf4"))
+    params = nnx.state(model, nnx.Param)
+    seen = {}
+
+    def load(base):
+        flat = list(nnx.to_flat_state(base))
+        seen["paths"] = {tuple(p) for p, _ in flat}
+        new = [(p, v.replace(jnp.full(v[...].shape, 0.5, v[...].dtype)) if str(p[-1]) == "q" else v) for p, v in flat]
+        return nnx.from_flat_state(new)
+    out = adapters.with_base(params, load)
+    assert ("blocks", 0, "attn", "q") in seen["paths"]
+    assert not any(adapters.is_adapter(p) or str(p[-1]).endswith(lora.SCALE_SUFFIX) for p in seen["paths"])
+    q = out["blocks"][0]["attn"]["q"]
+    assert q[...].dtype == jnp.uint8
+    back = lora.dequantize(q[...], out["blocks"][0]["attn"]["q_qscale"][...], "nf4", jnp.float32)
+    np.testing.assert_allclose(back, 0.5, rtol=1e-6)
+    np.testing.assert_array_equal(out["blocks"][0]["attn"]["q_lora_a"][...], params["blocks"][0]["attn"]["q_lora_a"][...])
