@@ -417,6 +417,8 @@ def target_report(compiled: Any, calls: list[dict], dump_dir: str, *, target: An
         "cudnn_refused": dict(collections.Counter(c["cudnn_refused"] for c in calls if "cudnn_refused" in c)),
         "collectives": colls, "collective_bytes": sum(c["bytes"] for c in colls.values()),
         "xla_flops": flops, "model_flops_per_device": model_flops_per_device,
+        "xla_flops_note": "HloCostAnalysis of the per-device program: a loop body (the pipeline's scan, the loss's "
+                          "chunks, blockwise attention) counts once, custom calls (cuDNN attention) count 0",
         "compile_s": round(compile_s, 1),
     }
     if flops and model_flops_per_device:
