@@ -8,10 +8,12 @@ latest. Restoring takes an abstract target whose leaves carry the *new* sharding
 be resized by stop-and-restore.
 
 Checksums: bytes that change after a save (a truncated file, a disk that flips bits, a copy cut
-short) must never be loaded silently. When an async save has written every process's files, and
-before orbax renames the temporary folder into place, process 0 writes `omnijax_checksums.json`
-(size and SHA-256 of every file) into it, so the checksums are committed with the checkpoint in the
-same rename. `verify(step)` checks them before any value is read; `set_aside(step)` moves a damaged
+short) must never be loaded silently. Once a step is committed, each process hashes the files it wrote
+(orbax names them: `ocdbt.process_<i>/`, `array_metadatas/process_<i>`; the rest is process 0's) in a
+background thread, off the training step and off orbax's commit barrier, and writes its part
+`omnijax_checksums.part<i>of<n>.json`; the process that finds every part present merges them into
+`omnijax_checksums.json` (size and SHA-256 of every file). A step with some parts missing (a run killed
+while hashing) counts as saved without checksums, never as checked. `verify(step)` checks them before any value is read; `set_aside(step)` moves a damaged
 step out of the way (renamed, never deleted) so the run can resume from an older one.
 
 Only damage sets a step aside: bytes that disagree with their checksums, or (for steps saved without
@@ -29,6 +31,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +46,10 @@ SET_ASIDE = "set_aside"          # run_dir/checkpoints/../checkpoints_set_aside/
 _TMP = ".orbax-checkpoint-tmp"
 # orbax rewrites these after the commit (timestamps, a commit marker): not covered by the checksums
 _MUTABLE = {CHECKSUMS, "_CHECKPOINT_METADATA", "commit_success.txt"}
+_PART = re.compile(r"omnijax_checksums\.part(\d+)of(\d+)\.json")
+_MERGING = "omnijax_checksums.merging"   # created exclusively by the one process that merges the parts
+_WRITER = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
+COMMIT_WAIT_S = 600.0   # how long a hashing thread waits for its step's commit before giving up (no part)
 
 
 class _DroppedWriteErrors(logging.Filter):
@@ -164,28 +171,120 @@ def _retrying(what: str, read: Callable[[], Any], log: Callable[[str], None] | N
     raise AssertionError("unreachable")
 
 
-def checksum_tree(folder: Path) -> dict:
-    """{relative path: [bytes, sha256]} of every file under `folder` (but orbax's own step metadata)."""
+def writer_of(rel: str) -> int:
+    """The process that wrote `rel` (a path inside a step): orbax names per-process files by process index;
+    everything else (the merged ocdbt root, _METADATA, _sharding, JSON items) is written by process 0."""
+    m = _WRITER.search(rel)
+    return int(m.group(1)) if m else 0
+
+
+def checksum_tree(folder: Path, process: int | None = None) -> dict:
+    """{relative path: [bytes, sha256]} of every file under `folder` (but orbax's own step metadata and our
+    listings); with `process`, only the files that process wrote."""
     out = {}
     for root, _, files in os.walk(folder):
         for name in files:
             p = Path(root) / name
             rel = p.relative_to(folder).as_posix()
-            if rel not in _MUTABLE:
+            if rel in _MUTABLE or rel.startswith("omnijax_checksums"):  # listings, parts, their temporaries
+                continue
+            if process is None or writer_of(rel) == process:
                 out[rel] = [p.stat().st_size, _sha256(p)]
     return out
 
 
-def verify_tree(folder: Path) -> str | None:
-    """None if every file listed in FOLDER/omnijax_checksums.json has its size and hash; else what failed."""
-    listing = folder / CHECKSUMS
-    if not listing.exists():
-        return "no checksum file (saved by an older omnijax, or cut short)"
+def merge_into_listing(folder: Path) -> bool:
+    """Write CHECKSUMS from the parts once every process's part is there, by exactly one process (the first to
+    create the merging marker after seeing them all; the last part written always sees them all)."""
+    if (folder / CHECKSUMS).exists() or not has_listing(folder):
+        return False
     try:
-        files = json.loads(listing.read_text())["files"]
+        fd = os.open(folder / _MERGING, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    try:
+        listing = None if (folder / CHECKSUMS).exists() else merge_parts(folder)  # merged by another meanwhile
+        if listing is None:  # or parts that disagree: left as they are
+            return False
+        _write_json(folder / CHECKSUMS, listing)
+        for part in _parts(folder)[0].values():
+            part.unlink(missing_ok=True)
+        return True
+    finally:
+        (folder / _MERGING).unlink(missing_ok=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _parts(folder: Path) -> tuple[dict[int, Path], int | None]:
+    """The checksum parts in `folder` by process, and how many processes saved the step (None: no parts)."""
+    found, counts = {}, set()
+    for p in folder.glob("omnijax_checksums.part*of*.json"):
+        m = _PART.fullmatch(p.name)
+        if m:
+            found[int(m.group(1))] = p
+            counts.add(int(m.group(2)))
+    return found, (counts.pop() if len(counts) == 1 else None) if counts else None
+
+
+def merge_parts(folder: Path) -> dict | None:
+    """The listing made of every process's part, or None while a part is missing (or they disagree)."""
+    found, n = _parts(folder)
+    if n is None or sorted(found) != list(range(n)):
+        return None
+    files: dict = {}
+    hashed_by: dict = {}
+    for i in range(n):
+        part = json.loads(found[i].read_text())
+        if part.get("process") != i or set(part["files"]) & set(files):
+            return None  # a part in the wrong place, or a file claimed twice: not a trustworthy listing
+        files.update(part["files"])
+        hashed_by[str(i)] = sorted(part["files"])
+    return {"format": 1, "files": files, "hashed_by": hashed_by}
+
+
+def _read_listing(folder: Path) -> dict | None:
+    listing = folder / CHECKSUMS
+    if listing.exists():
+        return json.loads(listing.read_text())
+    try:
+        return merge_parts(folder)  # killed between the last part and the merge
+    except FileNotFoundError:       # merged meanwhile
+        return json.loads(listing.read_text()) if listing.exists() else None
+
+
+def has_listing(folder: Path) -> bool:
+    """A merged checksum file, or a part from every process that saved the step."""
+    if (folder / CHECKSUMS).exists():
+        return True
+    found, n = _parts(folder)
+    return n is not None and sorted(found) == list(range(n))
+
+
+def verify_tree(folder: Path) -> str | None:
+    """None if every file listed in FOLDER/omnijax_checksums.json (or in every process's part of it) has its
+    size and hash; else what failed. Missing parts make the step unchecked, never good."""
+    try:
+        data = _read_listing(folder)
     except (ValueError, KeyError, TypeError):
         return f"{CHECKSUMS} is unreadable"
-    for rel, (size, digest) in sorted(files.items()):
+    if data is None:
+        found, n = _parts(folder)
+        if found:
+            return (f"no checksum file and only the parts of processes {sorted(found)} of {n} "
+                    "(cut short while hashing)")
+        return "no checksum file (saved by an older omnijax, or cut short)"
+    try:
+        files = data["files"]
+    except (KeyError, TypeError):
+        return f"{CHECKSUMS} is unreadable"
+    for rel, entry in sorted(files.items()):
+        size, digest = entry[0], entry[1]
         p = folder / rel
         if not p.exists():
             return f"{rel} is missing"
@@ -251,11 +350,14 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.async_save = async_save
         self._saving: int | None = None      # the step an async save is writing
-        self.checksum_s: list[float] = []     # seconds spent hashing each save (background thread)
+        self.checksum_s: list[float] = []     # seconds this process spent hashing its files of each save
+        self.hash_wait_s: list[float] = []    # seconds a save (or close) waited for the previous step's hashing
         self.verify_s = 0.0                   # seconds spent checking the restored step's checksums
-        async_options = ocp.AsyncOptions(post_finalization_callback=self._write_checksums) if async_save else None
+        self._hashing: threading.Thread | None = None
+        self._hash_error: BaseException | None = None
+        self._abandon = threading.Event()     # set when the save being hashed failed: its folder never appears
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True, async_options=async_options,
+                                               create=True,
                                                cleanup_tmp_directories=True)  # saves cut short by a kill
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -283,25 +385,43 @@ class Checkpointer:
             saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
         except Exception as exc:  # noqa: BLE001 - orbax wraps OSErrors in several types
             raise self._save_error(step, exc) from None
-        if saved and not self.async_save and jax.process_index() == 0:
-            self._write_listing(self.directory / str(step))
+        if saved:
+            self._abandon.clear()
+            self._hashing = threading.Thread(target=self._hash_own, args=(step, jax.process_index(),
+                                             jax.process_count()), name=f"omnijax-hash-{step}", daemon=True)
+            self._hashing.start()
         return saved
 
-    def _write_checksums(self) -> None:
-        """orbax's post-finalisation callback (process 0, all processes' files written, before the commit
-        rename): checksum the step's temporary folder so the listing is committed with it."""
-        step = self._saving
-        tmp = sorted(self.directory.glob(f"{step}{_TMP}*"), key=lambda p: p.stat().st_mtime)
-        target = tmp[-1] if tmp else self.directory / str(step)  # filesystems without renames write in place
-        self._write_listing(target)
+    def _hash_own(self, step: int, process: int, count: int) -> None:
+        """Background thread, every process: once `step` is committed (orbax renamed its folder into place),
+        hash the files this process wrote, write its part, and merge the parts if they are all there."""
+        try:
+            folder = self.directory / str(step)
+            deadline = time.monotonic() + COMMIT_WAIT_S
+            while not folder.is_dir() or any(self.directory.glob(f"{step}{_TMP}*")):
+                if self._abandon.is_set() or time.monotonic() > deadline:
+                    return  # the save failed or never committed: no part, so never counted as checked
+                time.sleep(0.02)
+            t0 = time.perf_counter()
+            files = checksum_tree(folder, process)
+            _write_json(folder / f"omnijax_checksums.part{process}of{count}.json",
+                        {"format": 1, "process": process, "processes": count, "files": files})
+            self.checksum_s.append(time.perf_counter() - t0)
+            merge_into_listing(folder)
+        except BaseException as exc:  # noqa: BLE001 - reported by wait(), the step stays unchecked
+            self._hash_error = exc
 
-    def _write_listing(self, folder: Path) -> None:
+    def _join_hashing(self) -> None:
+        if self._hashing is None:
+            return
         t0 = time.perf_counter()
-        listing = {"format": 1, "files": checksum_tree(folder)}
-        tmp = folder / (CHECKSUMS + ".tmp")
-        tmp.write_text(json.dumps(listing))
-        os.replace(tmp, folder / CHECKSUMS)
-        self.checksum_s.append(time.perf_counter() - t0)
+        self._hashing.join()
+        self.hash_wait_s.append(time.perf_counter() - t0)
+        self._hashing = None
+        if self._hash_error is not None:
+            exc, self._hash_error = self._hash_error, None
+            print(f"warning: hashing checkpoint files failed ({type(exc).__name__}: {_first_line(exc)}); "
+                  "that step will restore unchecked", file=sys.stderr, flush=True)
 
     def _save_error(self, step: int | None, exc: BaseException) -> CheckpointSaveError:
         cause = exc
@@ -326,11 +446,15 @@ class Checkpointer:
                                    cause=f"{type(exc).__name__}: {text}", cause_error=exc)
 
     def wait(self) -> None:
+        """Until the running save is committed and this process has hashed its files of it."""
         try:
             self._manager.wait_until_finished()
         except Exception as exc:  # noqa: BLE001
             step, self._saving = self._saving, None
+            self._abandon.set()
+            self._join_hashing()
             raise self._save_error(step, exc) from None
+        self._join_hashing()
 
     def close(self) -> None:
         self.wait()
@@ -344,7 +468,7 @@ class Checkpointer:
         return _retrying(f"checkpoint step {step} in {self.directory}", lambda: verify_tree(folder), log)
 
     def has_checksums(self, step: int) -> bool:
-        return (self.directory / str(step) / CHECKSUMS).exists()
+        return has_listing(self.directory / str(step))
 
     def set_aside(self, step: int) -> Path:
         """Move a damaged step out of the checkpoint folder (process 0 renames; every process then
