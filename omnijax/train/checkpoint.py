@@ -617,7 +617,7 @@ def newest_good_step(folder: Path, steps: list[int], key: str, log: Callable[[st
     damaged = []
     for step in sorted(steps, reverse=True):
         problem = _retrying(f"{key}: checkpoint step {step} in {folder}", lambda: verify_tree(folder / str(step)), log)
-        if problem is None or not (folder / str(step) / CHECKSUMS).exists():
+        if problem is None or not has_listing(folder / str(step)):
             if damaged:
                 log(f"warning: {key}: checkpoint step{'s' if len(damaged) > 1 else ''} "
                     f"{', '.join(str(d) for d, _ in damaged)} in {folder} "
