@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from omnijax.errors import UserError
 from omnijax.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +82,8 @@ def test_two_processes_hash_only_their_own_files_and_the_listing_covers_the_step
                 "files": {rel: listing["files"][rel] for rel in by[str(i)]}}
         (step / f"omnijax_checksums.part{i}of2.json").write_text(json.dumps(part))
     assert ckpt.has_listing(step) and "checksum mismatch" in ckpt.verify_tree(step)
+    with pytest.raises(UserError, match="every checkpoint .* is damaged"):  # readers of another run, too
+        ckpt.newest_good_step(tmp_path / "ck", [1], "init.checkpoint")
 
     # a missing part makes the step unchecked, never good
     (step / "omnijax_checksums.part1of2.json").unlink()
