@@ -184,13 +184,17 @@ def _analytic(trainer, llm_cfg, layout, cfg, calls, info) -> dict:
 
     B, L, GiB = cfg.data.batch_size, cfg.data.seq_len, lib.GiB
     dtype = jnp.dtype(cfg.trainer.compute_dtype).itemsize
-    params = sum(_shard_elems(x) for x in jax.tree.leaves(trainer.state.params))
+    leaves = jax.tree.leaves(trainer.state.params)
+    params = sum(_shard_elems(x) for x in leaves)
+    mask = [True] * len(leaves) if trainer.partition.is_trivial else trainer.partition.mask()
+    trained = sum(_shard_elems(x) for x, t in zip(leaves, mask) if t)
     # cuDNN's packed statistics are the LLM's where its layers take cuDNN (a pipeline's stages do not): its calls
     # are those over a row of L / cp positions with the LLM's query heads (all, or a tp share)
     heads = (llm_cfg.num_heads, llm_cfg.num_heads // layout.tp)
     packed = float(info["compute_capability"] or 0) >= 9.0 and any(
         c["impl"] == "cudnn" and c["q"][1] == L // layout.cp and c["q"][2] in heads for c in calls)
-    terms = lib.step_memory_terms(llm_cfg, layout, B, L, cfg.parallel.remat, dtype, params, cudnn_packed=packed)
+    terms = lib.step_memory_terms(llm_cfg, layout, B, L, cfg.parallel.remat, dtype, params, cudnn_packed=packed,
+                                  trainable_per_device=trained)
     before = params * lib.BYTES_PER_PARAM + lib.llm_activation_bytes(llm_cfg, layout, B, L, cfg.parallel.remat, dtype)
     return {"terms_gib": {k: round(v / GiB, 2) for k, v in terms.items()},
             "state_gib_per_device": round(terms["state"] / GiB, 2),

@@ -93,11 +93,12 @@ def cudnn_stats_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_le
 
 
 def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int, remat: Any,
-                      dtype_bytes: int, params_per_device: float, *, cudnn_packed: bool = False) -> dict[str, float]:
+                      dtype_bytes: int, params_per_device: float, *, cudnn_packed: bool = False,
+                      trainable_per_device: float | None = None) -> dict[str, float]:
     """The estimated bytes per device of one training step, by term (what `dryrun` prints beside XLA's):
 
-    - ``state`` (the step's arguments): 12 B per parameter on the fullest device;
-    - ``gradients``: 4 B per parameter; ``compute_copy``: the parameters cast to the compute dtype (bf16) and,
+    - ``state`` (the step's arguments): 12 B per trained parameter on the fullest device, 4 B per frozen one;
+    - ``gradients``: 4 B per trained parameter; ``compute_copy``: the parameters cast to the compute dtype (bf16) and,
       under fsdp, gathered: the step keeps every layer's gathered weights for the backward (XLA's all-gathers
       of the Qwen2-7B step on 8 H100s add up to the whole model in bf16);
     - ``activations``: the LLM layers' saved activations at ``parallel.remat`` (`llm_activation_bytes`);
@@ -114,8 +115,9 @@ def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_le
     L = seq_len / layout.cp
     vocab = llm.vocab_size / layout.tp
     loss = 2 * rows * min(chunk, L) * vocab * 4 if chunk else 3 * rows * L * vocab * 4
-    return {"state": params_per_device * STATE_BYTES_PER_PARAM,
-            "gradients": params_per_device * GRAD_BYTES_PER_PARAM,
+    trained = params_per_device if trainable_per_device is None else trainable_per_device  # frozen: no moments
+    return {"state": params_per_device * 4 + trained * (STATE_BYTES_PER_PARAM - 4),
+            "gradients": trained * GRAD_BYTES_PER_PARAM,
             "compute_copy": (params_per_device * layout.fsdp * dtype_bytes
                              if dtype_bytes < 4 or layout.fsdp > 1 else 0.0),
             "activations": llm_activation_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes, logits=False),
