@@ -393,7 +393,8 @@ def fit_capacities(parts: list[dict], grid: DeviceGrid, reductions: dict[str, in
     part's own choice); other modes: the elementwise max of each part's capacities. The route
     capacity is the max need of the parts' plans under these buffer capacities."""
     kw = dict(order=order, mode=mode, long_short=long_short, long_factor=long_factor, min_rows=min_rows,
-              min_route=min_route, first_stage_only=first_stage_only, growth=growth, host_of=host_of)
+              min_route=min_route, first_stage_only=first_stage_only, growth=growth, host_of=host_of,
+              fill_devices=())  # placement only: a window's sizing decodes no payload (put_batch reads each once)
     caps: dict[str, int] = {}
     if mode == "balanced" and parts:
         segs = [segments_of(p, reductions, cost_fn) for p in parts]
