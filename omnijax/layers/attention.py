@@ -410,13 +410,21 @@ class Attention(nnx.Module):
                cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One new token per row: x [B, 1, D] at positions [B]; its k/v go to slot ``positions`` and it
         attends to slots 0..positions of its row (the causal mask of the full forward, read from the cache)."""
-        b, s = cache_k.shape[:2]
         q, k, v = self.project_qkv(x, positions[:, None])
-        rows = jnp.arange(b)
-        cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
-        cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
-        slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        attn = reference_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
-                                   q_segment_ids=jnp.ones((b, 1), jnp.int32), kv_segment_ids=jnp.ones((b, s), jnp.int32),
-                                   q_positions=positions[:, None].astype(jnp.int32), kv_positions=slots, causal=True)
+        attn, cache_k, cache_v = cached_decode(q, k, v, positions, cache_k, cache_v)
         return self.output(attn), cache_k, cache_v
+
+
+def cached_decode(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache_k: jax.Array,
+                  cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row, already projected and rotated (q/k/v [B, 1, ...]): its k/v written to cache slot
+    `positions` [B], and it attends to slots 0..positions of its row. Shared by every rotary flavour."""
+    b, s = cache_k.shape[:2]
+    rows = jnp.arange(b)
+    cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
+    cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
+    slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    attn = reference_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+                               q_segment_ids=jnp.ones((b, 1), jnp.int32), kv_segment_ids=jnp.ones((b, s), jnp.int32),
+                               q_positions=positions[:, None].astype(jnp.int32), kv_positions=slots, causal=True)
+    return attn, cache_k, cache_v

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.errors import ConfigError
-from omnijax.layers.attention import dot_product_attention
+from omnijax.layers.attention import cached_decode, dot_product_attention
 
 
 def section_table(inv_freq: Sequence[float], section: Sequence[int]) -> np.ndarray:
@@ -86,17 +86,8 @@ def decode(attn, x: jax.Array, positions: jax.Array, rope_positions: jax.Array, 
            cache_k: jax.Array, cache_v: jax.Array):
     """`Attention.decode` with M-RoPE: one token per row x [B, 1, D] into cache slot `positions` [B], turned by
     `rope_positions` [B, 3] (a generated token is text: its three positions are equal)."""
-    from omnijax.layers.attention import reference_attention
-
-    b, s = cache_k.shape[:2]
     q, k, v = project_qkv(attn, x, rope_positions[:, None, :], section)
-    rows = jnp.arange(b)
-    cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
-    cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
-    slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    out = reference_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
-                              q_segment_ids=jnp.ones((b, 1), jnp.int32), kv_segment_ids=jnp.ones((b, s), jnp.int32),
-                              q_positions=positions[:, None].astype(jnp.int32), kv_positions=slots, causal=True)
+    out, cache_k, cache_v = cached_decode(q, k, v, positions, cache_k, cache_v)
     return attn.output(out), cache_k, cache_v
 
 
