@@ -38,7 +38,7 @@ class OmniConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     # encoder name -> input rows of one global batch (multiples of its reduction); an encoder left out (or
-    # `auto`) is sized at start from the sources' metadata (`loader.step_capacities`)
+    # `auto`) is sized at start from the sources' metadata (`data_plane.step_capacities`)
     capacity: dict[str, Any] = field(default_factory=dict)
     eval: EvalConfig = field(default_factory=EvalConfig)
 

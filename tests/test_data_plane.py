@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from omnijax.data import balance as B
 from omnijax.data import packing, records, tokenizer
-from omnijax.data.loader import Loader, LoaderConfig, host_ranks
+from omnijax.data.loader import Loader, LoaderConfig
 from omnijax.data.mixing import Mixer, Schedule
 from omnijax.data.sample import Sample, Segment, text
 from omnijax.data.sources import SourceSpec
@@ -216,9 +216,8 @@ def test_mixer_epochs_cover_every_record_once(sizes, batch, seed, w):
 
 
 def test_tp_peers_share_one_dp_rank_load():
-    # 4 local devices laid out dp2 x tp2: two dp ranks, each read once for both of its tp devices
-    ranks = host_ranks([2, 2, 3, 3])
-    assert ranks == [2, 3]
+    # 4 local devices laid out dp2 x tp2 hold dp ranks [2, 2, 3, 3]: each rank is read once for both tp devices
+    ranks = [2, 3]
     loader = Loader(LoaderConfig(**CFG), ranks=ranks)
     calls = []
     original = loader._load
@@ -228,8 +227,9 @@ def test_tp_peers_share_one_dp_rank_load():
                for k, _ in loader.window_plan(0).plan.bins[(0 * CFG["dp"] + r) * CFG["microbatches"] + m]]
     assert len(calls) == len(planned) == len(set(planned))  # each planned sample of these ranks read once
     assert batch["microbatches"][0]["tokens"].shape[0] == 2 * batch["layout"].rows
-    with pytest.raises(ConfigError):
-        host_ranks([])
+    for bad in ([], [2, 2, 3, 3], [-1], [CFG["dp"]]):  # one entry per rank, each in [0, dp)
+        with pytest.raises(ConfigError, match="must be distinct dp ranks"):
+            Loader(LoaderConfig(**CFG), ranks=bad)
 
 
 # --------------------------------------------------------------------- deferred, never dropped
@@ -330,7 +330,7 @@ def test_capacities_sized_from_metadata_and_explicit_ones_checked(tmp_path):
     sample and the vision rows of a step drawn at random from the data (filled to its token budget) in at
     least 97.5% of 4000 such steps, and is no larger than the most rows any step of this data can hold; an
     explicit value below the largest sample is one clear line naming the key and the value that fits."""
-    from omnijax.data.loader import data_bounds, step_capacities
+    from omnijax.train.data_plane import data_bounds, step_capacities
     from omnijax.data.sources import open_sources
     from omnijax.data.tokens import default_mm_config, segment_tokens
 

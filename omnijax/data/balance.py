@@ -4,10 +4,11 @@ A window holds the samples of G upcoming global batches; its bins are (step in w
 microbatch). Every host runs the same function on the same metadata and gets the same plan, then
 loads only the payloads of its own ranks: no coordinator, no payload traffic.
 
-`plan_lpt`: items sorted longest-first by cost (ties by key), each put on the least-loaded bin
-(ties by bin index) where it fits: its LLM tokens in one row (best fit among the bin's rows) and its
-encoder rows under the bin's encoder capacity. An item that fits no bin is reported in `unplaced`
-(the loader drops and counts it); nothing is ever placed twice or over capacity.
+`plan_step`: one step's items over its ranks, sorted longest-first by cost (ties by key), each put on
+the least-loaded rank (ties by index) where it fits: its LLM tokens in one row (best fit among the
+bin's rows) and its encoder rows under the bin's encoder capacity. An item that fits no bin is
+reported in `unplaced` (the loader defers it to the next window, never drops it); nothing is ever
+placed twice or over capacity.
 `plan_window`: the grouped reordering over G steps. A step lasts as long as its slowest rank, so the
 window's time is the sum over steps of the max rank cost. Phase 1 assigns items (longest first) to
 steps, each to the step whose estimated time max(largest item, total / ranks) grows least (ties: the
@@ -31,14 +32,8 @@ import numpy as np
 from omnijax.data.bins import Bin, Capacity, Item, Plan, rebuild, window_time
 from omnijax.data.leveling import level_window
 
-__all__ = ["Item", "Capacity", "Plan", "Bin", "plan_lpt", "plan_step", "plan_window", "level_window",
+__all__ = ["Item", "Capacity", "Plan", "Bin", "plan_step", "plan_window", "level_window",
            "rank_costs", "max_over_mean", "lower_bound", "spread_step"]
-_Bin = Bin  # the loader's name for it
-
-
-def plan_lpt(items: list[Item], n_bins: int, cap: Capacity) -> Plan:
-    """Longest-processing-time-first greedy over `n_bins` bins, capacity-aware. Pure and deterministic."""
-    return plan_step(items, n_bins, 1, cap)
 
 
 def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -> Plan:

@@ -2,19 +2,118 @@
 
 Shared by the multimodal recipes (tiny_omni, finetune, omni_8b, omni_moe) and `dryrun`. It sits in
 `train` rather than `data` because it reads the job's devices (one dp rank per device, process 0 logs).
+The step capacities (encoder input rows per step) are sized here from the sources' metadata
+(`data_bounds`, `step_capacities`): they are the trainer's buffer sizes, which the loader then fills.
 """
 from __future__ import annotations
 
+import math
 import sys
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
 
 from omnijax.config import MMDataConfig
-from omnijax.data.loader import Loader, LoaderConfig, data_bounds, step_capacities
+from omnijax.data import packing
+from omnijax.data.loader import Loader, LoaderConfig
+from omnijax.data.sample import BadSample
 from omnijax.data.sources import Source, SourceSpec, open_sources, source_specs
-from omnijax.errors import ConfigError
+from omnijax.data.tokens import modality_encoders, segment_tokens
+from omnijax.errors import ConfigError, UserError
 from omnijax.mm_config import MMConfig, encoder_configs
+
+
+@dataclass(frozen=True)
+class DataBounds:
+    """What the sources' metadata say about sample sizes (read without decoding a payload)."""
+    scanned: int                                     # records whose metadata was read
+    complete: bool                                   # every record of every source was read
+    largest: dict[str, tuple[int, str, int]]         # encoder -> (input rows, source, record) of its largest sample
+    mean_rows: dict[str, float]                      # encoder -> input rows per sample (all samples)
+    mean_tokens: float                               # LLM tokens per sample
+    var_rows: dict[str, float] = field(default_factory=dict)  # encoder -> variance of input rows per sample
+
+
+def data_bounds(sources: list[Source], mm_cfg: Any, prefix: int = 2048) -> DataBounds:
+    """Sample sizes from metadata: every record of a source whose metadata is in memory (ArrayRecord
+    shards' sidecars), the first `prefix` records of the others (the built-in world, JSONL, Parquet:
+    a sample larger than any seen still trains, its window planning at a larger bucket)."""
+    names = packing.encoder_specs(mm_cfg)
+    enc_of = modality_encoders(mm_cfg)
+    cache: dict[tuple, tuple[int, int]] = {}
+    largest: dict[str, tuple[int, str, int]] = {}
+    total, total_sq = Counter(), Counter()
+    tokens, scanned, complete = 0, 0, True
+    for src in sources:
+        n = len(src) if src.metadata_in_memory else min(len(src), prefix)
+        complete = complete and n == len(src)
+        for i in range(n):
+            try:
+                meta = src.meta(i)
+            except (BadSample, UserError):
+                continue  # counted when drawn (bad metadata is skipped at planning)
+            rows: dict[str, int] = {}
+            for seg in meta.segments:
+                key = (seg.modality, tuple(seg.shape))
+                if key not in cache:
+                    cache[key] = segment_tokens(seg, mm_cfg)
+                r, t = cache[key]
+                tokens += t
+                if seg.modality != "text" and seg.modality in enc_of:
+                    rows[enc_of[seg.modality]] = rows.get(enc_of[seg.modality], 0) + r
+            for e, r in rows.items():
+                total[e] += r
+                total_sq[e] += r * r
+                if r > largest.get(e, (0, "", -1))[0]:
+                    largest[e] = (r, src.name, i)
+            scanned += 1
+    n = max(scanned, 1)
+    return DataBounds(scanned, complete, {e: largest[e] for e in names if e in largest},
+                      {e: total[e] / n for e in names}, tokens / n,
+                      {e: max(0.0, total_sq[e] / n - (total[e] / n) ** 2) for e in names})
+
+
+def step_capacities(bounds: DataBounds, rows: int, row_len: int, mm_cfg: Any,
+                    explicit: dict[str, int] | None = None, key: str = "capacity") -> dict[str, int]:
+    """Encoder input rows per step: `explicit` where given (checked: it must hold the largest sample),
+    else sized from the data: a step of rows x row_len LLM tokens holds n = rows x row_len / mean tokens
+    samples, whose rows sum to n x mean +- sqrt(n x variance); the capacity is that mean plus two
+    standard deviations (a heavy-tailed encoder, e.g. few long clips, gets more room than its mean), or
+    the largest sample if that is more, in multiples of the encoder's reduction. The packer fills a step
+    up to it; what does not fit waits for the next step (never dropped), so padding stays bounded.
+
+    An explicit value below the largest sample is a ConfigError naming `key` and the value that fits."""
+    out = {}
+    for name, spec in packing.encoder_specs(mm_cfg).items():
+        big, src, rec = bounds.largest.get(name, (0, "", -1))
+        fit = -(-big // spec.group) * spec.group
+        given = (explicit or {}).get(name)
+        if given is not None:
+            if given < fit:
+                raise ConfigError(f"{key}.{name}={given} is below the {fit} {name} input rows of sample {src}[{rec}]: "
+                                  f"set {key}.{name}={fit} or more, or auto (or unset) to size it from the data")
+            out[name] = int(given)
+            continue
+        n = rows * row_len / max(bounds.mean_tokens, 1e-9)
+        need = n * bounds.mean_rows.get(name, 0.0) + 2.0 * math.sqrt(n * bounds.var_rows.get(name, 0.0))
+        out[name] = max(fit, -(-math.ceil(need) // spec.group) * spec.group, spec.group)
+    unknown = set(explicit or {}) - set(out)
+    if unknown:
+        raise ConfigError(f"{key}: unknown encoder(s) {sorted(unknown)}; this model's encoders: {sorted(out)}")
+    return out
+
+
+def host_ranks(dp_index_of_local_devices) -> list[int]:
+    """The dp ranks a process loads: one per distinct data-parallel coordinate among its devices.
+
+    Devices that differ only in tensor/pipeline/context/expert coordinates share their dp rank's
+    batch, which this host reads once (the placement code broadcasts it to those devices)."""
+    ranks = sorted({int(i) for i in dp_index_of_local_devices})
+    if not ranks or ranks[0] < 0:
+        raise ConfigError(f"dp indices {list(dp_index_of_local_devices)}: need at least one, all >= 0")
+    return ranks
 
 
 def plane_config(specs: list[SourceSpec], mix: Any, seed: int, batch_size: int, seq_len: int,

@@ -264,7 +264,8 @@ def host_path(opts: dict) -> Iterator[dict]:
     step's geometry; lazy payloads, decoded later and only for local devices, excluded)."""
     import tracemalloc
 
-    from omnijax.data.loader import Loader, LoaderConfig, data_bounds, step_capacities
+    from omnijax.data.loader import Loader, LoaderConfig
+    from omnijax.train.data_plane import data_bounds, step_capacities
     from omnijax.data.sources import SourceSpec, WorldSource
     from omnijax.data.world import Tail, WorldConfig
     from omnijax.parallel import hosts
