@@ -198,6 +198,7 @@ import os, sys, time
 from pathlib import Path
 from omnijax.train import launch
 launch.SHUTDOWN_TIMEOUT_S = 5    # jax's shutdown barrier (300 s by default), lowered so the race shows in seconds
+launch._BACKSTOP_S = 10          # jax's heartbeat limit = peer timeout + this: 15 s here, not 35 s
 argv = launch.pop_launch_flags(sys.argv[1:])
 extra, die = float(os.environ["EXTRA_WORK_S"]), os.environ.get("DIE_IN_EXTRA_WORK") == "1"
 if not die:                      # a finished tiny_lm run
@@ -231,17 +232,19 @@ def _pair(args: list[str], runs: Path, log: Path, env: dict) -> list[subprocess.
 
 
 @pytest.mark.slow
-def test_a_finished_pair_exits_0_when_process_0_works_two_minutes_longer(tmp_path):
+def test_a_finished_pair_exits_0_when_process_0_works_longer_than_every_timeout(tmp_path):
     """Bug 1 of issue 46: process 0 evaluated alone after the last step; process 1, done, entered jax's
     shutdown barrier, which failed ("Shutdown barrier has failed", SIGABRT) before process 0 came.
-    Here process 0 of a finished tiny_lm pair works 120 s longer (a sleep: wall time, no CPU) against a
-    shutdown barrier lowered to 5 s and a heartbeat limit of 35 s: without the agreed finishing point both
-    abort within seconds (checked); with it both exit 0. Beside it, a pair whose process 0 dies in its lone
-    work: process 1 neither waits for ever nor dies unexplained, it ends with the peer-lost line and exit 75."""
+    Here process 0 of a finished tiny_lm pair works 30 s longer (a sleep: wall time, no CPU) against a
+    shutdown barrier lowered to 5 s, a peer timeout of 5 s and jax's heartbeat limit lowered to 15 s (the
+    300 s and 90 s of a real run scaled down; the work outlasts the longest twice over): without the agreed
+    finishing point both abort within seconds (checked); with it both exit 0. Beside it, a pair whose process
+    0 dies in its lone work: process 1 neither waits for ever nor dies unexplained, it ends with the peer-lost
+    line and exit 75."""
     fast = {"OMNIJAX_PEER_TIMEOUT_S": "5", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     args = ["tiny_lm", *TINY_LM, "trainer.steps=2", "trainer.run_name=longer", "parallel.cpu_devices=2",
             "trainer.peer_timeout_s=5"]
-    finished = _pair(args, tmp_path, tmp_path / "finished", {**fast, "EXTRA_WORK_S": "120"})
+    finished = _pair(args, tmp_path, tmp_path / "finished", {**fast, "EXTRA_WORK_S": "30"})
     lost = _pair(["tiny_lm", "trainer.run_name=lost"], tmp_path, tmp_path / "lost",
                  {**fast, "EXTRA_WORK_S": "10", "DIE_IN_EXTRA_WORK": "1"})
     codes = [p.wait(timeout=900) for p in finished]
