@@ -20,6 +20,7 @@ from omnijax.models.losses import chunked_cross_entropy, head_cross_entropy, lm_
 from omnijax.parallel.engine import LLMParallel, unstack_params
 from omnijax.train.step import loss_and_grads
 from numerics import assert_grads_close
+from test_parallel_llm import make_batch
 
 pytestmark = pytest.mark.xdist_group("parallel_llm")
 
@@ -105,27 +106,7 @@ def test_compiled_step_holds_one_chunk_of_logits():
 # --- the model's loss under the layouts, against the single-device full-logits loss
 CFG = LLMConfig(vocab_size=128, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
                 tie_embeddings=False, loss_chunk=8)
-B, L = 16, 32
-
-
-def _finetune_batch() -> dict:
-    """Two documents per row; loss only on each document's answer (its last few tokens), padding in row 0."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 128, (B, L)).astype(np.int32)
-    seg = np.ones((B, L), np.int32)
-    seg[:, 20:] = 2
-    seg[0, -5:] = 0
-    pos = np.concatenate([np.arange(20), np.arange(L - 20)])[None].repeat(B, 0).astype(np.int32)
-    pos[0, -5:] = 0
-    mask = np.zeros((B, L), np.float32)
-    for r in range(B):
-        mask[r, 20 - 2 - r % 5: 19] = 1  # the first document's answer
-        mask[r, 28 - r % 3: 31] = 1      # the second's
-    mask[seg == 0] = 0
-    return dict(tokens=tokens, targets=np.roll(tokens, -1, 1), segment_ids=seg, positions=pos, loss_mask=mask)
-
-
-BATCH = _finetune_batch()
+BATCH = make_batch(16, mask="answers")  # loss on each document's answer only, padding in row 0
 
 
 @pytest.fixture(scope="module")

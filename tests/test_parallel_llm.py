@@ -35,17 +35,28 @@ B, L = 8, 32
 OPT = optax.adamw(1e-3)
 
 
-def make_batch() -> dict:
-    """Two packed documents per row, padding at the end of row 0."""
+def make_batch(batch: int = B, mask: str = "tokens") -> dict:
+    """`batch` rows of L tokens, two packed documents per row, padding at the end of row 0. The loss mask:
+    every real token ("tokens", pretraining), or only each document's answer, its last few tokens
+    ("answers", a fine-tune's batch)."""
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 128, (B, L)).astype(np.int32)
-    seg = np.ones((B, L), np.int32)
+    tokens = rng.integers(0, 128, (batch, L)).astype(np.int32)
+    seg = np.ones((batch, L), np.int32)
     seg[:, 20:] = 2
     seg[0, -5:] = 0
-    pos = np.concatenate([np.arange(20), np.arange(L - 20)])[None].repeat(B, 0).astype(np.int32)
+    pos = np.concatenate([np.arange(20), np.arange(L - 20)])[None].repeat(batch, 0).astype(np.int32)
     pos[0, -5:] = 0
-    return dict(tokens=tokens, targets=np.roll(tokens, -1, 1), segment_ids=seg, positions=pos,
-                loss_mask=(seg > 0).astype(np.float32))
+    if mask == "tokens":
+        loss_mask = (seg > 0).astype(np.float32)
+    elif mask == "answers":
+        loss_mask = np.zeros((batch, L), np.float32)
+        for r in range(batch):
+            loss_mask[r, 20 - 2 - r % 5: 19] = 1  # the first document's answer
+            loss_mask[r, 28 - r % 3: 31] = 1      # the second's
+        loss_mask[seg == 0] = 0
+    else:
+        raise ValueError(f"mask={mask!r}: 'tokens' or 'answers'")
+    return dict(tokens=tokens, targets=np.roll(tokens, -1, 1), segment_ids=seg, positions=pos, loss_mask=loss_mask)
 
 
 BATCH = make_batch()
