@@ -2,6 +2,11 @@
 
 `python -m recipes convert input=FILE output=DIR [tokenizer.path=DIR] [workers=N] [shards=N] [media.video_fps=F]`
 
+Preference pairs (DPO) are records like any other (omnijax/data/formats.py: `{"segments": [...], "chosen": ...,
+"rejected": ...}`, or a conversation with chosen/rejected answers): each becomes one sample of two documents;
+a pair with a missing or empty answer is skipped, counted and described like any bad record.
+`input=world pairs=true` writes the built-in world's pairs (the correct answer chosen, a wrong one rejected).
+
 Streaming: the input's record byte ranges are indexed once (16 bytes per record), then each shard
 (a contiguous range of records: shard k of S holds records [k*n/S, (k+1)*n/S)) is converted by one of
 `workers` processes, one record at a time; no list of samples exists anywhere. Each shard is written
@@ -41,6 +46,7 @@ class ConvertConfig:
     media_root: str = ""     # folder media paths are relative to (default: the input file's folder)
     samples: int = 1000      # world only: how many samples
     seed: int = 0            # world only
+    pairs: bool = False      # world only: preference pairs (the correct answer chosen, a wrong one rejected) for DPO
     run_name: str = "convert"
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
@@ -57,7 +63,8 @@ def _open_source(setup: dict):
 
     tok = load_tokenizer(setup["tokenizer"])
     if setup["kind"] == "world":
-        return WorldSource(setup["name"], setup["samples"], setup["split"], WorldConfig(seed=setup["seed"])), tok
+        world = WorldConfig(seed=setup["seed"], pairs=setup.get("pairs", False))
+        return WorldSource(setup["name"], setup["samples"], setup["split"], world), tok
     return JsonlSource(setup["name"], setup["input"], tok, setup["media"], setup["media_root"], index=setup["index"]), tok
 
 
@@ -107,7 +114,7 @@ def _setup(cfg: ConvertConfig, tok) -> dict:
     if cfg.input.startswith("world"):
         split = cfg.input.partition(":")[2] or "train"
         return {"kind": "world", "input": cfg.input, "name": "world", "split": split, "samples": cfg.samples,
-                "seed": cfg.seed, "tokenizer": cfg.tokenizer.path}
+                "seed": cfg.seed, "pairs": cfg.pairs, "tokenizer": cfg.tokenizer.path}
     from omnijax.data.sources import JsonlSource
     media_cfg = None if cfg.media == MediaConfig() else cfg.media  # None: the media readers' defaults
     src = JsonlSource(Path(cfg.input).stem, cfg.input, tok, media_cfg, cfg.media_root)
@@ -118,7 +125,7 @@ def _setup(cfg: ConvertConfig, tok) -> dict:
 def _input_id(cfg: ConvertConfig) -> dict:
     """What identifies the input for the shard manifests (a changed file invalidates its shards)."""
     if cfg.input.startswith("world"):
-        return {"input": cfg.input, "samples": cfg.samples, "seed": cfg.seed}
+        return {"input": cfg.input, "samples": cfg.samples, "seed": cfg.seed, **({"pairs": True} if cfg.pairs else {})}
     st = os.stat(cfg.input)
     return {"input": os.path.abspath(cfg.input), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
             "media_root": os.path.abspath(cfg.media_root) if cfg.media_root else ""}
@@ -192,6 +199,9 @@ def main(argv: list[str]) -> int:
                           f"{cfg.media.max_video_frames} >= 0 (0 = no cap)")
     if cfg.media_root and not os.path.isdir(cfg.media_root):
         raise ConfigError(f"media_root={cfg.media_root}: folder not found")
+    if cfg.pairs and not cfg.input.startswith("world"):
+        raise ConfigError("pairs=true is for input=world; a JSONL file's pair records ({\"segments\": [...], \"chosen\": "
+                          "..., \"rejected\": ...}) are read as pairs by themselves")
     if cfg.input.startswith("world") and cfg.tokenizer.path:
         raise ConfigError(f"tokenizer.path={cfg.tokenizer.path}: the built-in world is byte-level; drop tokenizer.path "
                           f"for input={cfg.input}")

@@ -19,30 +19,29 @@ from test_parallel_llm import DENSE
 
 torch = pytest.importorskip("torch")
 BETA = 0.3
-B, L, PROMPT = 4, 32, 6
-# (row, segment id) of each pair's chosen and rejected answer; pair slot 3 is padding
-PAIRS = [((0, 1), (0, 2)), ((1, 1), (2, 1)), ((3, 1), (3, 2))]
+B, L, PROMPT = 4, 32, 4
+DOCS = [(16, 16), (8, 8, 8, 8), (24,), (16, 16)]  # document lengths per row (row 2: one document, no pair)
+# (row, chosen document's segment id, rejected one's, the row's pair slot)
+PAIRS = [(0, 1, 2, 0), (1, 1, 2, 0), (1, 3, 4, 1), (3, 1, 2, 0)]
 
 
 def _batch() -> dict:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 128, (B, L)).astype(np.int32)
-    seg = np.ones((B, L), np.int32)
-    seg[[0, 3], 16:] = 2
-    seg[2, 24:] = 0
+    seg = np.zeros((B, L), np.int32)
     pos = np.zeros((B, L), np.int32)
-    for r in range(B):
-        for s in np.unique(seg[r]):
-            idx = np.where(seg[r] == s)[0]
-            pos[r, idx] = np.arange(len(idx))
+    for r, docs in enumerate(DOCS):
+        a = 0
+        for s, n in enumerate(docs, start=1):
+            seg[r, a: a + n], pos[r, a: a + n] = s, np.arange(n)
+            a += n
     mask = ((seg > 0) & (pos >= PROMPT)).astype(np.float32)  # the answers: every document's tokens after its prompt
     mask[:, -1] = 0
     pref = np.zeros((B, L), np.int32)
-    for p, (c, rj) in enumerate(PAIRS):
-        for k, (r, s) in enumerate((c, rj)):
-            pref[r, seg[r] == s] = 2 * p + 1 + k
+    for r, c, rj, slot in PAIRS:
+        pref[r, seg[r] == c], pref[r, seg[r] == rj] = 2 * slot + 1, 2 * slot + 2
     return dict(tokens=tokens, targets=np.roll(tokens, -1, 1), segment_ids=seg, positions=pos, loss_mask=mask,
-                pref_index=pref, pair_mask=np.array([1, 1, 1, 0], np.float32))
+                pref_index=pref)
 
 
 def _trl_loss(policy_logits: "torch.Tensor", ref_logits: "torch.Tensor", batch: dict) -> "torch.Tensor":
@@ -53,9 +52,9 @@ def _trl_loss(policy_logits: "torch.Tensor", ref_logits: "torch.Tensor", batch: 
         tgt = torch.as_tensor(batch["targets"][r]).long()
         return (lp.gather(-1, tgt[:, None])[:, 0] * torch.as_tensor(sel, dtype=lp.dtype)).sum()
     losses = []
-    for c, rj in PAIRS:
-        pc, pr = seq_logp(policy_logits, *c), seq_logp(policy_logits, *rj)
-        rc, rr = seq_logp(ref_logits, *c), seq_logp(ref_logits, *rj)
+    for r, c, rj, _ in PAIRS:
+        pc, pr = seq_logp(policy_logits, r, c), seq_logp(policy_logits, r, rj)
+        rc, rr = seq_logp(ref_logits, r, c), seq_logp(ref_logits, r, rj)
         losses.append(-torch.nn.functional.logsigmoid(BETA * ((pc - rc) - (pr - rr))))
     return torch.stack(losses).mean()
 
@@ -77,10 +76,11 @@ def test_dpo_equals_trl_formula_and_trains_adapters_only():
     assert float(jnp.abs(policy - reference).max()) > 1e-2
 
     def ours(logits):
-        pol = preference.pair_logps(preference.token_logps(logits, jb["targets"], jb["loss_mask"]), jb["pref_index"], 4)
-        ref = preference.pair_logps(preference.token_logps(reference, jb["targets"], jb["loss_mask"]),
-                                    jb["pref_index"], 4)
-        total, stats = preference.dpo_terms(pol, ref, jb["pair_mask"], BETA)
+        pol = preference.pair_sums(preference.token_logps(logits, jb["targets"], jb["loss_mask"]), jb["pref_index"])
+        ref = preference.pair_sums(preference.token_logps(reference, jb["targets"], jb["loss_mask"]), jb["pref_index"])
+        counts = preference.pair_sums(jb["loss_mask"], jb["pref_index"])
+        total, stats = preference.dpo_terms(pol, ref, (counts[0] > 0) & (counts[1] > 0), BETA)
+        assert float(stats["dpo_pairs"]) == len(PAIRS)
         return total / stats["dpo_pairs"]
     loss, grad = jax.value_and_grad(ours)(policy)
     tp = torch.tensor(np.asarray(policy), dtype=torch.float64, requires_grad=True)
@@ -93,7 +93,14 @@ def test_dpo_equals_trl_formula_and_trains_adapters_only():
     mask = Partition(p).mask()
     step_loss, grads, aux = jax.jit(lambda q: loss_and_grads(g, r, preference.dpo_loss(BETA), q, jb, trainable=mask))(p)
     assert abs(float(step_loss) - float(theirs)) <= 1e-5 * abs(float(theirs))
-    assert float(aux["dpo_pairs"]) == 3 and 0 <= float(aux["dpo_correct"]) <= 3
+    assert float(aux["dpo_pairs"]) == len(PAIRS) and 0 <= float(aux["dpo_accuracy"]) <= 1
+    np.testing.assert_allclose(float(aux["dpo_reward_margin"]),
+                               float(aux["dpo_reward_chosen"]) - float(aux["dpo_reward_rejected"]), rtol=1e-5, atol=1e-6)
+    # dpo.reference=precompute: the adapters-off log-probabilities computed once and carried in the batch
+    ref_logps = preference.reference_logps(nnx.merge(g, p, r), jb)
+    pre_loss, pre_grads, _ = loss_and_grads(g, r, preference.dpo_loss(BETA), p, {**jb, "ref_logps": ref_logps},
+                                            trainable=mask)
+    assert abs(float(pre_loss) - float(step_loss)) <= 1e-5 * abs(float(step_loss))
     for t, leaf in zip(mask, jax.tree.leaves(grads)):
         assert t or not np.any(np.asarray(leaf))
     assert any(np.any(np.asarray(leaf)) for t, leaf in zip(mask, jax.tree.leaves(grads)) if t)

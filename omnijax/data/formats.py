@@ -10,6 +10,16 @@ Three kinds of record (one JSON object each):
   `<image>`/`<video>`/`<audio>` tag in the text is where the next file of that kind goes; when a record
   has media but no tag of its kind, the media go first in the first user turn (LLaVA's convention).
 
+Preference pairs (DPO) are any of these prompts with a chosen and a rejected answer:
+- `{"segments": [...prompt...], "chosen": "...", "rejected": "..."}` (or `{"text": prompt, ...}`): each answer is
+  tokenized with an eos after it and carries the loss; the prompt is as its kind lays it out.
+- a conversation (the prompt) with top-level `"chosen"` and `"rejected"`, each a string or an assistant turn
+  (`{"from": "gpt", "value": "..."}`), or a conversation whose last two turns are assistant turns marked
+  `"preference": "chosen"` and `"preference": "rejected"` (LLaVA-style, two assistant turns).
+A pair becomes ONE sample of two documents, the prompt + chosen answer (segments with `pair=CHOSEN`) then the
+prompt + rejected answer (`pair=REJECTED`): the prompt's media appear, and are encoded, in both. Only the final
+answer carries loss in a pair (an earlier assistant turn of the prompt does not).
+
 Conversations go through the tokenizer's chat template when it has one, else the default
 `[bos] "User: {q}\\n" "Assistant: {a}" <eos>` (a `system` turn is "System: {s}\\n"). Loss is on the
 assistant's text and its end of turn only: with a template, on what the template emits for an
@@ -26,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from omnijax.data.records import BadRecord
-from omnijax.data.sample import MODALITIES
+from omnijax.data.sample import CHOSEN, MODALITIES, REJECTED
 from omnijax.data.tokenizer import MEDIA_TAGS, Tokenizer
 
 #: "from"/"role" values and what they are.
@@ -39,8 +49,15 @@ _MEDIA = tuple(m for m in MODALITIES if m != "text")
 #: A chunk of a conversation's text: (text or token id, loss, markup). markup text comes from the
 #: template (its special-token text becomes specials); non-markup text is the user's (never specials).
 Chunk = tuple[Any, bool, bool]
-#: What a record becomes: (modality, payload, loss), payload = int32 ids for text, media_fn(...) otherwise.
-Part = tuple[str, Any, bool]
+#: What a record becomes: (modality, payload, loss), payload = int32 ids for text, media_fn(...) otherwise;
+#: a preference pair's parts carry a fourth field, the document they belong to (CHOSEN / REJECTED).
+Part = tuple
+PREFERENCE_KEYS = ("chosen", "rejected")
+
+
+def part_fields(part: Part) -> tuple[str, Any, bool, int]:
+    """(modality, payload, loss, pair) of a part (pair 0 outside preference pairs)."""
+    return (part[0], part[1], part[2], part[3] if len(part) > 3 else 0)
 
 
 def kind_of(obj: Any) -> str:
@@ -63,6 +80,8 @@ def build(obj: Any, tok: Tokenizer, media_fn: Callable[[Path, str], Any], resolv
         kind = kind_of(obj)
     except ValueError as exc:
         raise BadRecord(f"{where}: {exc}") from None
+    if is_pair(obj):
+        return pair(obj, kind, tok, media_fn, resolve, where)
     if kind == "text":
         if not isinstance(obj["text"], str):
             raise BadRecord(f"{where}: 'text' must be a string")
@@ -90,6 +109,76 @@ def _segments(segs: Any, tok: Tokenizer, media_fn, resolve, where: str) -> list[
         else:
             parts.append((m, media_fn(resolve(str(seg[m])), m), False))
     return parts
+
+
+# ------------------------------------------------------------------------- preference pairs
+def is_pair(obj: Any) -> bool:
+    """Whether a record is a preference pair (top-level chosen/rejected, or marked assistant turns)."""
+    if not isinstance(obj, dict):
+        return False
+    if any(k in obj for k in PREFERENCE_KEYS):
+        return True
+    turns = obj.get("conversations", obj.get("messages"))
+    return isinstance(turns, list) and any(isinstance(t, dict) and "preference" in t for t in turns)
+
+
+def _answer_text(value: Any, where: str, key: str) -> str:
+    """A pair's answer: a string, or an assistant turn object holding one."""
+    if isinstance(value, dict):
+        role = value.get("from", value.get("role"))
+        if ROLES.get(role) != "assistant":
+            raise BadRecord(f"{where}: '{key}' must be a string or an assistant turn, got role {role!r}")
+        value = value.get("value", value.get("content"))
+    if not isinstance(value, str):
+        raise BadRecord(f"{where}: '{key}' must be a string (the {key} answer)")
+    if not value.strip():
+        raise BadRecord(f"{where}: the {key} answer is empty")
+    return value
+
+
+def _pair_answers(obj: dict, kind: str, where: str) -> tuple[dict, str, str]:
+    """(the prompt record, chosen text, rejected text) of a pair record in either form."""
+    if any(k in obj for k in PREFERENCE_KEYS):
+        missing = [k for k in PREFERENCE_KEYS if k not in obj]
+        if missing:
+            raise BadRecord(f"{where}: a preference pair needs both 'chosen' and 'rejected' (missing "
+                            f"'{missing[0]}')")
+        prompt = {k: v for k, v in obj.items() if k not in PREFERENCE_KEYS}
+        return prompt, _answer_text(obj["chosen"], where, "chosen"), _answer_text(obj["rejected"], where, "rejected")
+    key = "conversations" if "conversations" in obj else "messages"
+    turns = list(obj[key])
+    marked = [k for k, t in enumerate(turns) if isinstance(t, dict) and "preference" in t]
+    labels = [turns[k]["preference"] for k in marked]
+    if marked != [len(turns) - 2, len(turns) - 1] or sorted(labels) != ["chosen", "rejected"]:
+        raise BadRecord(f"{where}: a preference pair in a conversation is its last two turns, assistant turns marked "
+                        f"\"preference\": \"chosen\" and \"preference\": \"rejected\" (found marks {labels} on turns "
+                        f"{marked} of {len(turns)})")
+    answers = {t["preference"]: _answer_text(t, where, t["preference"]) for t in turns[-2:]}
+    return {**obj, key: turns[:-2]}, answers["chosen"], answers["rejected"]
+
+
+def pair(obj: dict, kind: str, tok: Tokenizer, media_fn, resolve, where: str) -> list[Part]:
+    """A preference pair -> the chosen document's parts then the rejected one's (fourth field: which)."""
+    prompt, chosen, rejected = _pair_answers(obj, kind, where)
+    out: list[Part] = []
+    for role, answer in ((CHOSEN, chosen), (REJECTED, rejected)):
+        if kind == "conversation":
+            record = {**prompt}
+            key = "conversations" if "conversations" in record else "messages"
+            record[key] = list(prompt[key]) + [{"from": "gpt", "value": answer}]
+            parts = conversation(record, tok, media_fn, resolve, where, last_answer_only=True)
+        else:
+            parts = [(m, v, False) for m, v, _ in (_segments(prompt["segments"], tok, media_fn, resolve, where)
+                                                   if kind == "segments" else _text_prompt(prompt, tok, where))]
+            parts.append(("text", tok.encode(answer, eos=True), True))
+        out += [(m, v, loss, role) for m, v, loss in parts]
+    return out
+
+
+def _text_prompt(obj: dict, tok: Tokenizer, where: str) -> list[Part]:
+    if not isinstance(obj["text"], str):
+        raise BadRecord(f"{where}: 'text' must be a string")
+    return [("text", tok.encode(obj["text"], bos=tok.bos is not None), False)]
 
 
 # ---------------------------------------------------------------------------- conversations
@@ -128,11 +217,15 @@ def _media_lists(obj: dict, where: str) -> dict[str, list[str]]:
     return media
 
 
-def conversation(obj: dict, tok: Tokenizer, media_fn, resolve, where: str) -> list[Part]:
-    """A LLaVA-style record -> text/media parts with loss on the assistant's turns only."""
+def conversation(obj: dict, tok: Tokenizer, media_fn, resolve, where: str,
+                 last_answer_only: bool = False) -> list[Part]:
+    """A LLaVA-style record -> text/media parts with loss on the assistant's turns only (`last_answer_only`:
+    on its final turn only, a pair's answer)."""
     messages = _messages(obj, where)
     media = _place_media(obj, messages, where)
-    chunks = template_chunks(messages, tok, where) if tok.chat_template else default_chunks(messages, tok)
+    last = len(messages) - 1 if last_answer_only else None
+    chunks = (template_chunks(messages, tok, where, last) if tok.chat_template else
+              default_chunks(messages, tok, last))
     return _assemble(chunks, media, tok, media_fn, resolve)
 
 
@@ -150,13 +243,15 @@ def _place_media(obj: dict, messages: list[dict], where: str) -> dict[str, list[
     return media
 
 
-def default_chunks(messages: list[dict], tok: Tokenizer) -> list[Chunk]:
-    """The documented default: [bos] "User: q\\n" "Assistant: a" <eos> (loss on " a" and <eos>)."""
+def default_chunks(messages: list[dict], tok: Tokenizer, only: int | None = None) -> list[Chunk]:
+    """The documented default: [bos] "User: q\\n" "Assistant: a" <eos> (loss on " a" and <eos>; `only`: on
+    that message's alone)."""
     chunks: list[Chunk] = [(tok.bos, False, True)] if tok.bos is not None else []
-    for msg in messages:
+    for k, msg in enumerate(messages):
         if msg["role"] == "assistant":
-            chunks += [("Assistant:", False, True), (" ", True, True), (msg["content"], True, False),
-                       (tok.eos, True, True)]
+            on = only is None or k == only
+            chunks += [("Assistant:", False, True), (" ", on, True), (msg["content"], on, False),
+                       (tok.eos, on, True)]
         else:
             chunks += [("User: " if msg["role"] == "user" else "System: ", False, True),
                        (msg["content"], False, False), ("\n", False, True)]
@@ -201,9 +296,10 @@ def render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = F
                                                **tok.special_strings)
 
 
-def template_chunks(messages: list[dict], tok: Tokenizer, where: str) -> list[Chunk]:
+def template_chunks(messages: list[dict], tok: Tokenizer, where: str, only: int | None = None) -> list[Chunk]:
     """Chunks of the templated conversation; which characters are the assistant's comes from rendering
-    with each message's content replaced by a unique marker (private-use characters)."""
+    with each message's content replaced by a unique marker (private-use characters). `only`: loss on that
+    message alone."""
     marks = [f"\ue000{k}\ue001" for k in range(len(messages))]
     marked = [{"role": m["role"], "content": s} for m, s in zip(messages, marks)]
     check_template(tok)  # a broken template or a missing jinja2 is the configuration's fault, not the record's
@@ -217,7 +313,7 @@ def template_chunks(messages: list[dict], tok: Tokenizer, where: str) -> list[Ch
             pos.append(i)
         loss = np.zeros(len(full) + 1, bool)
         for k, msg in enumerate(messages):
-            if msg["role"] != "assistant":
+            if msg["role"] != "assistant" or (only is not None and k != only):
                 continue
             a, b = pos[k], pos[k] + len(marks[k])
             loss[a:b] = True
@@ -236,7 +332,7 @@ def template_chunks(messages: list[dict], tok: Tokenizer, where: str) -> list[Ch
     cursor = 0
     for k, msg in enumerate(messages):
         chunks += _scaffold(full, cursor, pos[k], loss)
-        chunks.append((msg["content"], msg["role"] == "assistant", False))
+        chunks.append((msg["content"], msg["role"] == "assistant" and (only is None or k == only), False))
         cursor = pos[k] + len(marks[k])
     chunks += _scaffold(full, cursor, len(full), loss)
     return chunks

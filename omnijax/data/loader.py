@@ -41,6 +41,7 @@ from omnijax.data import balance, packing
 from omnijax.data.bins import Bin
 from omnijax.data import tokenizer as tokenizer_mod
 from omnijax.data.cost import CostModel, sample_cost
+from omnijax.data.groups import Groups
 from omnijax.data.mixing import Mixer, schedule_from_config
 from omnijax.data.sample import BadSample, validate_meta
 from omnijax.data.sources import Source, SourceSpec, open_sources
@@ -65,6 +66,7 @@ class LoaderConfig:
     window: int = 4                 # G: global batches balanced together
     reorder: bool = True            # False: arrival order (baseline)
     fixed_shapes: bool = False      # every step at the largest buckets: one compiled training program
+    plan_rows: int = 0              # rows per planning group (groups.Groups; 0: groups.PLAN_ROWS)
     threads: int = 2                # grain prefetch threads
     prefetch: int = 2               # batches prefetched
 
@@ -117,6 +119,9 @@ class WindowPlan:
     metas: tuple = ()                       # SampleMeta by item key (read once, when planned)
     selection: balance.Plan | None = None   # layout-free: bins ordered (step in window, microbatch)
     encoder_rows: tuple[int, ...] = ()      # the step capacity per encoder this window planned with
+    next_start: tuple = ()                  # per planning group: the WindowStart of the next window
+    starts: tuple = ()                      # per planning group: the WindowStart of this window (`start`: the first planned)
+    groups: tuple[int, ...] = (0,)          # the planning groups this plan holds (bins of other ranks empty)
 
 
 class Loader:
@@ -124,12 +129,16 @@ class Loader:
 
     def __init__(self, cfg: LoaderConfig, mm_cfg: Any = None, ranks: list[int] | None = None,
                  cost_model: CostModel | None = None, world_cfg: Any = None, sources: list[Source] | None = None,
-                 tokenizer: Any = None, lazy_media: bool = False, text_ranks: list[int] | None = None):
+                 tokenizer: Any = None, lazy_media: bool = False, text_ranks: list[int] | None = None,
+                 plan_local: bool = False):
         """lazy_media: encoder inputs come as `payload.LazyRows`, decoded only where a slice asks (the
         multiplexer slices the segments this host's devices encode), with the step's geometry as a few
         integers per segment (`packing.pack`'s step geometry). text_ranks: the ranks whose token rows
         this host reads and builds (the rows its devices hold); the other ranks' rows are laid out from
-        metadata only and never built (needs lazy_media). None: every rank in `ranks`."""
+        metadata only and never built (needs lazy_media). None: every rank in `ranks`. plan_local: plan
+        only the planning groups (`groups.Groups`) that hold rows of `ranks`, not the whole step: a
+        host's planning then does not grow with the number of hosts (the other ranks' bins stay empty,
+        and the layouts are those of the groups planned here)."""
         self.cfg = cfg.check()
         self.lazy_media = bool(lazy_media)
         self.text_ranks = None if text_ranks is None else {int(r) for r in text_ranks}
@@ -168,36 +177,47 @@ class Loader:
         self.capacity = balance.Capacity(cfg.max_rows, cfg.row_len, tuple(self.enc_cap[n] for n in self.enc_names))
         self.step_capacity = balance.Capacity(cfg.dp * cfg.max_rows, cfg.row_len,
                                               tuple(self.step_enc[n] for n in self.enc_names))
+        self.groups = Groups.of(cfg.dp, cfg.max_rows, cfg.plan_rows)
+        G = self.groups
+        # a group's share of the step capacity (rows and encoder rows): one group is the step itself
+        self.group_capacity = self.step_capacity if G.count == 1 else balance.Capacity(
+            G.rows, cfg.row_len, tuple(-(-self.step_enc[n] // (G.count * s.group)) * s.group
+                                       for n, s in self.specs.items()))
+        self.plan_groups = tuple(G.of_ranks(self.ranks) if plan_local else range(G.count))
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
         self._planned: dict[int, tuple[int, int]] = {}
         self._plans: dict[int, WindowPlan] = {}
-        self._first = WindowStart(tuple([0] * len(self.sources)))
-        self._starts: dict[int, WindowStart] = {0: self._first}  # window -> its start (0 always kept)
+        self._first = tuple(WindowStart(tuple([0] * len(self.sources))) for _ in range(G.count))
+        self._starts: dict[int, tuple] = {0: self._first}  # window -> its start per group (0 always kept)
         self.skipped = Counter()            # this host's decode failures per source
         self.shapes = packing.ShapeCounter()
         self.step = 0
 
     # ------------------------------------------------------------------------------ planning
-    def _items(self, step0: int, start: WindowStart) -> tuple[list[Entry], list, list[balance.Item], list, int, tuple]:
-        """The window's pool: deferred entries first (oldest first), then fresh draws up to the pool size;
+    def _items(self, step0: int, start: WindowStart, group: int = 0,
+               base: int = 0) -> tuple[list[Entry], list, list[balance.Item], list, int, tuple]:
+        """Planning group `group`'s pool of the window: its deferred entries first (oldest first), then
+        fresh draws (the group's lane of the mixer) up to its share of the pool; item keys from `base`;
         (entries, their metadata, items, dropped, split, next prefix)."""
         cfg = self.cfg
         entries, metas, items, dropped, split = [], [], [], [], 0
+        key = lambda: base + len(entries)  # noqa: E731
         for e in start.deferred:  # already checked when first drawn; their metadata is recomputed, not stored
             meta = self.sources[e.source].meta(e.record)
             c = sample_cost(meta, self.cost_model, self.mm_cfg)
             enc = tuple(dict(c.encoder_rows).get(n, 0) for n in self.enc_names)
             if e.piece >= 0:
                 n = min(cfg.row_len, c.llm_tokens - e.piece * cfg.row_len)
-                items.append(balance.Item(len(entries), float(self.cost_model.llm(n)), n, enc))
+                items.append(balance.Item(key(), float(self.cost_model.llm(n)), n, enc))
             else:
-                items.append(balance.Item(len(entries), c.total, c.llm_tokens, enc))
+                items.append(balance.Item(key(), c.total, c.llm_tokens, enc))
             entries.append(Entry(e.source, e.record, e.piece, 0))
             metas.append(meta)
-        fresh = max(0, cfg.samples_per_step * cfg.window - len(start.deferred))
-        src, rec, prefix = self.mixer.draw(np.asarray(start.prefix), step0, fresh)
+        G = self.groups
+        fresh = max(0, G.share(cfg.samples_per_step, group) * cfg.window - len(start.deferred))
+        src, rec, prefix = self.mixer.draw(np.asarray(start.prefix), step0, fresh, group, G.count)
         for j, (s, r) in enumerate(zip(src.tolist(), rec.tolist())):
             g = j * cfg.window // max(fresh, 1)  # the step within the window it was drawn for (arrival baseline)
             source = self.sources[s]
@@ -208,16 +228,17 @@ class Loader:
                 dropped.append((source.name, r, f"bad metadata: {exc}"))
                 continue
             enc = tuple(dict(c.encoder_rows).get(n, 0) for n in self.enc_names)
-            if c.llm_tokens > cfg.row_len and not any(enc) and all(x.modality == "text" for x in meta.segments):
+            if (c.llm_tokens > cfg.row_len and not any(enc) and all(x.modality == "text" for x in meta.segments)
+                    and not meta.is_pair):  # a preference pair is never split: both answers in one row
                 pieces = math.ceil(c.llm_tokens / cfg.row_len)
                 split += 1
                 for p in range(pieces):
                     n = min(cfg.row_len, c.llm_tokens - p * cfg.row_len)
-                    items.append(balance.Item(len(entries), float(self.cost_model.llm(n)), n, enc))
+                    items.append(balance.Item(key(), float(self.cost_model.llm(n)), n, enc))
                     entries.append(Entry(s, r, p, g))
                     metas.append(meta)
                 continue
-            item = balance.Item(len(entries), c.total, c.llm_tokens, enc)
+            item = balance.Item(key(), c.total, c.llm_tokens, enc)
             if c.llm_tokens > cfg.row_len:  # media tokens may not be split over rows: no layout can take it
                 dropped.append((source.name, r, f"longer than a row ({c.llm_tokens} LLM tokens with media > "
                                                  f"data.seq_len={cfg.row_len}); raise data.seq_len to "
@@ -241,7 +262,7 @@ class Loader:
                     if w in self._plans and w + 1 in self._starts:
                         continue
                     wp = self._plans[w] = self._window_plan(w, self._starts[w])
-                    self._starts[w + 1] = WindowStart(wp.next_prefix, wp.deferred)
+                    self._starts[w + 1] = wp.next_start
                     self._planned[w] = (len(wp.dropped), wp.split, len(wp.deferred))
                 while len(self._plans) > 4:  # keep the few windows that prefetch threads may still read
                     self._plans.pop(next(iter(self._plans)))
@@ -250,35 +271,51 @@ class Loader:
                 wp = self._plans[window]
             return wp
 
-    def _window_plan(self, window: int, start: WindowStart) -> WindowPlan:
+    def _window_plan(self, window: int, start: tuple) -> WindowPlan:
+        """The window's plan over this loader's planning groups (`start`: a WindowStart per group)."""
         cfg = self.cfg
         step0 = window * cfg.window
-        M = cfg.microbatches
-        entries, metas, items, dropped, split, next_prefix = self._items(step0, start)
-        cap = self._window_capacity(window, items, entries)
-        # 1. which samples form each step: a function of the items and the step capacity only (no ranks)
-        if cfg.reorder:
-            selection = balance.plan_window(items, cfg.window, 1, M, cap)
-        else:  # baseline: each step keeps its own samples in arrival order
-            per_step: list[list[balance.Item]] = [[] for _ in range(cfg.window)]
-            for it in items:
-                per_step[entries[it.key].drawn].append(it)
-            bins, loads, unplaced = [], [], []
-            for group in per_step:
-                p = _arrival_with_capacity(group, M, cap)
-                bins += p.bins
-                loads += p.loads
-                unplaced += p.unplaced
-            selection = balance.Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
-        # 2. where they run: each step's samples over the dp ranks (never drops one)
+        M, G, W = cfg.microbatches, self.groups, cfg.window
+        entries, metas, items, dropped, split = [], [], [], [], 0
+        bins: list = [()] * (W * cfg.dp * M)
+        loads = [0.0] * len(bins)
+        sel_bins: list = [()] * (W * M)
+        unplaced, next_start, enc_rows = [], list(start), [0] * len(self.enc_names)
+        for j in self.plan_groups:
+            base = len(entries)
+            e_j, m_j, items_j, d_j, s_j, prefix_j = self._items(step0, start[j], j, base)
+            entries += e_j
+            metas += m_j
+            items += items_j
+            dropped += d_j
+            split += s_j
+            cap = self._window_capacity(window, items_j, entries, self.group_capacity)
+            enc_rows = [a + b for a, b in zip(enc_rows, cap.enc)]
+            selection = self._select(items_j, entries, cap)
+            by_key = {it.key: it for it in items_j}
+            # where they run: each step's samples over the dp ranks that hold the group's rows (never drops one)
+            ranks = G.ranks(j)
+            off = G.row_offset(j)
+            for g in range(W):
+                sel = selection.bins[g * M:(g + 1) * M]
+                for m in range(M):  # the layout-free selection in the step's global rows
+                    sel_bins[g * M + m] += tuple((k, r + j * G.rows) for k, r in sel[m])
+                if G.rows >= G.rank_rows:  # the group holds whole ranks
+                    p = balance.spread_step(sel, by_key, len(ranks), M, self.capacity)
+                else:  # a rank holds several groups: this one at its rows' offset
+                    p = balance.spread_step(sel, by_key, 1, M, balance.Capacity(G.rows, cfg.row_len, self.capacity.enc))
+                    p = balance.Plan(tuple(tuple((k, r + off) for k, r in b) for b in p.bins), p.loads)
+                for q, r in enumerate(ranks):
+                    for m in range(M):
+                        b = (g * cfg.dp + r) * M + m
+                        bins[b] += p.bins[q * M + m]
+                        loads[b] += p.loads[q * M + m]
+            unplaced += selection.unplaced
+            # oldest first into the group's next window
+            next_start[j] = WindowStart(prefix_j, tuple(entries[k] for k in sorted(selection.unplaced)))
         by_key = {it.key: it for it in items}
-        bins, loads = [], []
-        for g in range(cfg.window):
-            p = balance.spread_step(selection.bins[g * M:(g + 1) * M], by_key, cfg.dp, M, self.capacity)
-            bins += p.bins
-            loads += p.loads
-        plan = balance.Plan(tuple(bins), tuple(loads), selection.unplaced)
-        deferred = tuple(entries[k] for k in sorted(plan.unplaced))  # oldest first into the next window
+        plan = balance.Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
+        deferred = tuple(entries[k] for k in plan.unplaced)
         per_step_bins = cfg.dp * M
         layouts = []
         for g in range(cfg.window):
@@ -303,13 +340,34 @@ class Loader:
                 self._warned.add(kind)
                 log.warning("skipping samples the data plane cannot place on any layout (counted in dropped_total); "
                             "first: %s[%d]: %s", name, rec, why)
+        selection = balance.Plan(tuple(sel_bins), tuple(sum(by_key[k].cost for k, _ in b) for b in sel_bins),
+                                 plan.unplaced)
+        first = self.plan_groups[0]
         return WindowPlan(step0, tuple(entries), plan, tuple(layouts), tuple(dropped), split, tuple(items),
-                          start, deferred, next_prefix, tuple(metas), selection, cap.enc)
+                          start[first], deferred, next_start[first].prefix, tuple(metas), selection,
+                          tuple(enc_rows), tuple(next_start), self.plan_groups, tuple(start))
 
-    def _window_capacity(self, window: int, items: list[balance.Item], entries: list[Entry]) -> balance.Capacity:
-        """The step capacity of this window: `step_capacity`, each encoder doubled until the window's
-        largest sample fits alone (so no sample is ever dropped for its size; a bounded set of buckets)."""
-        cap = self.step_capacity
+    def _select(self, items: list[balance.Item], entries: list[Entry], cap: balance.Capacity) -> balance.Plan:
+        """Which samples form each step of the window: a function of the items and the capacity only (no ranks)."""
+        cfg = self.cfg
+        if cfg.reorder:
+            return balance.plan_window(items, cfg.window, 1, cfg.microbatches, cap)
+        per_step: list[list[balance.Item]] = [[] for _ in range(cfg.window)]  # baseline: arrival order
+        for it in items:
+            per_step[entries[it.key].drawn].append(it)
+        bins, loads, unplaced = [], [], []
+        for group in per_step:
+            p = _arrival_with_capacity(group, cfg.microbatches, cap)
+            bins += p.bins
+            loads += p.loads
+            unplaced += p.unplaced
+        return balance.Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
+
+    def _window_capacity(self, window: int, items: list[balance.Item], entries: list[Entry],
+                         cap: balance.Capacity) -> balance.Capacity:
+        """The capacity of this window (of a planning group): `cap`, each encoder doubled until the
+        window's largest sample fits alone (so no sample is ever dropped for its size; a bounded set of
+        buckets)."""
         enc = list(cap.enc)
         for i, n in enumerate(self.enc_names):
             need = max((it.enc[i] for it in items), default=0)
@@ -440,13 +498,18 @@ class Loader:
 
     def state(self) -> dict[str, Any]:
         """Small and host-independent: saved with the model checkpoint. Holds the start of the window
-        of the next step (draw counts + deferred entries), so resume needs no replay of earlier windows."""
+        of the next step (draw counts + deferred entries, one per planning group), so resume needs no
+        replay of earlier windows. A loader that plans only its own groups (`plan_local`) knows only
+        theirs: its state resumes the same groups (the other groups' entries are their first window's)."""
         window = self.step // self.cfg.window
         self.window_plan(max(window - 1, 0))  # makes sure the window's start is known
         with self._plan_lock:
             start = self._starts[window]
-        return {"step": int(self.step), "seed": int(self.cfg.seed), "schedule": self.schedule.fingerprint(),
-                "window": window, "start": start.to_state()}
+        out = {"step": int(self.step), "seed": int(self.cfg.seed), "schedule": self.schedule.fingerprint(),
+               "window": window}
+        if len(start) == 1:
+            return {**out, "start": start[0].to_state()}
+        return {**out, "starts": [s.to_state() for s in start]}
 
     def restore(self, state: dict[str, Any]) -> None:
         if int(state["seed"]) != self.cfg.seed or state["schedule"] != self.schedule.fingerprint():
@@ -457,11 +520,15 @@ class Loader:
         with self._plan_lock:
             self._plans.clear()
             self._starts = {0: self._first}
-            if "start" in state:  # older states without it replay the windows from 0 (same result, slower)
-                start = WindowStart.from_state(state["start"])
-                if len(start.prefix) != len(self.sources):
-                    raise UserError(f"loader state has {len(start.prefix)} sources, this run has {len(self.sources)}: "
-                                    "resume with the same data config")
+            saved = state["starts"] if "starts" in state else [state["start"]] if "start" in state else None
+            if saved is not None:  # older states without it replay the windows from 0 (same result, slower)
+                start = tuple(WindowStart.from_state(s) for s in saved)
+                if len(start) != self.groups.count:
+                    raise UserError(f"loader state has {len(start)} planning groups, this run has {self.groups.count} "
+                                    "(data.batch_size or data.plan_rows changed): resume with the same data config")
+                if any(len(s.prefix) != len(self.sources) for s in start):
+                    raise UserError(f"loader state has {len(start[0].prefix)} sources, this run has "
+                                    f"{len(self.sources)}: resume with the same data config")
                 self._starts[int(state["window"])] = start
 
     # the trainer's loader protocol

@@ -9,6 +9,11 @@ segment as `n_llm` placeholder ids (tokenizer.PLACEHOLDER) whose embeddings the 
 the encoder outputs; `E_dest` tells where each encoder output token goes (flat index into rows x
 row_len, -1 = padding). Targets are next tokens within the sample; `loss_mask` is 1 where the
 target is a token of a loss segment. Over-long text-only samples are split into row-sized pieces.
+
+A preference pair (DPO; `SegmentMeta.pair`) is one sample of two documents, prompt + chosen answer and
+prompt + rejected answer, packed whole into one row (never split): each document its own segment id,
+positions and targets, and `pref_index` [rows, row_len] names the pair slot p of the row a token belongs to
+(2p+1 the chosen document, 2p+2 the rejected one, 0 none), which `models/preference.py` reads.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import numpy as np
 
 from omnijax.data import tokenizer
 from omnijax.data.payload import LazyRows, Payload, Runs
-from omnijax.data.sample import BadSample, Sample, SampleMeta
+from omnijax.data.sample import REJECTED, BadSample, Sample, SampleMeta
 
 ENCODER_ORDER = ("audio", "vision")
 
@@ -118,6 +123,7 @@ class Flat:
     loss: np.ndarray | None             # bool [n]: token is a loss target
     enc: list[tuple[str, Any, Any, int]]  # (encoder, inputs or Payload, positions or a () -> positions, llm offset)
     length: int = -1                    # n when `tokens` is None
+    docs: tuple[int, ...] = ()          # a preference pair's two documents' lengths (chosen, rejected); () one
 
     @property
     def size(self) -> int:
@@ -135,7 +141,10 @@ def _assemble(segments, where: str, mm_cfg: Any, specs: dict[str, EncoderSpec], 
     typed = modality_configs(mm_cfg)
     toks, loss, enc = [], [], []
     n = 0
+    cut = None  # a preference pair: where its rejected document starts
     for k, seg in enumerate(segments):
+        if cut is None and getattr(seg, "pair", 0) == REJECTED:
+            cut = n
         if seg.modality == "text" and text_of is None:
             n += seg.length
             continue
@@ -158,10 +167,11 @@ def _assemble(segments, where: str, mm_cfg: Any, specs: dict[str, EncoderSpec], 
             loss.append(np.zeros(t, bool))
         enc.append((name, inputs, positions, n))  # its output tokens take LLM positions n .. n+t-1
         n += t
+    docs = () if cut is None else (cut, n - cut)
     if text_of is None:
-        return Flat(None, None, enc, n)
+        return Flat(None, None, enc, n, docs=docs)
     return Flat(np.concatenate(toks) if toks else np.zeros(0, np.int32),
-                np.concatenate(loss) if loss else np.zeros(0, bool), enc)
+                np.concatenate(loss) if loss else np.zeros(0, bool), enc, docs=docs)
 
 
 def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec],
@@ -210,8 +220,8 @@ def flatten_meta(meta: SampleMeta, text: dict[int, np.ndarray] | None, fetch: Ca
 
 def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
     """Piece `piece` (row_len tokens) of a text-only sample that is longer than one row."""
-    if flat.enc:
-        raise BadSample("only text-only samples can be split across rows")
+    if flat.enc or flat.docs:
+        raise BadSample("only text-only samples can be split across rows (a preference pair never is)")
     lo = piece * row_len
     if flat.tokens is None:
         return Flat(None, None, [], max(0, min(row_len, flat.size - lo)))
@@ -256,6 +266,7 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
     seg_ids = np.zeros((nl * R, L), np.int32)
     positions = np.zeros((nl * R, L), np.int32)
     row_docs = np.zeros((nb * R, 3), np.int64) if lazy else None  # documents, tokens, sum of squared lengths
+    pref = None  # `pref_index` [rows, L], once an entry is a preference pair
     caps = dict(layout.enc)
     enc_out, runs = {}, {}
     for name, cap in caps.items():
@@ -271,24 +282,34 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
         k = slot.get(b)
         fill = np.zeros(R, np.int64)
         nseg = np.zeros(R, np.int32)
+        npair = np.zeros(R, np.int32)
         used = {name: 0 for name in caps}
         for flat, row in entries:
             n = flat.size
             if row >= R or fill[row] + n > L:
                 raise BadSample(f"sample of {n} tokens does not fit row {row} of a {R}x{L} buffer")
             a, r = int(fill[row]), b * R + row
-            nseg[row] += 1
+            docs = flat.docs or (n,)
+            if flat.docs and pref is None:
+                pref = np.zeros((nl * R, L), np.int32)
             if k is not None:
                 if flat.tokens is None:
                     raise ValueError(f"pack: bin {b} is built here but its entries were laid out without tokens")
                 rr = k * R + row
                 tokens[rr, a: a + n] = flat.tokens
-                targets[rr, a: a + n - 1] = flat.tokens[1:]
-                loss_mask[rr, a: a + n - 1] = flat.loss[1:]
-                seg_ids[rr, a: a + n] = nseg[row]
-                positions[rr, a: a + n] = np.arange(n)
+                lo = 0
+                for j, m in enumerate(docs):  # each document its own segment id, positions and next-token targets
+                    targets[rr, a + lo: a + lo + m - 1] = flat.tokens[lo + 1: lo + m]
+                    loss_mask[rr, a + lo: a + lo + m - 1] = flat.loss[lo + 1: lo + m]
+                    seg_ids[rr, a + lo: a + lo + m] = nseg[row] + 1 + j
+                    positions[rr, a + lo: a + lo + m] = np.arange(m)
+                    if flat.docs:  # pair slot p of this row: 2p+1 its chosen document, 2p+2 its rejected one
+                        pref[rr, a + lo: a + lo + m] = 2 * npair[row] + 1 + j
+                    lo += m
+            nseg[row] += len(docs)
+            npair[row] += bool(flat.docs)
             if row_docs is not None:
-                row_docs[r] += (1, n, n * n)
+                row_docs[r] += (len(docs), n, sum(m * m for m in docs))
             fill[row] += n
             for name, x, pos, off in flat.enc:
                 if name not in caps:
@@ -316,6 +337,8 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
                     dest[lo // g: (lo + m) // g] = first + np.arange(m // g)
                 used[name] += m
     out = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "segment_ids": seg_ids, "positions": positions}
+    if pref is not None:
+        out["pref_index"] = pref
     for name, (inputs, eseg, epos, dest) in enc_out.items():
         if lazy:
             starts, lengths, ids, tok0, dest0 = runs[name]

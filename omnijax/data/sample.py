@@ -21,11 +21,16 @@ _RANK = {"text": 1, "image": 3, "video": 4, "audio": 1}
 
 
 
+#: `pair` of a segment in a preference pair (DPO): the document of the chosen answer, of the rejected one.
+CHOSEN, REJECTED = 1, 2
+
+
 @dataclass(frozen=True)
 class SegmentMeta:
     modality: Modality
     shape: tuple[int, ...]
     loss: bool = False
+    pair: int = 0         # 0: an ordinary sample; CHOSEN / REJECTED: which document of a preference pair
 
     @property
     def length(self) -> int:
@@ -51,6 +56,11 @@ class SampleMeta:
     def modalities(self) -> tuple[str, ...]:
         return tuple(s.modality for s in self.segments)
 
+    @property
+    def is_pair(self) -> bool:
+        """A preference pair: the prompt + chosen answer document, then the prompt + rejected one."""
+        return any(s.pair for s in self.segments)
+
 
 def validate_meta(meta: SampleMeta) -> SampleMeta:
     """Raise BadSample if a segment's shape cannot be encoded; return meta unchanged otherwise."""
@@ -72,7 +82,21 @@ def validate_meta(meta: SampleMeta) -> SampleMeta:
             raise BadSample(f"{what}: {kind} (shape {shape})")
         if seg.loss and seg.modality != "text":
             raise BadSample(f"{what}: loss=True is only allowed on text segments")
+    if meta.is_pair:
+        _validate_pair(meta, where)
     return meta
+
+
+def _validate_pair(meta: SampleMeta, where: str) -> None:
+    """A pair is its chosen document's segments then its rejected document's, each with answer tokens."""
+    roles = [s.pair for s in meta.segments]
+    if roles[0] != CHOSEN or roles[-1] != REJECTED or any(r not in (CHOSEN, REJECTED) for r in roles) or \
+            roles != sorted(roles):
+        raise BadSample(f"{where}: a preference pair is the chosen answer's document then the rejected one's "
+                        f"(segment roles {roles})")
+    for role, name in ((CHOSEN, "chosen"), (REJECTED, "rejected")):
+        if not any(s.loss for s in meta.segments if s.pair == role):
+            raise BadSample(f"{where}: the {name} answer is empty (no answer tokens)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,9 +106,11 @@ class Segment:
     # audio: float32 mono waveform [n_samples] at SAMPLE_RATE
     data: np.ndarray
     loss: bool = False  # text only: these tokens are training targets (answers/captions)
+    pair: int = 0       # CHOSEN / REJECTED: the document of a preference pair this segment belongs to
 
     def meta(self) -> SegmentMeta:
-        return SegmentMeta(self.modality, tuple(int(d) for d in np.shape(self.data)), bool(self.loss))
+        return SegmentMeta(self.modality, tuple(int(d) for d in np.shape(self.data)), bool(self.loss),
+                           pair=int(self.pair))
 
 
 @dataclass(frozen=True, eq=False)

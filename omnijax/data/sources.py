@@ -386,16 +386,18 @@ class JsonlSource(Source):
 
     def meta(self, index: int) -> SampleMeta:
         parts = self._parts(index, lambda p, m: _media_call(media.media_shape, p, m, self.media_cfg))
-        segs = tuple(SegmentMeta(m, tuple(v.shape) if m == "text" else tuple(v), loss) for m, v, loss in parts)
+        segs = tuple(SegmentMeta(m, tuple(v.shape) if m == "text" else tuple(v), loss, pair=pair)
+                     for m, v, loss, pair in map(formats.part_fields, parts))
         return SampleMeta(segs, self.name, int(index))
 
     def get(self, index: int) -> Sample:
         parts = self._parts(index, lambda p, m: _media_call(media.load_media, p, m, self.media_cfg))
-        return Sample(tuple(Segment(m, v, loss) for m, v, loss in parts), self.name, index)
+        return Sample(tuple(Segment(m, v, loss, pair=pair) for m, v, loss, pair in map(formats.part_fields, parts)),
+                      self.name, index)
 
     def text(self, index: int) -> dict[int, np.ndarray]:
         parts = self._parts(index, lambda p, m: None)  # media files are not opened
-        return {k: v for k, (m, v, _) in enumerate(parts) if m == "text"}
+        return {k: p[1] for k, p in enumerate(parts) if p[0] == "text"}
 
     def media(self, index: int, k: int) -> np.ndarray:
         parts = self._parts(index, lambda p, m: (p, m))  # one parse, no media file opened yet

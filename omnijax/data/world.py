@@ -13,6 +13,9 @@ loss-carrying segment. Question types and their answer sets (chance = 1/|answers
   melody per word), variable count.  first digit, first word.
 - text: a heavy-tailed list of words.  first word.
 A `caption_prob` share of samples asks for a description instead (loss target, not scored).
+With `pairs` on, every sample is a preference pair (DPO): the prompt with the correct answer (chosen) and
+with a wrong one (rejected: another answer of the question's set, or a caption with one attribute changed);
+`item` and the held-out questions stay plain.
 
 Sizes (image side, video frames and side, audio items, text words) follow truncated Pareto laws
 `Tail(lo, hi, alpha)`: most samples are small, a few are up to `hi` (smaller alpha = heavier tail).
@@ -21,13 +24,13 @@ The held-out split ("eval") uses a disjoint random stream.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from omnijax.data import tokenizer
-from omnijax.data.sample import SAMPLE_RATE, Sample, SampleMeta, Segment, SegmentMeta
+from omnijax.data.sample import CHOSEN, REJECTED, SAMPLE_RATE, Sample, SampleMeta, Segment, SegmentMeta
 from omnijax.errors import ConfigError, UserError
 
 COLOURS = {"red": (0.9, 0.12, 0.1), "green": (0.1, 0.8, 0.15), "blue": (0.15, 0.3, 0.95), "yellow": (0.95, 0.88, 0.1)}
@@ -92,6 +95,7 @@ class WorldConfig:
     tone_s: float = 0.12             # seconds per digit tone
     gap_s: float = 0.04              # silence between tones
     noise: float = 0.03              # pixel / waveform noise level
+    pairs: bool = False              # every sample a preference pair: the correct answer chosen, a wrong one rejected
 
     def check(self) -> "WorldConfig":
         for k in self.weights:
@@ -205,7 +209,23 @@ class World:
             qtypes = ["text_first_word"]
         s["qtype"] = "caption" if s["caption"] else str(rng.choice(qtypes))
         s["answer"] = self._answer(s)
+        if self.cfg.pairs:
+            s["wrong"] = self._wrong_answer(s, self._rng(index, 2))
         return s
+
+    @classmethod
+    def _wrong_answer(cls, s: dict[str, Any], rng: np.random.Generator) -> str:
+        """A wrong answer to the sample's question: another of its answer set; a caption with one attribute
+        changed (an image's colour, a video's direction, a sound's first item)."""
+        def other(options, right):
+            return str(rng.choice([o for o in options if o != right]))
+        if s["qtype"] != "caption":
+            return other(QUESTIONS[s["qtype"]][2], s["answer"])
+        if s["modality"] in ("image", "video"):
+            key, options = ("colour", tuple(COLOURS)) if s["modality"] == "image" else ("direction", DIRECTIONS)
+            return cls._answer({**s, key: other(options, s[key])})
+        options = DIGITS if s["kind"] == "digits" else tuple(WORDS)
+        return cls._answer({**s, "items": [other(options, s["items"][0])] + s["items"][1:]})
 
     @staticmethod
     def _answer(s: dict[str, Any]) -> str:
@@ -257,14 +277,21 @@ class World:
             segs.append(SegmentMeta(s["modality"], shape))
         segs.append(SegmentMeta("text", (len(self._prompt_text(s).encode()),)))
         segs.append(SegmentMeta("text", (len(s["answer"].encode()) + 1,), True))
+        if self.cfg.pairs:  # the same document with the wrong answer after it
+            segs = [replace(x, pair=CHOSEN) for x in segs] + [replace(x, pair=REJECTED) for x in segs[:-1]] + [
+                SegmentMeta("text", (len(s["wrong"].encode()) + 1,), True, REJECTED)]
         return SampleMeta(tuple(segs), self.name, int(index))
 
     def text_segments(self, index: int) -> dict[int, np.ndarray]:
         """Token ids of sample `index`'s text segments by position, without rendering its media."""
         s = self.spec(index)
         k = 1 if self._media_shape(s) is None else 2
-        return {0: np.array([tokenizer.BOS], np.int32), k: tokenizer.encode(self._prompt_text(s)),
-                k + 1: tokenizer.encode(s["answer"], eos=True)}
+        out = {0: np.array([tokenizer.BOS], np.int32), k: tokenizer.encode(self._prompt_text(s)),
+               k + 1: tokenizer.encode(s["answer"], eos=True)}
+        if self.cfg.pairs:
+            out.update({k + 2 + j: v for j, v in out.items() if j != k + 1})
+            out[2 * k + 3] = tokenizer.encode(s["wrong"], eos=True)
+        return out
 
     def item(self, index: int) -> WorldItem:
         s = self.spec(index)
@@ -282,7 +309,14 @@ class World:
         return WorldItem(sample, s["qtype"], s["modality"], s["answer"])
 
     def sample(self, index: int) -> Sample:
-        return self.item(index).sample
+        """Sample `index` as training reads it: plain, or with `pairs` its preference pair."""
+        plain = self.item(index).sample
+        if not self.cfg.pairs:
+            return plain
+        segs = plain.segments
+        wrong = Segment("text", tokenizer.encode(self.spec(index)["wrong"], eos=True), loss=True, pair=REJECTED)
+        return Sample(tuple(replace(x, pair=CHOSEN) for x in segs) + tuple(replace(x, pair=REJECTED) for x in segs[:-1])
+                      + (wrong,), plain.source, plain.index)
 
     def __getitem__(self, index: int) -> Sample:
         return self.sample(index)
