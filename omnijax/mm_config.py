@@ -76,6 +76,7 @@ class QwenVisionConfig(VisionConfig):
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     tokens_per_second: float = 2.0  # M-RoPE temporal positions per second of video; 0 = 1 per temporal patch (Qwen2-VL)
+    fps: float = 2.0                # a video's kept-frame rate where its shard metadata records none (older shards)
     image_mean: list[float] = field(default_factory=lambda: [0.48145466, 0.4578275, 0.40821073])
     image_std: list[float] = field(default_factory=lambda: [0.26862954, 0.26130258, 0.27577711])
 

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from omnijax.data import features  # noqa: E402
 from omnijax.errors import UserError  # noqa: E402
 from omnijax.interop import qwen_vl  # noqa: E402
-from omnijax.layers import mrope  # noqa: E402
+from omnijax.data import qwen_processor as qp  # noqa: E402
 from omnijax.mm_config import encoder_config  # noqa: E402
 from omnijax.models.mllm import MultimodalModel, mm_loss  # noqa: E402
 
@@ -187,7 +187,7 @@ def _batch(samples, length, tokens_per_second=2.0):
     for i, (tokens, segs, types, grid, kind) in enumerate(samples):
         n = len(tokens)
         toks.append(tokens), seg.append(np.full(n, i + 1)), pos.append(np.arange(n))
-        rpos.append(mrope.rope_index(segs, MERGE, tokens_per_second))
+        rpos.append(qp.rope_index(segs, MERGE, tokens_per_second))
         targets.append(np.concatenate([tokens[1:], [0]])), mask.append(np.r_[np.ones(n - 1), 0.0])
         if kind != "text":
             rows = _pixels(grid, 7)[1]
@@ -230,7 +230,7 @@ def test_llm_logits_loss_and_positions_match_transformers(folders, omni_models, 
     tokens, segs, types = _sample(kind, grid)
     ref_logits, ref_loss, ref_pos = _hf_forward(folders[family], tokens, types, grid, kind)
     if ref_pos is not None:  # position ids equal get_rope_index's
-        assert np.array_equal(mrope.rope_index(segs, MERGE, tps), ref_pos[:, 0].numpy().T)
+        assert np.array_equal(qp.rope_index(segs, MERGE, tps), ref_pos[:, 0].numpy().T)
     batch = _batch([(tokens, segs, types, grid, kind)], len(tokens) + 5, tps)
     n = len(tokens)
     assert _rel(np.asarray(forward(batch))[0, :n], ref_logits) < 1e-4
@@ -262,13 +262,13 @@ def test_packed_row_equals_samples_alone(folders, omni25):
 
 
 def test_rope_index_rules():
-    pos = mrope.rope_index([("text", 2), ("image", (1, 4, 6)), ("text", 2)], merge=2)
+    pos = qp.rope_index([("text", 2), ("image", (1, 4, 6)), ("text", 2)], merge=2)
     assert pos[:2].tolist() == [[0, 0, 0], [1, 1, 1]]
     grid = pos[2:8]  # 2 x 3 merged tokens starting at 2
     assert grid[:, 0].tolist() == [2] * 6 and grid[:, 1].tolist() == [2, 2, 2, 3, 3, 3]
     assert grid[:, 2].tolist() == [2, 3, 4, 2, 3, 4]
     assert pos[8:].tolist() == [[5, 5, 5], [6, 6, 6]]  # continues after max(h, w) / merge = 3
-    video = mrope.rope_index([("video", (3, 2, 2), 0.5)], merge=2, tokens_per_second=4)
+    video = qp.rope_index([("video", (3, 2, 2), 0.5)], merge=2, tokens_per_second=4)
     assert video[:, 0].tolist() == [0, 2, 4]
 
 
@@ -458,7 +458,7 @@ def test_greedy_decode_of_an_image_prompt_equals_transformers_generate(folders, 
             steps_logits.append(np.asarray(logits[0]))
         return toks + [int(np.argmax(steps_logits[-1]))], np.stack(steps_logits)
 
-    delta = mrope.decode_delta(np.asarray(batch["rope_positions"][0]), n)
+    delta = qp.decode_delta(np.asarray(batch["rope_positions"][0]), n)
     assert delta < 0  # the image's 15 tokens span 5 positions
     toks, logits = run(delta)
     assert toks == ref_tokens and _rel(logits, ref_logits) < 1e-4

@@ -14,6 +14,11 @@ A preference pair (DPO; `SegmentMeta.pair`) is one sample of two documents, prom
 prompt + rejected answer, packed whole into one row (never split): each document its own segment id,
 positions and targets, and `pref_index` [rows, row_len] names the pair slot p of the row a token belongs to
 (2p+1 the chosen document, 2p+2 the rejected one, 0 none), which `models/preference.py` reads.
+
+M-RoPE models (`model.llm.rope.mrope_section`, Qwen2-VL/Qwen2.5-VL) get `rope_positions` [rows, row_len, 3]
+beside `positions`: each sample's (t, h, w) rotary positions, computed from its segments' metadata when it is
+flattened (`qwen_processor.sample_rope_positions`), segment-local like `positions`, and copied into its row
+as they are: nothing downstream recomputes them from the row index.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from omnijax.data.payload import LazyRows, Payload, Runs
 from omnijax.data.sample import REJECTED, BadSample, Sample, SampleMeta
 
 ENCODER_ORDER = ("audio", "vision")
+# the per-token arrays of packed LLM rows: what moves with a row (row balance, placement, cp's order)
+ROW_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "rope_positions")
 
 
 @dataclass(frozen=True)
@@ -117,12 +124,20 @@ class ShapeCounter:
 
 
 # ------------------------------------------------------------------------------ flattening
+def uses_mrope(mm_cfg: Any) -> bool:
+    """The LLM turns q/k by 3-D (t, h, w) positions (Qwen2-VL's M-RoPE): batches carry `rope_positions`."""
+    rope = getattr(getattr(mm_cfg, "llm", None), "rope", None)
+    return bool(getattr(rope, "mrope_section", None))
+
+
 @dataclass
 class Flat:
     tokens: np.ndarray | None           # int32 [n]; None: a row another host holds (only its geometry here)
     loss: np.ndarray | None             # bool [n]: token is a loss target
     enc: list[tuple[str, Any, Any, int]]  # (encoder, inputs or Payload, positions or a () -> positions, llm offset)
     length: int = -1                    # n when `tokens` is None
+    rope: np.ndarray | None = None      # int32 [n, 3] M-RoPE positions (M-RoPE models' rows built here)
+    mrope: bool = False                 # the model is an M-RoPE one (set for rows laid out elsewhere too)
     docs: tuple[int, ...] = ()          # a preference pair's two documents' lengths (chosen, rejected); () one
 
     @property
@@ -167,11 +182,33 @@ def _assemble(segments, where: str, mm_cfg: Any, specs: dict[str, EncoderSpec], 
             loss.append(np.zeros(t, bool))
         enc.append((name, inputs, positions, n))  # its output tokens take LLM positions n .. n+t-1
         n += t
+    mrope = uses_mrope(mm_cfg)
     docs = () if cut is None else (cut, n - cut)
     if text_of is None:
-        return Flat(None, None, enc, n, docs=docs)
+        return Flat(None, None, enc, n, mrope=mrope, docs=docs)
+    rope = None
+    if mrope:  # each document's positions from its own segments
+        parts = [segments] if cut is None else [[s for s in segments if s.pair != REJECTED],
+                                                [s for s in segments if s.pair == REJECTED]]
+        rope = np.concatenate([_rope_positions(p, typed, where) for p in parts])
+    if rope is not None and len(rope) != n:
+        raise BadSample(f"{where}: {len(rope)} M-RoPE positions for {n} LLM tokens")
     return Flat(np.concatenate(toks) if toks else np.zeros(0, np.int32),
-                np.concatenate(loss) if loss else np.zeros(0, bool), enc, docs=docs)
+                np.concatenate(loss) if loss else np.zeros(0, bool), enc, rope=rope, mrope=mrope, docs=docs)
+
+
+def _rope_positions(segments, typed: dict, where: str) -> np.ndarray:
+    """[n, 3] M-RoPE positions of a sample's token run from its segments' shapes (and a video's kept rate)."""
+    from omnijax.data import qwen_processor
+    from omnijax.mm_config import QwenVisionConfig
+
+    metas = [seg.meta() if hasattr(seg, "meta") else seg for seg in segments]
+    vision = [typed.get(m.modality) for m in metas if m.modality in ("image", "video")]
+    cfg = next((c for c in vision if c is not None), None)
+    if vision and not isinstance(cfg, QwenVisionConfig):
+        raise BadSample(f"{where}: an M-RoPE LLM (model.llm.rope.mrope_section) places image/video tokens by "
+                        f"a qwen_vit encoder's grid; this model's vision encoder is {type(cfg).__name__}")
+    return qwen_processor.sample_rope_positions(metas, cfg)
 
 
 def flatten(sample: Sample, mm_cfg: Any, specs: dict[str, EncoderSpec],
@@ -224,8 +261,9 @@ def text_piece(flat: Flat, piece: int, row_len: int) -> Flat:
         raise BadSample("only text-only samples can be split across rows (a preference pair never is)")
     lo = piece * row_len
     if flat.tokens is None:
-        return Flat(None, None, [], max(0, min(row_len, flat.size - lo)))
-    return Flat(flat.tokens[lo: lo + row_len], flat.loss[lo: lo + row_len], [])
+        return Flat(None, None, [], max(0, min(row_len, flat.size - lo)), mrope=flat.mrope)
+    rope = None if flat.rope is None else flat.rope[lo: lo + row_len] - lo  # a piece is a document of its own
+    return Flat(flat.tokens[lo: lo + row_len], flat.loss[lo: lo + row_len], [], rope=rope, mrope=flat.mrope)
 
 
 # --------------------------------------------------------------------------------- packing
@@ -236,7 +274,8 @@ def pack_bin(entries: list[tuple[Flat, int]], layout: Layout, specs: dict[str, E
 
 
 def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokenizer.PAD, *,
-         local: list[int] | None = None, lazy: bool | None = None, n_bins: int | None = None) -> dict[str, Any]:
+         local: list[int] | None = None, lazy: bool | None = None, n_bins: int | None = None,
+         rope: bool | None = None) -> dict[str, Any]:
     """Buffers of several bins (e.g. a host's ranks) written in place, bin b at rows [b*rows, (b+1)*rows)
     and encoder rows [b*N_E, (b+1)*N_E); dest indices are flat into the concatenated rows and encoder
     segment ids are numbered across bins. Equal to `concat` of `pack_bin` per bin, without the copies.
@@ -247,7 +286,11 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
     document lengths; `rows` the global index of each LLM row built. `local`: the bins whose LLM rows
     are built (a host's own; the others' entries may be `Flat`s without tokens, laid out from metadata
     only), in that order; their rows alone make the token arrays, so they grow with the host's bins,
-    not the step's. `bins` may be any iterable (read once) when `n_bins` is given."""
+    not the step's. `bins` may be any iterable (read once) when `n_bins` is given.
+
+    `rope_positions` [rows, L, 3] (M-RoPE): with `rope` True, or when None as soon as an entry is an
+    M-RoPE model's (`Flat.mrope`); each sample's own positions in its tokens' places, a text entry without
+    them (a padding prompt) at 0..n-1 on all three, padding 0."""
     R, L = layout.rows, layout.row_len
     if lazy is None or n_bins is None:
         bins = list(bins)
@@ -266,6 +309,7 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
     seg_ids = np.zeros((nl * R, L), np.int32)
     positions = np.zeros((nl * R, L), np.int32)
     row_docs = np.zeros((nb * R, 3), np.int64) if lazy else None  # documents, tokens, sum of squared lengths
+    rope_pos = np.zeros((nl * R, L, 3), np.int32) if rope else None
     pref = None  # `pref_index` [rows, L], once an entry is a preference pair
     caps = dict(layout.enc)
     enc_out, runs = {}, {}
@@ -286,6 +330,8 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
         used = {name: 0 for name in caps}
         for flat, row in entries:
             n = flat.size
+            if rope_pos is None and rope is None and flat.mrope:
+                rope_pos = np.zeros((nl * R, L, 3), np.int32)  # an M-RoPE model's step (every entry is one)
             if row >= R or fill[row] + n > L:
                 raise BadSample(f"sample of {n} tokens does not fit row {row} of a {R}x{L} buffer")
             a, r = int(fill[row]), b * R + row
@@ -306,6 +352,9 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
                     if flat.docs:  # pair slot p of this row: 2p+1 its chosen document, 2p+2 its rejected one
                         pref[rr, a + lo: a + lo + m] = 2 * npair[row] + 1 + j
                     lo += m
+                if rope_pos is not None:
+                    rope_pos[rr, a: a + n] = (np.concatenate([np.arange(m) for m in docs])[:, None]
+                                              if flat.rope is None else flat.rope)
             nseg[row] += len(docs)
             npair[row] += bool(flat.docs)
             if row_docs is not None:
@@ -337,6 +386,8 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
                     dest[lo // g: (lo + m) // g] = first + np.arange(m // g)
                 used[name] += m
     out = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "segment_ids": seg_ids, "positions": positions}
+    if rope_pos is not None:
+        out["rope_positions"] = rope_pos
     if pref is not None:
         out["pref_index"] = pref
     for name, (inputs, eseg, epos, dest) in enc_out.items():
@@ -356,7 +407,7 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
 
 def concat(packs: list[dict[str, np.ndarray]], layout: Layout) -> dict[str, np.ndarray]:
     """Concatenate bins (e.g. a host's ranks) along rows; dest and encoder segment ids are offset."""
-    out = {k: np.concatenate([p[k] for p in packs]) for k in ("tokens", "targets", "loss_mask", "segment_ids", "positions")}
+    out = {k: np.concatenate([p[k] for p in packs]) for k in ROW_KEYS if k in packs[0]}
     for name, _ in layout.enc:
         dests, segs = [], []
         seg_base = 0

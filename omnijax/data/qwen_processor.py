@@ -11,7 +11,10 @@ Rows come out in omnijax's layout (features.image_patches): (t, h-block, w-block
 Frames and time: `sample_frames` is the video processor's rule for which frames to keep at a target fps
 (between `min_frames` and `max_frames`, a multiple of `temporal_patch`), and `seconds_per_grid` the time one
 temporal patch spans at the rate the kept frames have, which M-RoPE turns into temporal position steps of
-tokens_per_second * seconds_per_grid (Qwen2.5-VL's time alignment, `omnijax.layers.mrope.rope_index`).
+tokens_per_second * seconds_per_grid (Qwen2.5-VL's time alignment, `rope_index`).
+
+Positions: `rope_index` is transformers' `get_rope_index` for one sample, on the host; `sample_rope_positions`
+applies it to a sample's metadata (what the packer carries per token), `decode_delta` is what generation adds.
 """
 from __future__ import annotations
 
@@ -94,24 +97,73 @@ def seconds_per_grid(temporal_patch: int, sampled_fps: float) -> float:
     return temporal_patch / sampled_fps
 
 
-def sample_rope_positions(segments: Sequence, cfg: QwenVisionConfig, video_fps: float) -> np.ndarray:
+# ------------------------------------------------------------------------ M-RoPE positions (host side)
+def vision_positions(start: int, grid: tuple[int, int, int], merge: int, interval: float = 1.0) -> np.ndarray:
+    """[t * h/m * w/m, 3] positions of one image's or video's LLM tokens, (t, h, w) row-major."""
+    t, h, w = (int(grid[0]), int(grid[1]) // merge, int(grid[2]) // merge)
+    temporal = (np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64) + start
+    tt, hh, ww = np.meshgrid(temporal, np.arange(h) + start, np.arange(w) + start, indexing="ij")
+    return np.stack([tt, hh, ww], axis=-1).reshape(-1, 3)
+
+
+def rope_index(segments: Sequence[tuple], merge: int = 2, tokens_per_second: float = 2.0) -> np.ndarray:
+    """M-RoPE positions [n, 3] (int32) of one sample from its segments in order:
+    ("text", n_tokens) | ("image", (t, h, w)) | ("video", (t, h, w), seconds_per_temporal_patch).
+
+    Grids are in patches (before merging). Text continues from the running position; an image/video starts
+    there, its temporal positions stepping by tokens_per_second * seconds per temporal patch (Qwen2.5-VL's
+    videos) or 1 (images; Qwen2-VL, tokens_per_second 0), and moves the running position by max(h, w) / merge,
+    as transformers' `get_rope_index` does."""
+    parts, cur = [], 0
+    for seg in segments:
+        kind = seg[0]
+        if kind == "text":
+            n = int(seg[1])
+            parts.append(np.repeat((np.arange(n) + cur)[:, None], 3, axis=1))
+            cur += n
+        elif kind in ("image", "video"):
+            grid = tuple(int(g) for g in seg[1])
+            interval = 1.0  # images; Qwen2-VL's videos (tokens_per_second 0): one step per temporal patch
+            if kind == "video" and tokens_per_second > 0:
+                interval = tokens_per_second * (float(seg[2]) if len(seg) > 2 else 1.0)
+            parts.append(vision_positions(cur, grid, merge, interval))
+            cur += max(grid[1], grid[2]) // merge
+        else:
+            raise ValueError(f"unknown segment kind {kind!r}")
+    if not parts:
+        return np.zeros((0, 3), np.int32)
+    return np.concatenate(parts, axis=0).astype(np.int32)
+
+
+def decode_delta(rope_positions: np.ndarray, length: int) -> int:
+    """What a generated token adds to its cache slot to get its (equal) rope positions: max(prompt's) + 1 -
+    prompt length (transformers' `rope_deltas`)."""
+    return int(np.max(rope_positions[:length])) + 1 - int(length) if length else 0
+
+
+def sample_rope_positions(segments: Sequence, cfg: QwenVisionConfig | None,
+                          video_fps: float | None = None) -> np.ndarray:
     """M-RoPE positions [n, 3] of one sample's LLM token run from its segment metadata alone (`SegmentMeta`s:
-    modality and shape; text segments include the vision start/end tokens around a placeholder run), each
-    image/video taking its placeholder tokens' (t, h, w) positions from its smart-resized grid, videos
-    stepping time at `video_fps` (the rate their frames were kept at). Segment-local: 0 at the sample's start.
+    modality, shape and, for a video, `fps`, the rate its frames were kept at; text segments include the vision
+    start/end tokens around a placeholder run), each image/video taking its placeholder tokens' (t, h, w)
+    positions from its smart-resized grid, videos stepping time at their rate (`video_fps` where given, else
+    the segment's, else `cfg.fps`). Segment-local: 0 at the sample's start. `cfg` None: text only.
 
-    What the packer needs to carry positions per token; transformers' `get_rope_index` gives the same
-    (it would join two media segments with no token between them into one run: here they stay two)."""
-    from omnijax.layers.mrope import rope_index
-
+    What the packer carries per token; transformers' `get_rope_index` gives the same (it would join two
+    media segments with no token between them into one run: here they stay two)."""
     runs = []
     for seg in segments:
         if seg.modality == "text":
             runs.append(("text", int(seg.shape[0])))
+        elif cfg is None:
+            raise BadSample(f"an M-RoPE sample's {seg.modality} segment needs a qwen_vit encoder")
         elif seg.modality == "image":
             runs.append(("image", qwen_grid(seg.shape, cfg)))
         elif seg.modality == "video":
-            runs.append(("video", qwen_grid(seg.shape, cfg), seconds_per_grid(cfg.temporal_patch, video_fps)))
+            fps = float(video_fps or getattr(seg, "fps", 0.0) or cfg.fps)
+            runs.append(("video", qwen_grid(seg.shape, cfg), seconds_per_grid(cfg.temporal_patch, fps)))
         else:
             raise BadSample(f"a Qwen2-VL model has no encoder for modality {seg.modality!r}")
+    if cfg is None:
+        return rope_index(runs)
     return rope_index(runs, cfg.merge, cfg.tokens_per_second)

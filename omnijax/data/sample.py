@@ -31,6 +31,7 @@ class SegmentMeta:
     shape: tuple[int, ...]
     loss: bool = False
     pair: int = 0         # 0: an ordinary sample; CHOSEN / REJECTED: which document of a preference pair
+    fps: float = 0.0  # video: the rate its kept frames have (M-RoPE's time steps); 0 = not recorded
 
     @property
     def length(self) -> int:
@@ -107,10 +108,11 @@ class Segment:
     data: np.ndarray
     loss: bool = False  # text only: these tokens are training targets (answers/captions)
     pair: int = 0       # CHOSEN / REJECTED: the document of a preference pair this segment belongs to
+    fps: float = 0.0    # video only: the rate of its frames (0 = not recorded)
 
     def meta(self) -> SegmentMeta:
         return SegmentMeta(self.modality, tuple(int(d) for d in np.shape(self.data)), bool(self.loss),
-                           pair=int(self.pair))
+                           fps=float(self.fps), pair=int(self.pair))
 
 
 @dataclass(frozen=True, eq=False)

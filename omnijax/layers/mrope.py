@@ -4,8 +4,8 @@ Every token carries three rotary positions (temporal, height, width); `mrope_sec
 rotary pairs into three runs, the first turned by the temporal position, the next by the height, the last
 by the width ("rotate half" layout, as the Qwen2 weights are stored). Text tokens have all three equal, so
 text alone is plain RoPE. Vision tokens of an image start where the text before them stopped and spread
-over the merged patch grid; the text after continues past the grid (`rope_index`, the rule of transformers'
-`get_rope_index`).
+over the merged patch grid; the text after continues past the grid (the rule of transformers'
+`get_rope_index`, computed on the host from a sample's metadata: `omnijax.data.qwen_processor.rope_index`).
 
 Causality is *not* decided by these positions (an image's tokens share a temporal position): the LLM keeps
 its ordinary per-token `positions` (0..n-1 within a document) for the mask, and these `rope_positions`
@@ -89,47 +89,3 @@ def decode(attn, x: jax.Array, positions: jax.Array, rope_positions: jax.Array, 
     q, k, v = project_qkv(attn, x, rope_positions[:, None, :], section)
     out, cache_k, cache_v = cached_decode(q, k, v, positions, cache_k, cache_v)
     return attn.output(out), cache_k, cache_v
-
-
-def decode_delta(rope_positions: np.ndarray, length: int) -> int:
-    """What a generated token adds to its cache slot to get its (equal) rope positions: max(prompt's) + 1 -
-    prompt length (transformers' `rope_deltas`)."""
-    return int(np.max(rope_positions[:length])) + 1 - int(length) if length else 0
-
-
-# ------------------------------------------------------------------------ positions (host side)
-def vision_positions(start: int, grid: tuple[int, int, int], merge: int, interval: float = 1.0) -> np.ndarray:
-    """[t * h/m * w/m, 3] positions of one image's or video's LLM tokens, (t, h, w) row-major."""
-    t, h, w = (int(grid[0]), int(grid[1]) // merge, int(grid[2]) // merge)
-    temporal = (np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64) + start
-    tt, hh, ww = np.meshgrid(temporal, np.arange(h) + start, np.arange(w) + start, indexing="ij")
-    return np.stack([tt, hh, ww], axis=-1).reshape(-1, 3)
-
-
-def rope_index(segments: Sequence[tuple], merge: int = 2, tokens_per_second: float = 2.0) -> np.ndarray:
-    """M-RoPE positions [n, 3] (int32) of one sample from its segments in order:
-    ("text", n_tokens) | ("image", (t, h, w)) | ("video", (t, h, w), seconds_per_temporal_patch).
-
-    Grids are in patches (before merging). Text continues from the running position; an image/video starts
-    there, its temporal positions stepping by tokens_per_second * seconds per temporal patch (Qwen2.5-VL's
-    videos) or 1 (images; Qwen2-VL, tokens_per_second 0), and moves the running position by max(h, w) / merge,
-    as transformers' `get_rope_index` does."""
-    parts, cur = [], 0
-    for seg in segments:
-        kind = seg[0]
-        if kind == "text":
-            n = int(seg[1])
-            parts.append(np.repeat((np.arange(n) + cur)[:, None], 3, axis=1))
-            cur += n
-        elif kind in ("image", "video"):
-            grid = tuple(int(g) for g in seg[1])
-            interval = 1.0  # images; Qwen2-VL's videos (tokens_per_second 0): one step per temporal patch
-            if kind == "video" and tokens_per_second > 0:
-                interval = tokens_per_second * (float(seg[2]) if len(seg) > 2 else 1.0)
-            parts.append(vision_positions(cur, grid, merge, interval))
-            cur += max(grid[1], grid[2]) // merge
-        else:
-            raise ValueError(f"unknown segment kind {kind!r}")
-    if not parts:
-        return np.zeros((0, 3), np.int32)
-    return np.concatenate(parts, axis=0).astype(np.int32)

@@ -197,7 +197,7 @@ class LLM(nnx.Module):
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
                rope_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """One token per row (tokens [B] at positions [B]) -> (float32 logits [B, V], updated cache).
-        M-RoPE models take each token's ``rope_positions`` [B, 3] (positions + `mrope.decode_delta`)."""
+        M-RoPE models take each token's ``rope_positions`` [B, 3] (positions + `qwen_processor.decode_delta`)."""
         x = self.embed(tokens[:, None])
         new = []
         extra = () if rope_positions is None else (rope_positions,)

@@ -8,6 +8,8 @@ the model's own layers with the parallel pieces plugged in:
   the gathers, reduce-scatters and all-reduces those placements imply.
 - CP: batches are stored in the causal load-balanced order (``put_batch``) and attention runs with
   :func:`omnijax.parallel.context.cp_attention` (ring or all-gather of K/V).
+- M-RoPE (Qwen2-VL): a batch's ``rope_positions`` [B, L, 3] travel with its tokens (cp's order, pipeline
+  microbatches, the explicit FSDP step) and turn q/k in every layer; ``positions`` still make the masks.
 - EP: MoE layers run with :func:`omnijax.parallel.expert.ep_moe` (all-to-all dispatch/combine).
 - PP: ``prepare(model)`` stacks the blocks on a ``stage`` axis (``PipelinedLLM``); the loss runs them
   with :func:`omnijax.parallel.pipeline.spmd_pipeline`.
@@ -25,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from omnijax.errors import ConfigError
+from omnijax.layers import mrope
 from omnijax.layers.attention import dot_product_attention
 from omnijax.models.llm import AUX_KEYS, LLM, default_packing, is_moe_layer, remat_mode, run_block, zero_aux
 from omnijax.parallel import context, embedding, expert, hosts, pipeline, rules as rules_lib
@@ -169,6 +172,13 @@ def _wraps(fn: Callable, target: Callable, depth: int = 4) -> bool:
     return any(f is not None and _wraps(f, target, depth - 1) for f in inner)
 
 
+def _project_qkv(blk: nnx.Module, x: jax.Array, pos: jax.Array, rope: jax.Array | None):
+    """A layer's q/k/v of its normed input: turned by ``pos`` (RoPE) or by ``rope`` [B, L, 3] (M-RoPE)."""
+    if rope is None:
+        return blk.attn.project_qkv(blk.attn_norm(x), pos)
+    return mrope.project_qkv(blk.attn, blk.attn_norm(x), rope, blk.mrope_section)
+
+
 def _is_embedding(path: tuple) -> bool:
     return bool(path) and getattr(path[0], "key", None) == "embedding"
 
@@ -294,9 +304,10 @@ class LLMParallel:
         return moe(h, seg)
 
     def block(self, blk: nnx.Module, x: jax.Array, seg: jax.Array, pos: jax.Array,
-              inside_pipeline: bool = False) -> tuple[jax.Array, dict]:
-        """One decoder layer (same maths as ``Block.__call__``) with CP attention and EP experts."""
-        q, k, v = blk.attn.project_qkv(blk.attn_norm(x), pos)
+              inside_pipeline: bool = False, rope: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """One decoder layer (same maths as ``Block.__call__``) with CP attention and EP experts; ``rope``:
+        the tokens' M-RoPE positions [B, L, 3] (q/k turned by them instead of by ``pos``)."""
+        q, k, v = _project_qkv(blk, x, pos, rope)
         x = x + blk.attn.output(self._attention(q, k, v, seg, pos, inside_pipeline))
         h = blk.mlp_norm(x)
         y, aux = self._moe(blk.mlp, h, seg) if blk.is_moe else (blk.mlp(h), zero_aux())
@@ -308,29 +319,31 @@ class LLMParallel:
 
     def forward_embeddings(self, model: nnx.Module, x: jax.Array, seg: jax.Array | None = None,
                            pos: jax.Array | None = None, feed: tuple | None = None,
-                           head: bool = True) -> tuple[jax.Array, dict]:
+                           head: bool = True, rope: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Parallel counterpart of ``LLM.forward_embeddings``: ``x [B, L, D] -> (logits, aux)``
-        (``head=False``: the final-normed hidden states, for ``head_cross_entropy``).
+        (``head=False``: the final-normed hidden states, for ``head_cross_entropy``; ``rope``: M-RoPE
+        positions [B, L, 3], as the batch carries them).
 
         ``feed`` (pipelined layouts only): completes each microbatch's input inside the pipeline loop,
         see :func:`omnijax.parallel.pipeline.spmd_pipeline`."""
         seg, pos = default_packing(x.shape, seg, pos)
         x = self.constrain(x, "batch", "seq", "embed")
         if isinstance(model, PipelinedLLM):
-            x, aux = self._pipeline(model, x, seg, pos, feed)
+            x, aux = self._pipeline(model, x, seg, pos, feed, rope)
         else:
             if feed is not None:
                 raise ConfigError("feeding microbatches inside the pipeline needs a pipelined layout (pp > 1)")
             aux = zero_aux()
             for blk in model.blocks:
-                x, a = run_block(self.block, blk, x, seg, pos, remat=self.remat)
+                x, a = run_block(lambda b, *a: self.block(b, *a[:3], False, *a[3:]), blk, x, seg, pos,
+                                 *(() if rope is None else (rope,)), remat=self.remat)
                 aux = {kk: aux[kk] + a[kk] for kk in AUX_KEYS}
         h = self.constrain(model.final_norm(x), "batch", "seq", "embed")
         if not head:
             return h, aux
         return self.constrain(model.logits(h), "batch", "seq", "vocab"), aux
 
-    def _pipeline(self, model: PipelinedLLM, x, seg, pos, feed=None):
+    def _pipeline(self, model: PipelinedLLM, x, seg, pos, feed=None, rope=None):
         sch = self.schedule
         graph, stacked = nnx.split(model.stages)
         per = jax.tree.leaves(stacked)[0].shape[2]
@@ -340,17 +353,17 @@ class LLMParallel:
                               f"{sch.microbatches} x data shards {self.layout.batch_shards}")
 
         def stage(params, h, ex):
-            s_seg, s_pos = ex
+            s_seg, s_pos, *s_rope = ex
             tot = jnp.zeros((len(AUX_KEYS),), jnp.float32)
             for j in range(per):
                 blk = nnx.merge(graph, jax.tree.map(lambda a: a[j], params))
-                h, a = self.block(blk, h, s_seg, s_pos, inside_pipeline=True)
+                h, a = self.block(blk, h, s_seg, s_pos, inside_pipeline=True, rope=s_rope[0] if s_rope else None)
                 tot = tot + jnp.stack([a[kk] for kk in AUX_KEYS])
             return h, tot
 
         xs = pipeline.split_microbatches(x, sch.microbatches)
         xs = self.constrain(xs, None, "batch", "seq", "embed")
-        extras = (pipeline.split_microbatches(seg, sch.microbatches), pipeline.split_microbatches(pos, sch.microbatches))
+        extras = tuple(pipeline.split_microbatches(a, sch.microbatches) for a in (seg, pos, rope) if a is not None)
         ys, aux = pipeline.spmd_pipeline(stage, stacked, xs, extras, mesh=self.mesh, schedule=sch, remat=self.remat,
                                          feed=feed, skip_bubbles=self.skip_bubbles)
         y = self.constrain(pipeline.merge_microbatches(ys), "batch", "seq", "embed")
@@ -379,7 +392,8 @@ class LLMParallel:
     def loss_fn(self, model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
         """``LossFn`` for ``omnijax.train.step``: (loss_sum, token_count, aux) of the next-token loss."""
         x = self.embed(model, batch["tokens"])
-        h, aux = self.forward_embeddings(model, x, batch["segment_ids"], batch["positions"], head=False)
+        h, aux = self.forward_embeddings(model, x, batch["segment_ids"], batch["positions"], head=False,
+                                         rope=batch.get("rope_positions"))
         loss_sum, count = head_cross_entropy(model, h, batch["targets"], batch["loss_mask"])
         return loss_sum, count, aux
 
@@ -425,13 +439,15 @@ class LLMParallel:
                 else:
                     x = embedding.local_lookup(model.embedding[...], mb["tokens"], mesh=self.mesh,
                                                table_spec=table_spec, ids_spec=b_specs["tokens"])
+                rope = mb.get("rope_positions")
                 if lay.cp == 1:
                     h, aux = model.forward_embeddings(x, mb["segment_ids"], mb["positions"], remat=self.remat,
-                                                      head=False)
+                                                      head=False, rope_positions=rope)
                 else:  # the sequence split over cp: this device's chunks, attention over the cp ring
                     seg, pos = mb["segment_ids"], mb["positions"]
                     for blk in model.blocks:
-                        x, _ = run_block(self._manual_block, blk, x, seg, pos, remat=self.remat)
+                        x, _ = run_block(self._manual_block, blk, x, seg, pos, *(() if rope is None else (rope,)),
+                                         remat=self.remat)
                     h, aux = model.final_norm(x), zero_aux()
                 loss_sum, count = head_cross_entropy(model, h, mb["targets"], mb["loss_mask"])
                 return loss_sum, count, aux
@@ -449,14 +465,15 @@ class LLMParallel:
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=(p_specs, b_specs, P()), out_specs=(P(), p_specs, P()))
         return fn(params, batch, total)
 
-    def _manual_block(self, blk: nnx.Module, x: jax.Array, seg: jax.Array, pos: jax.Array) -> tuple[jax.Array, dict]:
+    def _manual_block(self, blk: nnx.Module, x: jax.Array, seg: jax.Array, pos: jax.Array,
+                      rope: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """One dense layer per device inside the explicit step: the sequence is this device's cp chunks
         (balanced order; masks come from positions), attention runs over the cp ring or an all-gather."""
         impl = getattr(self.model_cfg, "attention", "auto")
         body = context._ring_body if self.cp_impl == "ring" else context._allgather_body
         extra = ({"attention_impl": impl} if self.cp_impl == "ring"
                  else {"attention_fn": functools.partial(dot_product_attention, impl=impl)})
-        q, k, v = blk.attn.project_qkv(blk.attn_norm(x), pos)
+        q, k, v = _project_qkv(blk, x, pos, rope)
         att = body(q, k, v, seg, seg, pos, pos, axis="cp", size=self.layout.cp, causal=True, **extra)
         x = x + blk.attn.output(att)
         return x + blk.mlp(blk.mlp_norm(x)), zero_aux()

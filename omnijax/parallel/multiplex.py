@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from omnijax.data.packing import ROW_KEYS
 from omnijax.data.payload import LazyRows, global_layout, local_rows, step_rows
 from omnijax.errors import ConfigError
 from omnijax.layers import attention as attention_lib, remat as remat_lib, sequence
@@ -66,7 +67,7 @@ def ulysses_attention(axes: tuple[str, ...]):
     return attend
 
 
-LLM_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+LLM_KEYS = ROW_KEYS  # the per-token row arrays (M-RoPE's rope_positions among them, where the batch has them)
 
 
 def microbatch_views(batch: dict, microbatches: int, encoders: tuple[str, ...]) -> list[dict]:
@@ -483,7 +484,7 @@ class Multiplexer:
     def _put_rows(self, host_batch: dict) -> dict:
         """The LLM arrays placed: a whole batch by taking this host's rows, a host batch of its own rows
         (`rows`: their global indices, laid out by the data plane) as they are."""
-        llm = {k: host_batch[k] for k in LLM_KEYS}
+        llm = {k: host_batch[k] for k in LLM_KEYS if k in host_batch}
         rows, B = local_rows(host_batch), step_rows(host_batch)
         if rows is None or len(rows) == B:
             return self.engine.put_global_batch(llm)
@@ -608,9 +609,11 @@ class Multiplexer:
         part = EncoderPart(model.encoders, model.projectors)
         if self.interleave:
             h, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"],
-                                                    feed=self.feed(part, batch), head=False)
+                                                    feed=self.feed(part, batch), head=False,
+                                                    rope=batch.get("rope_positions"))
         else:
             x = self.inject(part, x, batch)
-            h, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"], head=False)
+            h, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"], head=False,
+                                                    rope=batch.get("rope_positions"))
         loss_sum, count = head_cross_entropy(model.llm, h, batch["targets"], batch["loss_mask"])
         return loss_sum, count, aux

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from omnijax.data.packing import ROW_KEYS
 from omnijax.errors import ConfigError
 
 
@@ -58,7 +59,7 @@ def balance_rows(batch: dict, shards: int, coeffs: tuple[float, float], encoders
     new_of_old = np.empty(B, np.int64)
     new_of_old[order] = np.arange(B)
     out = dict(batch)
-    for k in ("tokens", "targets", "loss_mask", "segment_ids", "positions"):
+    for k in ROW_KEYS:  # M-RoPE's rope_positions move with their row, never recomputed
         if k in batch:
             out[k] = np.asarray(batch[k])[order]
     for name in encoders:

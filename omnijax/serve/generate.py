@@ -8,6 +8,10 @@ end-of-sequence id or `max_new_tokens` is reached. Greedy by default; `temperatu
 nucleus filtering by `top_p`; the random stream of a prompt depends only on (seed, prompt index, step),
 so a sampled answer does not change with the batch it lands in.
 
+M-RoPE models (Qwen2-VL / Qwen2.5-VL): the prompt carries its `rope_positions` as the packer computes them for
+training, and each generated token turns q/k at its cache slot plus the row's delta (`qwen_processor.decode_delta`,
+transformers' `rope_deltas`): text after an image continues from the image's largest position, not from its slot.
+
 Layouts: the parameters and the cache live on the training mesh of `parallel.llm` (dp / fsdp / tp; the
 cache sharded over kv heads under tp and over rows under dp/fsdp); GSPMD inserts the collectives.
 Pipeline and context parallelism are training layouts only (a ConfigError names them). `serve.load.load(DIR,
@@ -27,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from omnijax.data import packing
+from omnijax.data import packing, qwen_processor
 from omnijax.data.sample import Sample
 from omnijax.errors import ConfigError
 from omnijax.models.llm import LLM, init_cache
@@ -108,6 +112,7 @@ class Generator:
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len", "zero_encoders"))
         self._decode = jax.jit(self._decode_impl, static_argnames=("max_new", "sample"))
         self.specs = packing.encoder_specs(self.mm_cfg) if self.multimodal else {}
+        self.mrope = self.multimodal and packing.uses_mrope(self.mm_cfg)
         self.last_timing: dict[str, float] = {}   # the last batch: prefill_s, decode_s, decode_steps
 
     # -------------------------------------------------------------------------------- shardings
@@ -132,12 +137,14 @@ class Generator:
         sh = self.cache_sharding(b, cache_len)
         cache = jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, sh),
                              init_cache(self.llm_cfg, b, cache_len, x.dtype))
-        logits, cache = llm.prefill(x, batch["segment_ids"], batch["positions"], last, cache)
+        logits, cache = llm.prefill(x, batch["segment_ids"], batch["positions"], last, cache,
+                                    rope_positions=batch.get("rope_positions"))
         return logits, jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, sh), cache)
 
-    def _decode_impl(self, params, cache, logits0, lengths, row_ids, live, eos, seed, temperature, top_p, *,
+    def _decode_impl(self, params, cache, logits0, lengths, row_ids, live, eos, seed, temperature, top_p, deltas, *,
                      max_new: int, sample: bool):
-        """(tokens [B, max_new] (pad after a row's end), steps taken); rows with live=False start done."""
+        """(tokens [B, max_new] (pad after a row's end), steps taken); rows with live=False start done.
+        `deltas` [B] (M-RoPE; else None): a new token's rope positions are its cache slot plus its row's delta."""
         llm = nnx.merge(self.graphdef, params, self.rest)
         llm = llm.llm if self.multimodal else llm
         b = logits0.shape[0]
@@ -156,7 +163,9 @@ class Generator:
         def body(carry):
             t, cache, out, done = carry
             prev = jax.lax.dynamic_index_in_dim(out, t - 1, axis=1, keepdims=False)
-            logits, cache = llm.decode(prev, lengths + t - 1, cache)
+            slot = lengths + t - 1
+            rope = None if deltas is None else jnp.repeat((slot + deltas)[:, None], 3, axis=1)
+            logits, cache = llm.decode(prev, slot, cache, rope_positions=rope)
             tok = jnp.where(done, self.pad_id, pick(logits, t))
             out = jax.lax.dynamic_update_index_in_dim(out, tok, t, axis=1)
             return t + 1, cache, out, done | jnp.isin(tok, eos)
@@ -170,7 +179,8 @@ class Generator:
         out = {}
         for k, v in arrays.items():
             v = np.asarray(v)
-            row = k in ("tokens", "segment_ids", "positions", "last", "lengths", "row_ids", "live")
+            row = k in ("tokens", "segment_ids", "positions", "rope_positions", "last", "lengths", "row_ids", "live",
+                        "deltas")
             names = ("batch",) + (None,) * (v.ndim - 1) if row else ()
             out[k] = jax.device_put(v, self._sharding(names, v.shape) if row else self._replicated)
         return out
@@ -196,7 +206,8 @@ class Generator:
                 need = sum(x.shape[0] for f in flats for n, x, _, _ in f.enc if n == name)
                 caps[name] = spec.group * _bucket(-(-need // spec.group), 8)
             layout = packing.Layout(rows, row_len, tuple(sorted(caps.items())))
-            full = packing.pack([[(f, r) for r, f in enumerate(flats)]], layout, self.specs, self.pad_id)
+            full = packing.pack([[(f, r) for r, f in enumerate(flats)]], layout, self.specs, self.pad_id,
+                                rope=self.mrope)
             return {k: v for k, v in full.items() if k not in ("targets", "loss_mask")}
         tokens = np.full((rows, row_len), self.pad_id, np.int32)
         seg = np.zeros((rows, row_len), np.int32)
@@ -249,6 +260,9 @@ class Generator:
         live = np.arange(rows) < len(flats)
         host = {"last": lengths - 1, "lengths": lengths,
                 "row_ids": np.array(ids + [0] * (rows - len(flats)), np.int32), "live": live}
+        if self.mrope:  # what each row's new tokens add to their slot (0 for a text prompt)
+            host["deltas"] = np.array([qwen_processor.decode_delta(batch["rope_positions"][r], int(n))
+                                       for r, n in enumerate(lengths)], np.int32)
         dev = self._put({**batch, **host})
         batch = {k: dev[k] for k in batch}
         t0 = time.perf_counter()
@@ -262,7 +276,7 @@ class Generator:
         tokens, steps = self._decode(params, cache, logits0, dev["lengths"], dev["row_ids"], dev["live"],
                                  jax.device_put(eos_arr, self._replicated),
                                  jnp.int32(cfg.seed), jnp.float32(cfg.temperature if sample else 1.0),
-                                 jnp.float32(cfg.top_p), max_new=cfg.max_new_tokens, sample=sample)
+                                 jnp.float32(cfg.top_p), dev.get("deltas"), max_new=cfg.max_new_tokens, sample=sample)
         tokens, steps = jax.device_get((tokens, steps))
         self.last_timing = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "decode_steps": int(steps) - 1}
         tokens = np.asarray(tokens)
