@@ -21,10 +21,10 @@ SUPPORTED_JAX = ">=0.10.2,<=0.12.0.1"   # keep equal to pyproject.toml's jax req
 # attributes of attributes), why)
 MODULES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "distributed": ("jax._src.distributed", ("global_state.client",),
-                    "the coordination-service client: barriers and PeerWatch's heartbeat (train/launch.py, "
+                    "the coordination-service client: barriers and PeerWatch's heartbeat (train/distributed.py, "
                     "train/loop.py, train/checkpoint.py)"),
     "compilation_cache": ("jax._src.compilation_cache", ("reset_cache",),
-                          "turning the persistent compilation cache off after jax first asked it (train/launch.py)"),
+                          "turning the persistent compilation cache off after jax first asked it (train/distributed.py)"),
     "fused_attention_stablehlo": ("jax._src.cudnn.fused_attention_stablehlo",
                                   ("dot_product_attention", "MaskType.PADDING_CAUSAL", "MaskType.PADDING",
                                    "check_compute_capability", "is_cuda_compute_capability_equal",
@@ -34,7 +34,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "jaxlib_jax": ("jax._src.lib:_jax",
                    ("hlo_module_cost_analysis", "DistributedRuntimeClient.wait_at_barrier",
                     "DistributedRuntimeClient.key_value_set", "DistributedRuntimeClient.key_value_try_get"),
-                   "XLA's cost analysis (train/dryrun.py) and the coordination client's calls (train/launch.py)"),
+                   "XLA's cost analysis (train/dryrun.py) and the coordination client's calls (train/distributed.py)"),
 }
 
 

@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0 if argv else 2
     try:
-        from omnijax.train.launch import cpu_platform_without_accelerator, pop_launch_flags
+        from omnijax.train.distributed import cpu_platform_without_accelerator, pop_launch_flags
 
         argv = pop_launch_flags(argv)
         cpu_platform_without_accelerator()  # before jax starts: no CUDA-plugin traceback on a CPU-only machine
@@ -102,7 +102,8 @@ if __name__ == "__main__":
     import faulthandler
     import signal
 
-    from recipes.launch import supervise, wants_supervisor
+    from omnijax.train.supervisor import wants_supervisor
+    from recipes.launch import supervise
 
     if wants_supervisor(sys.argv[1:], os.environ):  # one process of several: report a death by signal too
         sys.exit(supervise(sys.argv[1:]))
@@ -120,6 +121,6 @@ if __name__ == "__main__":
 
         traceback.print_exc()
         code = 1
-    from omnijax.train.launch import exit_process
+    from omnijax.train.distributed import exit_process
 
     exit_process(code)

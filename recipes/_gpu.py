@@ -14,7 +14,7 @@ def launch_gpu_recipe(name: str, argv: list[str], devices: int) -> int:
     xla_flags.apply_env(xla_flags.for_recipe(name, cfg.parallel.llm))
     import jax
 
-    from omnijax.train.launch import maybe_initialize_distributed
+    from omnijax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed()
     have = jax.device_count()

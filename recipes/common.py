@@ -16,7 +16,7 @@ CONFIGS = Path(__file__).parent / "configs"
 # when jax makes its client, jax.distributed's heartbeat limit when it starts, and the run folder is where a
 # supervisor of the process writes. They are read from the recipe's YAML and the command line alike.
 EARLY = ("parallel.cpu_devices", "parallel.cpu_threads", "trainer.peer_timeout_s", "trainer.run_name")
-PEER_TIMEOUT_ENV = "OMNIJAX_PEER_TIMEOUT_S"  # omnijax.train.launch sizes jax's heartbeat limit from it
+PEER_TIMEOUT_ENV = "OMNIJAX_PEER_TIMEOUT_S"  # omnijax.train.distributed sizes jax's heartbeat limit from it
 
 
 def early_settings(recipe: str, argv: list[str]) -> dict:
@@ -54,7 +54,7 @@ def _devices_and_threads(devices, threads) -> None:
 
 
 def apply_early(settings: dict) -> None:
-    """Put the EARLY settings where jax and omnijax.train.launch read them, before jax starts (devices and
+    """Put the EARLY settings where jax and omnijax.train.distributed read them, before jax starts (devices and
     threads as _devices_and_threads, the peer timeout into PEER_TIMEOUT_ENV)."""
     _devices_and_threads(settings.get("parallel.cpu_devices"), settings.get("parallel.cpu_threads"))
     try:

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     if out.exists():
         raise ConfigError(f"output={out} exists; choose a new folder or remove it (nothing was written)")
     setup_devices(rest)
-    from omnijax.train.launch import maybe_initialize_distributed
+    from omnijax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # one process of a multi-host job: every process restores and gathers, 0 writes
     t0 = time.perf_counter()

@@ -171,7 +171,7 @@ def main(argv: list[str], name: str = "finetune") -> int:
 
     setup_devices(argv)
     cfg = load(argv, name)
-    from omnijax.train.launch import maybe_initialize_distributed
+    from omnijax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed()
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
 
     setup_devices(argv)
     cfg = load_config("tiny_lm", argv)
-    from omnijax.train.launch import maybe_initialize_distributed
+    from omnijax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed()
 

@@ -137,7 +137,7 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
 
     setup_devices(argv)
     cfg = load(argv, name)
-    from omnijax.train.launch import maybe_initialize_distributed
+    from omnijax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # --coordinator/--num-processes/--process-id, or Slurm/MPI/k8s: one job
     t0 = time.perf_counter()

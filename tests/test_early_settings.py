@@ -24,7 +24,7 @@ def probe(tmp_path, monkeypatch):
     seen = {}
 
     def main(argv):
-        from omnijax.train.launch import _heartbeat_s
+        from omnijax.train.distributed import _heartbeat_s
 
         seen.update(xla=os.environ.get("XLA_FLAGS", ""), nproc=os.environ.get("NPROC"), heartbeat=_heartbeat_s(),
                     run_name=common.load_config("probe", argv).trainer.run_name)
@@ -36,8 +36,8 @@ def probe(tmp_path, monkeypatch):
 
 
 def test_yaml_settings_take_effect_before_the_recipe_starts(probe):
-    from omnijax.train.launch import _BACKSTOP_S
-    from recipes.launch import _checkpoint_dir
+    from omnijax.train.distributed import _BACKSTOP_S
+    from recipes.launch import checkpoint_dir as _checkpoint_dir
 
     assert cli.main(["probe"]) == 0
     assert "--xla_force_host_platform_device_count=3" in probe["xla"] and probe["nproc"] == "5"
@@ -47,8 +47,8 @@ def test_yaml_settings_take_effect_before_the_recipe_starts(probe):
 
 
 def test_the_command_line_still_wins_over_the_yaml(probe):
-    from omnijax.train.launch import _BACKSTOP_S
-    from recipes.launch import _checkpoint_dir
+    from omnijax.train.distributed import _BACKSTOP_S
+    from recipes.launch import checkpoint_dir as _checkpoint_dir
 
     argv = ["parallel.cpu_devices=2", "parallel.cpu_threads=4", "trainer.peer_timeout_s=11", "trainer.run_name=cli"]
     assert cli.main(["probe", *argv]) == 0
@@ -61,13 +61,13 @@ def test_the_command_line_still_wins_over_the_yaml(probe):
 def test_a_recipe_without_a_yaml_and_a_stale_parent_value(probe, monkeypatch):
     """No YAML: the command line alone; a peer timeout set nowhere is the default, not one a parent left in
     the environment; the recipe name is the run name when nothing sets it."""
-    from omnijax.train.launch import _BACKSTOP_S, DEFAULT_PEER_TIMEOUT_S
+    from omnijax.train.distributed import _BACKSTOP_S, DEFAULT_PEER_TIMEOUT_S
 
     monkeypatch.setenv(common.PEER_TIMEOUT_ENV, "3")
     assert common.early_settings("no_such_yaml", ["RUN_DIR", "--flag", "parallel.cpu_devices=6"]) == {
         "parallel.cpu_devices": 6}
     common.before_jax("no_such_yaml", [])
-    from omnijax.train.launch import _heartbeat_s
+    from omnijax.train.distributed import _heartbeat_s
 
     assert _heartbeat_s() == int(DEFAULT_PEER_TIMEOUT_S) + _BACKSTOP_S
     (common.CONFIGS / "plain.yaml").write_text("trainer:\n  steps: 2\n")

@@ -15,7 +15,7 @@ from flax import nnx
 
 from omnijax.config import from_dict
 from omnijax.mm_config import MMConfig
-from recipes.launch import free_port
+from omnijax.train.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MM = {"llm": {"vocab_size": 256, "embed_dim": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "head_dim": 16,
@@ -77,7 +77,7 @@ def test_export_runs_on_every_process_and_writes_what_one_process_writes(tmp_pat
 
 _CACHE_PROBE = """
 import os, sys
-import omnijax.train.launch as launch
+import omnijax.train.distributed as launch
 from jaxlib import version
 if sys.argv[1] == "guarded":  # the guard as it acts where the installed jaxlib is one that hangs
     launch.CACHE_HANGS_GLOO = frozenset({version.__version__})

@@ -170,7 +170,7 @@ def test_the_launcher_reports_the_lost_process_not_its_survivor():
     line names process 1 whichever the survivor did (the race once named process 0's SIGABRT)."""
     import signal as sig
 
-    from recipes.launch import _why, first_cause
+    from omnijax.train.supervisor import exit_reason as _why, first_cause
 
     killed = -int(sig.SIGKILL)
     assert first_cause([(0, -int(sig.SIGABRT)), (1, killed)]) == (1, killed)
@@ -188,7 +188,7 @@ def test_a_save_broken_by_a_lost_peer_is_told_from_a_disk_fault(tmp_path):
     a disk fault or any other user error does not (CI once saw the survivor print the save error instead)."""
     import jax
 
-    from omnijax.train.launch import peer_error
+    from omnijax.train.distributed import peer_error
 
     runtime = jax.errors.JaxRuntimeError  # what jax raises when a collective or the coordination service fails
     ck = Checkpointer(tmp_path / "checkpoints", async_save=False)
@@ -215,7 +215,7 @@ def test_a_save_broken_by_a_lost_peer_is_told_from_a_disk_fault(tmp_path):
 def test_the_compilation_cache_is_turned_off_only_where_the_installed_jaxlib_hangs_on_it():
     """jaxlib 0.12.1: process 0 of a CPU (gloo) group that loads a cached program hangs in step 1 (CI saw the
     launched group below stall for 300 s); one process, other jaxlibs, or no cache folder keep the cache."""
-    from omnijax.train.launch import CACHE_HANGS_GLOO, cache_hangs
+    from omnijax.train.distributed import CACHE_HANGS_GLOO, cache_hangs
 
     assert "0.12.1" in CACHE_HANGS_GLOO
     assert cache_hangs("0.12.1", "cpu", "gloo", 2, "/tmp/cache")
@@ -228,7 +228,7 @@ def test_the_compilation_cache_is_turned_off_only_where_the_installed_jaxlib_han
 
 _EXIT_PAIR = """
 import time
-from omnijax.train import launch
+from omnijax.train import distributed as launch
 launch.maybe_initialize_distributed()
 watch = launch.peer_watch()
 real = watch.client
@@ -258,7 +258,7 @@ def test_a_finished_process_exits_cleanly_while_its_peer_watch_is_busy(tmp_path)
     race is made deterministic: every read of the watch blocks 2 s inside a native client call, so at exit a
     thread is always inside one. Without `PeerWatch.close` at exit both processes abort (checked: rc 134);
     with it, close waits for the thread to leave the call and both exit 0."""
-    from recipes.launch import free_port
+    from omnijax.train.supervisor import free_port
 
     port = free_port()
     procs = []
@@ -289,7 +289,7 @@ def test_a_lost_process_stops_the_survivor_in_one_line_and_launch_restarts_the_g
     # line and exit 75. Either its peer watch prints the line, or (2 runs in 10 here) gloo's transport thread
     # first receives a message of a size it did not expect and aborts the process: then its supervisor
     # (`python -m recipes` with --coordinator runs the recipe as its child) prints it (docs/reliability.md)
-    from recipes.launch import free_port
+    from omnijax.train.supervisor import free_port
 
     port = free_port()
     procs = [_recipes([*common, "trainer.run_name=pair", "trainer.peer_timeout_s=5", "--coordinator",
@@ -342,7 +342,7 @@ def test_a_supervisor_names_what_a_signal_ended(tmp_path):
     """`python -m recipes NAME --coordinator ...` runs the recipe as its child: a child that gloo aborts
     (the text CI's survivor left in its native log) ends in the peer-lost line and exit 75; any other
     death by signal is named, with the end of the native log, and passed on."""
-    from recipes.launch import describe_death, process_of, wants_supervisor
+    from omnijax.train.supervisor import describe_death, process_of, wants_supervisor
 
     runs = tmp_path / "runs"
     (runs / "pair" / "checkpoints" / "8").mkdir(parents=True)
@@ -538,8 +538,8 @@ def _launch(tmp_path: Path, codes: str, max_restarts: int = 5) -> tuple[int, int
 
 
 def test_launch_restarts_a_preemption_but_not_a_divergence_or_the_same_crash_twice(tmp_path):
-    from omnijax.train.launch import EXIT_DIVERGED, EXIT_PREEMPTED
-    from recipes.launch import same_failure
+    from omnijax.train.distributed import EXIT_DIVERGED, EXIT_PREEMPTED
+    from omnijax.train.supervisor import same_failure
 
     rc, attempts, err = _launch(tmp_path, f"{EXIT_PREEMPTED},0")             # preempted (saved): restarted
     assert (rc, attempts) == (0, 2) and f"process 0 was preempted: it saved and stopped (exit {EXIT_PREEMPTED})" in err
@@ -558,7 +558,7 @@ def test_slurm_requeue_does_not_depend_on_task_0(tmp_path):
     """Task 1 (task 0 may be the one that died) fails restartably: it asks Slurm to requeue the job itself."""
     import argparse
 
-    from omnijax.train.launch import EXIT_PEER_LOST
+    from omnijax.train.distributed import EXIT_PEER_LOST
     from recipes.launch import run_slurm
 
     bin_dir = tmp_path / "bin"
@@ -582,7 +582,7 @@ def test_slurm_requeue_does_not_depend_on_task_0(tmp_path):
 
 def test_the_peer_watch_judges_beats_by_its_clock():
     """PeerWatch's judgement with an injected clock and coordination client: no wall time, no load."""
-    from omnijax.train.launch import PeerWatch
+    from omnijax.train.distributed import PeerWatch
 
     class Client:
         def __init__(self):

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from omnijax.parallel import hosts
 from omnijax.parallel.mesh import MESH_AXES
-from recipes.launch import free_port
+from omnijax.train.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,7 +196,7 @@ def test_tiny_omni_two_processes_match_one_device(tmp_path):
 _LONGER = """
 import os, sys, time
 from pathlib import Path
-from omnijax.train import launch
+from omnijax.train import distributed as launch
 launch.SHUTDOWN_TIMEOUT_S = 5    # jax's shutdown barrier (300 s by default), lowered so the race shows in seconds
 launch._BACKSTOP_S = 10          # jax's heartbeat limit = peer timeout + this: 15 s here, not 35 s
 argv = launch.pop_launch_flags(sys.argv[1:])
@@ -268,7 +268,7 @@ def test_a_preempted_pair_stops_at_one_step_and_exits_143(tmp_path):
     import signal
     import time
 
-    from omnijax.train.launch import EXIT_PREEMPTED
+    from omnijax.train.distributed import EXIT_PREEMPTED
 
     args = [*TINY_LM, "trainer.steps=400", "trainer.checkpoint_every=100", "trainer.hang_timeout_s=120"]
     two = _two_processes("tiny_lm", args, tmp_path, "preempted")

@@ -50,7 +50,7 @@ def test_preemption_then_resume_reproduces_the_loss_curve(tmp_path, reference):
     # SIGTERM arrives on a step that is also a periodic checkpoint (6): saved once, then stop
     first = _trainer(tmp_path, 8, ["trainer.checkpoint_every=3"], hooks=(preempt_at_6,)).fit()
     assert first.status == "preempted" and int(first.state.step) == 6
-    from omnijax.train.launch import EXIT_PREEMPTED
+    from omnijax.train.distributed import EXIT_PREEMPTED
     assert first.exit_code == EXIT_PREEMPTED != 0  # saved but not finished: a scheduler must not mark it done
     ckpt = Checkpointer(tmp_path / "checkpoints")
     assert ckpt.latest_step() == 6 and 3 in ckpt.all_steps()
@@ -145,7 +145,7 @@ def test_a_nan_gradient_streak_stops_naming_the_last_good_checkpoint(tmp_path):
     same command with that lr resumes from 4."""
     import jax.numpy as jnp
 
-    from omnijax.train.launch import EXIT_DIVERGED
+    from omnijax.train.distributed import EXIT_DIVERGED
 
     class Poisoned(IndexedLoader):
         def __next__(self):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from flax import nnx
@@ -101,14 +101,16 @@ def load_llm_params(path: str | Path, target: Any) -> nnx.State:
     return load_params(index, tensors, target, str(path))
 
 
-def load_llm(path: str | Path) -> nnx.Module:
-    """The omnijax LLM of a Llama/Qwen2 folder on one device (jax's first), read by the sharded reader: for
-    tests, benches and tools that want the module itself; a layout's shardings go through `load_llm_params`."""
+def load_llm(path: str | Path, target: Callable[[nnx.Module], Any] | None = None) -> nnx.Module:
+    """The omnijax LLM of a Llama/Qwen2 folder, read by the sharded reader. `target(abstract model)` gives its
+    Param state's ShapeDtypeStructs in the shardings to read into (serving's layout: each host reads only its
+    shards); without it, on one device (jax's first), for tests, benches and tools."""
     from omnijax.models.llm import LLM
 
     cfg = llm_config_from_folder(path)
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: LLM(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
-    return nnx.merge(graphdef, load_llm_params(path, params), rest)
+    abstract = nnx.eval_shape(lambda: LLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    return nnx.merge(graphdef, load_llm_params(path, params if target is None else target(abstract)), rest)
 
 
 def _whisper_prefix(index: TensorIndex) -> str:

@@ -88,18 +88,14 @@ def _target(layout: str, devices: list | None):
 
 
 def load_hf(path: str | Path, layout: str = "", devices: list | None = None) -> Served:
-    """A Llama/Qwen2 folder read with sharded safetensors slices (``interop.pretrained.load_llm_params``)."""
+    """A Llama/Qwen2 folder read with sharded safetensors slices into the layout (``interop.pretrained.load_llm``)."""
     from omnijax.data.tokenizer import load_tokenizer
     from omnijax.interop import pretrained
-    from omnijax.models.llm import LLM
 
     p = Path(path)
     if not (p / "tokenizer.json").is_file():
         raise UserError(f"{p}: no tokenizer.json next to the weights; copy the model's tokenizer files into it")
-    cfg = pretrained.llm_config_from_folder(p)
-    abstract = nnx.eval_shape(lambda: LLM(cfg, rngs=nnx.Rngs(0)))
-    graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
-    model = nnx.merge(graphdef, pretrained.load_llm_params(p, _target(layout, devices)(abstract)), rest)
+    model = pretrained.load_llm(p, _target(layout, devices))
     tok = load_tokenizer(str(p))
     return Served(model, tok, _eos_ids(tok, p), "hf", {"folder": str(p)})
 

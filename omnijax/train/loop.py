@@ -20,7 +20,7 @@ from omnijax.config import Config, to_dict
 from omnijax.errors import UserError
 from omnijax.train import metrics as metrics_lib
 from omnijax.train.checkpoint import Checkpointer, CheckpointSaveError, abstract_like
-from omnijax.train.launch import EXIT_DIVERGED, EXIT_PREEMPTED
+from omnijax.train.distributed import EXIT_DIVERGED, EXIT_PREEMPTED
 from omnijax.models import adapters
 from omnijax.train.optimizer import learning_rate_schedule, make_optimizer
 from omnijax.train.parts import Partition
@@ -194,7 +194,7 @@ class Trainer:
                              if cfg.trainer.checkpoint_every else None)
         self.peer_watch = None
         if jax.process_count() > 1:  # losing a peer: one line per survivor, native dumps into the run folder
-            from omnijax.train.launch import native_log, peer_watch, redirect_native_stderr
+            from omnijax.train.distributed import native_log, peer_watch, redirect_native_stderr
 
             redirect_native_stderr(native_log(self.run_dir, jax.process_index()))
             self.peer_watch = peer_watch()
@@ -266,13 +266,9 @@ class Trainer:
         return step
 
     def _mend_metrics(self) -> None:
-        """Keep every row logged before the resume (the steps redone are appended again, so the file shows
-        both: a later row of a step supersedes an earlier one); drop a last row cut short by a kill."""
-        path = self.run_dir / "metrics.jsonl"
-        if jax.process_index() == 0 and path.exists():
-            text = path.read_text()
-            if text and not text.endswith("\n"):
-                path.write_text(text[: text.rfind("\n") + 1])
+        """Before the resumed run appends to metrics.jsonl (process 0 writes it): `metrics.mend_metrics`."""
+        if jax.process_index() == 0:
+            metrics_lib.mend_metrics(self.run_dir / "metrics.jsonl")
 
     def _save(self, step: int, force: bool = False) -> None:
         if self.checkpointer:  # the consumed position (batches prefetched beyond it are read again on resume)
@@ -417,7 +413,7 @@ class Trainer:
 
     def _peer_verdict(self, exc: BaseException) -> None:
         """A collective (or a save's) failure caused by a lost process: let the watch name it (it exits 75)."""
-        from omnijax.train.launch import peer_error
+        from omnijax.train.distributed import peer_error
 
         if self.peer_watch is not None and peer_error(exc):
             self.peer_watch.verdict(self.cfg.trainer.peer_timeout_s + 5)

@@ -1,6 +1,6 @@
 """A training loop that stops making progress ends the process, so a restart can fix it.
 
-A lost process is caught by `launch.PeerWatch`. A process that is alive but stuck is not: a collective
+A lost process is caught by `distributed.PeerWatch`. A process that is alive but stuck is not: a collective
 waiting on a peer that never enters it, a read from a hung mount, a deadlock. Its heartbeats go on, and
 the job holds every accelerator while doing nothing, with no error (jax's own timeouts cover start-up and
 dead processes only). `HangWatch` runs beside the loop: when no step has finished for

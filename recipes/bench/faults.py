@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from omnijax.train.launch import EXIT_DIVERGED, EXIT_PREEMPTED
+from omnijax.train.distributed import EXIT_DIVERGED, EXIT_PREEMPTED
+from omnijax.train.metrics import read_metrics
+from omnijax.utils import read_jsonl
 
 DESCRIPTION = ("faults injected on the tiny recipes (damaged checkpoint, failed save, SIGKILL under launch, SIGTERM "
                "during an async save, truncated shard, undecodable media, changed config on resume, I/O error on "
@@ -86,18 +88,13 @@ def _runs() -> Path:
     return Path(os.environ.get("OMNIJAX_RUNS", "runs"))
 
 
+def _metrics(name: str) -> list[dict]:
+    """Run `name`'s metrics rows by the resume rule (`metrics.read_metrics`)."""
+    return read_metrics(_runs() / name / "metrics.jsonl")
+
+
 def losses(name: str) -> dict[int, float]:
-    out = {}
-    path = _runs() / name / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "loss" in r:
-                out[int(r["step"])] = float(r["loss"])
-    return out
+    return {int(r["step"]): float(r["loss"]) for r in _metrics(name) if "loss" in r}
 
 
 def _lm_args(b: FaultsBench, name: str, *extra: str) -> list[str]:
@@ -123,19 +120,13 @@ def _wait_step(name: str, step: int, run: Run, timeout: float) -> float | None:
 
 
 def _row_count(name: str) -> int:
-    path = _runs() / name / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    """Complete rows in run `name`'s metrics.jsonl as written (every attempt's, in the order logged)."""
+    return len(read_jsonl(_runs() / name / "metrics.jsonl"))
 
 
 def _steps_after(name: str, n: int) -> list[int]:
-    path = _runs() / name / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines()[n:] if path.exists() else []:
-        try:
-            out.append(int(json.loads(line)["step"]))
-        except (ValueError, KeyError):
-            pass
-    return out
+    """The steps of the rows logged after the first `n` (those of the attempts since)."""
+    return [int(r["step"]) for r in read_jsonl(_runs() / name / "metrics.jsonl")[n:] if "step" in r]
 
 
 def _delta(ref: dict, got: dict, steps) -> float | None:
@@ -305,8 +296,7 @@ def truncated_shard(b: FaultsBench, ref: dict) -> Iterator[dict]:
     run = Run([*common, "trainer.run_name=bench_faults_shard_skip", "data.bad_shards=skip"])
     rc = run.wait(b.timeout_s)
     warn = run.first("skipping damaged shard")
-    rows = [json.loads(l) for l in (_runs() / "bench_faults_shard_skip" / "metrics.jsonl").read_text().splitlines()] \
-        if (_runs() / "bench_faults_shard_skip" / "metrics.jsonl").exists() else []
+    rows = _metrics("bench_faults_shard_skip")
     skipped = rows[-1].get("skipped_shards") if rows else None
     ok = rc == 0 and warn is not None and skipped == 1
     yield _row("truncated_shard_skip", "survived" if ok else "FAILED", warn and warn[0] - fault_at, None, None, None,
@@ -340,8 +330,7 @@ def undecodable_media(b: FaultsBench, ref: dict) -> dict:
     run = Run(["tiny_omni", f"data.sources=[{src}]", "trainer.steps=4", f"trainer.run_name={name}",
                "trainer.checkpoint_every=0", "trainer.progress=false", "trainer.log_every=1"])
     rc = run.wait(b.timeout_s)
-    path = _runs() / name / "metrics.jsonl"
-    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    rows = _metrics(name)
     skipped = max((r.get("skipped_bad_records", 0) for r in rows), default=None)
     warn = run.first("skipped bad record")
     ok = rc == 0 and bool(skipped) and len(rows) == 4

@@ -164,7 +164,7 @@ def child(folder: str, layout: str) -> None:
     from omnijax.interop import pretrained
     from omnijax.models.llm import LLM
     from omnijax.parallel.engine import LLMParallel
-    from omnijax.train.launch import maybe_initialize_distributed
+    from omnijax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed()
     cfg = pretrained.llm_config_from_folder(folder)
@@ -221,7 +221,7 @@ def launch(folder: Path, b: BenchConfig, processes: int) -> list[dict]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "BENCH_REPEATS": str(b.repeats),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}"}
     cmd = [sys.executable, "-m", "recipes.bench.load", "--child", str(folder), b.layout]
-    from recipes.launch import free_port
+    from omnijax.train.supervisor import free_port
 
     port = free_port()
     procs = []
