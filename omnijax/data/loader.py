@@ -19,6 +19,13 @@ order; only then are a step's samples spread over the dp ranks (`balance.spread_
 where they run, never whether. A sample whose encoder rows exceed the step's capacity is not dropped:
 its window plans at a larger bucket (the capacity doubled until it fits, a bounded set of programs).
 
+Planning groups (`omnijax.data.groups`): a step of more than `data.plan_rows` rows (default 256) is
+planned as independent groups of global rows, each with its own draws (a lane of the mixer), its own
+deferred samples and its share of the step capacity; the step's samples are the union of the groups',
+still the same on every layout. A host that plans only the groups its ranks hold (`plan_local`) does
+work that does not grow with the number of hosts. A step of at most `plan_rows` rows is one group: the
+plan described above, unchanged.
+
 Bad data: a sample whose metadata is invalid, or a sample with media that has more LLM tokens than a
 row holds (it may not be split; `recipes convert` refuses such samples), is skipped at planning
 (identically on every host and layout), counted in `dropped_total`, and reported once at WARNING with
@@ -120,7 +127,7 @@ class WindowPlan:
     selection: balance.Plan | None = None   # layout-free: bins ordered (step in window, microbatch)
     encoder_rows: tuple[int, ...] = ()      # the step capacity per encoder this window planned with
     next_start: tuple = ()                  # per planning group: the WindowStart of the next window
-    starts: tuple = ()                      # per planning group: the WindowStart of this window (`start`: the first planned)
+    starts: tuple = ()                      # per planning group: this window's WindowStart (`start`: the first planned's)
     groups: tuple[int, ...] = (0,)          # the planning groups this plan holds (bins of other ranks empty)
 
 
@@ -303,7 +310,7 @@ class Loader:
                 if G.rows >= G.rank_rows:  # the group holds whole ranks
                     p = balance.spread_step(sel, by_key, len(ranks), M, self.capacity)
                 else:  # a rank holds several groups: this one at its rows' offset
-                    p = balance.spread_step(sel, by_key, 1, M, balance.Capacity(G.rows, cfg.row_len, self.capacity.enc))
+                    p = balance.spread_step(sel, by_key, 1, M, balance.Capacity(G.rows, cfg.row_len))
                     p = balance.Plan(tuple(tuple((k, r + off) for k, r in b) for b in p.bins), p.loads)
                 for q, r in enumerate(ranks):
                     for m in range(M):
@@ -316,11 +323,11 @@ class Loader:
         by_key = {it.key: it for it in items}
         plan = balance.Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
         deferred = tuple(entries[k] for k in plan.unplaced)
-        per_step_bins = cfg.dp * M
+        planned = sorted({r for j in self.plan_groups for r in G.ranks(j)})  # the other ranks' bins are empty
         layouts = []
         for g in range(cfg.window):
             rows_need, len_need, enc_need = 1, 1, {n: 0 for n in self.enc_names}
-            for b in plan.bins[g * per_step_bins: (g + 1) * per_step_bins]:
+            for b in (plan.bins[(g * cfg.dp + r) * M + m] for r in planned for m in range(M)):
                 rows_need = max(rows_need, 1 + max((r for _, r in b), default=0))
                 fill: dict[int, int] = {}
                 for k, r in b:
@@ -345,7 +352,7 @@ class Loader:
         first = self.plan_groups[0]
         return WindowPlan(step0, tuple(entries), plan, tuple(layouts), tuple(dropped), split, tuple(items),
                           start[first], deferred, next_start[first].prefix, tuple(metas), selection,
-                          tuple(enc_rows), tuple(next_start), self.plan_groups, tuple(start))
+                          tuple(enc_rows), next_start=tuple(next_start), starts=tuple(start), groups=self.plan_groups)
 
     def _select(self, items: list[balance.Item], entries: list[Entry], cap: balance.Capacity) -> balance.Plan:
         """Which samples form each step of the window: a function of the items and the capacity only (no ranks)."""

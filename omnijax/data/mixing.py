@@ -172,38 +172,45 @@ class Mixer:
         recs, _ = self._records(labels, self.prefix(step))
         return labels.astype(np.int32), recs
 
-    def _records(self, labels: np.ndarray, prefix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _records(self, labels: np.ndarray, prefix: np.ndarray, lane: int = 0,
+                 lanes: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Record ids of draws from sources `labels` (in slot order) after `prefix` earlier draws of each
-        source, and the draws per source: each source walks one permutation of its records per epoch."""
+        source, and the draws per source: each source walks one permutation of its records per epoch.
+        With `lanes` > 1, this lane's d-th draw of a source is the source's draw d * lanes + lane: lanes
+        that draw independently (planning groups) walk disjoint positions of the same permutations."""
         rank = np.zeros(len(labels), np.int64)
         seen = np.zeros(len(self.sizes), np.int64)
         for slot, k in enumerate(labels):
             rank[slot] = seen[k]
             seen[k] += 1
-        draws = prefix[labels] + rank
+        draws = (prefix[labels] + rank) * lanes + lane
         n = self.sizes[labels]
         epoch, pos = draws // n, draws % n
         recs = np.array([_position(int(p), int(m), _seed32(self.seed, int(k), int(e)))
                          for p, m, k, e in zip(pos, n, labels, epoch)], np.int64)
         return recs, seen
 
-    def draw(self, prefix: np.ndarray, step: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def draw(self, prefix: np.ndarray, step: int, n: int, lane: int = 0,
+             lanes: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`n` draws with the schedule's weights at `step`, continuing each source's sequence at `prefix`
         (draws of each source so far): (source ids [n], record ids [n], the new prefix).
 
         For callers that draw a varying number of samples per step (the loader draws only what its
         deferred samples leave room for): each source still walks through its records one epoch (a
-        fresh permutation) at a time, and the result is a pure function of (seed, prefix, step, n)."""
+        fresh permutation) at a time, and the result is a pure function of (seed, prefix, step, n).
+        `lane` of `lanes`: one of several independent draws (`_records`), each with its own slot order."""
         prefix = np.asarray(prefix, np.int64)
         if n <= 0:
             return np.zeros(0, np.int32), np.zeros(0, np.int64), prefix.copy()
         cdf = np.cumsum(self.schedule.at(np.array([step], np.int64))[0])
         cdf[-1] = 1.0
-        edges = np.clip(np.ceil(cdf * n - _u(self.seed ^ 0x5EED, np.array([step]))[0]).astype(np.int64), 0, n)
+        salt = [] if lanes == 1 else [lane, lanes]  # one lane: the draws of a loader without groups
+        u = _u(self.seed ^ 0x5EED, np.array([step * lanes + lane]))[0]
+        edges = np.clip(np.ceil(cdf * n - u).astype(np.int64), 0, n)
         counts = np.diff(np.concatenate([[0], edges]))
         labels = np.repeat(np.arange(len(self.sizes)), counts)
-        labels = labels[np.random.default_rng([self.seed, step, n, 0x647277]).permutation(n)]
-        recs, seen = self._records(labels, prefix)
+        labels = labels[np.random.default_rng([self.seed, step, n, 0x647277, *salt]).permutation(n)]
+        recs, seen = self._records(labels, prefix, lane, lanes)
         return labels.astype(np.int32), recs, prefix + seen
 
     def index(self, i: int) -> tuple[int, int]:

@@ -1,0 +1,90 @@
+"""Planning groups: a step's rows planned in independent groups stay layout-free, and a host that plans
+only its own groups gets exactly the rows the whole-step plan gives its ranks."""
+import numpy as np
+import pytest
+
+from omnijax.data.groups import Groups
+from omnijax.data.loader import Loader, LoaderConfig
+from omnijax.data.mixing import Mixer, Schedule
+from omnijax.data.sources import SourceSpec
+from omnijax.errors import ConfigError
+
+BASE = dict(sources=[SourceSpec("world")], samples_per_step=64, microbatches=1, window=4, row_len=128,
+            fixed_shapes=True, encoder_rows={"vision": 320, "audio": 256}, seed=0, plan_rows=4)
+
+
+@pytest.fixture(scope="module")
+def world():
+    from recipes.tiny_omni import load
+
+    cfg = load([])
+    return cfg.model, cfg.world
+
+
+def _loader(world, dp, **kw):
+    return Loader(LoaderConfig(dp=dp, max_rows=16 // dp, **BASE), mm_cfg=world[0], world_cfg=world[1], **kw)
+
+
+def _steps(loader, windows):
+    out = []
+    for w in range(windows):
+        wp = loader.window_plan(w)
+        per = loader.cfg.dp * loader.cfg.microbatches
+        for g in range(loader.cfg.window):
+            out.append(sorted((e.source, e.record, e.piece) for b in wp.plan.bins[g * per:(g + 1) * per]
+                              for e in (wp.entries[k] for k, _ in b)))
+    return out
+
+
+def test_groups_tile_the_step_and_align_with_ranks():
+    g = Groups.of(dp=8, rank_rows=2, plan_rows=4)
+    assert (g.count, g.rows) == (4, 4) and list(g.ranks(1)) == [2, 3] and g.of_ranks([3, 4]) == [1, 2]
+    one = Groups.of(dp=1, rank_rows=16, plan_rows=4)   # one rank holds all four groups, each at its rows
+    assert [one.row_offset(j) for j in range(4)] == [0, 4, 8, 12] and one.of_ranks([0]) == [0, 1, 2, 3]
+    assert Groups.of(dp=64, rank_rows=2).count == 1    # a step of <= PLAN_ROWS rows: one group, the plan as before
+    assert Groups.of(dp=4, rank_rows=3, plan_rows=6).count == 2  # a group holds two whole ranks
+    with pytest.raises(ConfigError, match="plan_rows"):
+        Groups.of(dp=3, rank_rows=4, plan_rows=6)      # groups of 6 rows would cut ranks of 4
+
+
+def test_mixer_lanes_draw_disjoint_records():
+    mixer = Mixer([97, 50], Schedule.uniform(["a", "b"]), seed=3, batch_size=8)
+    base = mixer.draw(np.zeros(2, np.int64), 5, 20)
+    same = mixer.draw(np.zeros(2, np.int64), 5, 20, 0, 1)
+    assert all(np.array_equal(x, y) for x, y in zip(base, same))      # one lane: the draws without lanes
+    lanes = [mixer.draw(np.zeros(2, np.int64), 5, 20, j, 3) for j in range(3)]
+    for k in range(2):
+        recs = [r for src, rec, _ in lanes for s, r in zip(src.tolist(), rec.tolist()) if s == k]
+        assert len(recs) == len(set(recs))                            # no record twice within the epoch
+
+
+def test_grouped_plan_is_layout_free_and_host_local(world):
+    loaders = {dp: _loader(world, dp) for dp in (1, 2, 8)}
+    assert loaders[8].groups.count == 4
+    streams = {dp: _steps(lo, 3) for dp, lo in loaders.items()}
+    assert streams[1] == streams[2] == streams[8]
+    assert all(len(s) > 16 for s in streams[1])                      # real steps: more samples than rows
+    for lo in loaders.values():
+        assert lo.metrics(8)["dropped_total"] == 0
+        wp = lo.window_plan(1)
+        placed = [k for b in wp.plan.bins for k, _ in b]
+        assert len(placed) == len(set(placed)) and not set(placed) & set(wp.plan.unplaced)
+    # a host of ranks 0-3 plans groups 0 and 1 only, and its ranks' bins are the whole plan's
+    host = _loader(world, 8, ranks=range(4), plan_local=True)
+    for w in range(3):
+        mine, full = host.window_plan(w), loaders[8].window_plan(w)
+        assert mine.groups == (0, 1) and len(mine.items) < len(full.items)
+        for g in range(4):
+            for r in range(4):
+                b = g * 8 + r
+                assert [mine.entries[k] for k, _ in mine.plan.bins[b]] == [full.entries[k] for k, _ in full.plan.bins[b]]
+                assert [r_ for _, r_ in mine.plan.bins[b]] == [r_ for _, r_ in full.plan.bins[b]]
+    half = host.host_batch(5)["microbatches"][0]["tokens"]
+    assert np.array_equal(half, loaders[8].host_batch(5)["microbatches"][0]["tokens"][:8])
+    # resume from a grouped state: the same windows again
+    loaders[2].step = 8
+    state = loaders[2].state()
+    assert len(state["starts"]) == 4
+    again = _loader(world, 2)
+    again.restore(state)
+    assert _steps(again, 3)[8:] == streams[2][8:]
