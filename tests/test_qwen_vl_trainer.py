@@ -50,7 +50,9 @@ def setup():
                                "modalities": {"image": "vision", "video": "vision"}})
     specs = packing.encoder_specs(cfg)
     trio = [_sample(0, [(12, 20, 3)]), _sample(1), _sample(2, [(4, 8, 16, 3)], fps=1.0)]   # 60 + 64 patch rows
-    others = [_sample(3, [(16, 12, 3)]), _sample(4, [(4, 16, 16, 3)], fps=2.0),            # a long video: 128 rows
+    # a long video: 3 x 6 x 10 patches, 180 rows; over an esp pair it splits after 92 rows, inside its second
+    # frame, a merged row and a window
+    others = [_sample(3, [(16, 12, 3)]), _sample(4, [(6, 12, 20, 3)], fps=2.0),
               _sample(5, [(8, 8, 3), (12, 8, 3)]), _sample(6, [(20, 12, 3)])]
     flats = [packing.flatten(s, cfg, specs) for s in trio + others]
     entries = [(f, 0) for f in flats[:3]] + [(f, r + 1) for r, f in enumerate(flats)]
@@ -110,6 +112,9 @@ def _check(setup, layout, encoder_layout, **kw):
 def test_dp_tp_cp_with_a_video_split_over_esp(setup):
     plan = _check(setup, "dp2xtp2xcp2", "edp4xesp2")
     assert plan.stats["long_segments"] > 0  # the long video ran split over an esp pair
+    long = plan.arrays["vision_long_segment_ids"]  # [devices, rows]: each device's chunk keeps whole 2x2 groups
+    chunks = [np.bincount(ids[ids > 0]) for ids in long]
+    assert max(int(c.max(initial=0)) for c in chunks) > 0 and all((c % 4 == 0).all() for c in chunks)
 
 
 def test_fsdp_cp_explicit_step(setup):
@@ -120,3 +125,34 @@ def test_fsdp_cp_explicit_step(setup):
 @pytest.mark.slow
 def test_pipeline_with_encoders_interleaved(setup):
     _check(setup, "pp2xdp2xtp2", "edp4xesp2", interleave=True, microbatches=2)
+
+
+def test_video_fps_travels_from_the_file_to_the_shard_metadata_and_the_rope_positions(tmp_path):
+    """A clip's kept-frame rate (min(media.video_fps, the stream's rate), or frames spread over the clip when
+    capped) is measured from the container's headers, kept in the record header and the shard's sidecar, and
+    times the video's M-RoPE temporal positions; a clip slower than video_fps keeps its own rate."""
+    import json
+
+    from omnijax.config import MediaConfig
+    from omnijax.data import media, records
+    from omnijax.data.sources import JsonlSource
+
+    frames = np.random.RandomState(0).rand(12, 16, 16, 3).astype(np.float32)
+    media.write_video(tmp_path / "slow.mp4", frames, fps=1.0)   # 12 s at 1 fps: every frame kept, 1 fps
+    media.write_video(tmp_path / "fast.mp4", frames, fps=8.0)   # 1.5 s at 8 fps: kept at video_fps=4
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"segments": [{"text": "a"}, {"video": name}]})
+                                                for name in ("slow.mp4", "fast.mp4")) + "\n")
+    src = JsonlSource("d", str(tmp_path / "d.jsonl"), media_cfg=MediaConfig(video_fps=4.0))
+    metas = [src.meta(i) for i in range(2)]
+    assert [m.segments[1].fps for m in metas] == [1.0, 4.0]
+    assert [m.segments[1].shape[0] for m in metas] == [12, 6]
+    samples = [src.get(i) for i in range(2)]
+    assert [s.segments[1].fps for s in samples] == [1.0, 4.0] and samples[1].segments[1].data.shape[0] == 6
+    records.write_shard(tmp_path / "s.arrayrecord", samples)
+    table = records.MetaTable.load(str(tmp_path / "s.arrayrecord") + records.META_SUFFIX)
+    assert [table.meta(i).segments[1].fps for i in range(2)] == [1.0, 4.0]
+    assert records.read_meta(records.encode(samples[0])).segments[1].fps == 1.0
+    cfg = encoder_config("vision", VISION)
+    slow, fast = (qwen_processor.sample_rope_positions(m.segments, cfg) for m in metas)
+    # 2 frames per temporal patch: 2 s at 1 fps, 0.5 s at 4 fps; x tokens_per_second (2) positions per second
+    assert np.diff(np.unique(slow[1:, 0])).tolist() == [4] * 5 and np.diff(np.unique(fast[1:, 0])).tolist() == [1] * 2

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -241,6 +242,52 @@ def frame_times(duration: Fraction, cfg: MediaConfig, rate: Fraction | None = No
     if cap > 0 and n > cap:
         return [duration * k / cap for k in range(cap)]
     return [Fraction(k) / fps for k in range(n)]
+
+
+def kept_fps(duration: Fraction, cfg: MediaConfig, rate: Fraction | None = None) -> float:
+    """The rate of the frames `frame_times` keeps (frames a second): what a video's time is measured in
+    downstream (Qwen2.5-VL's M-RoPE steps temporal positions by seconds)."""
+    times = frame_times(duration, cfg, rate)
+    if len(times) > 1:
+        return float(1 / (times[1] - times[0]))
+    fps = Fraction(cfg.video_fps).limit_denominator(1_000_000)
+    return float(min(fps, Fraction(rate)) if rate and rate > 0 else fps)
+
+
+def video_fps(path: Path, cfg: MediaConfig | None = None) -> float:
+    """`kept_fps` of a video file from its headers (0.0 for `.npy` frames, whose rate is unknown)."""
+    if Path(path).suffix.lower() == ".npy":
+        return 0.0
+    cfg = cfg or MediaConfig()
+    container = _open_video(path)
+    try:
+        _, dur, rate, _, _ = _probe(path, container)
+    finally:
+        container.close()
+    return kept_fps(dur, cfg, rate)
+
+
+@dataclass(frozen=True)
+class Rated:
+    """A video's shape or frames with the rate its frames were kept at (what SegmentMeta.fps records)."""
+    value: Any
+    fps: float
+
+    @staticmethod
+    def value_of(v: Any) -> Any:
+        return v.value if isinstance(v, Rated) else v
+
+    @staticmethod
+    def fps_of(v: Any) -> float:
+        return float(v.fps) if isinstance(v, Rated) else 0.0
+
+
+def rated(fn, cfg: MediaConfig | None = None):
+    """`fn(path, modality[, cfg])` (`media_shape` / `load_media`) whose videos come back as `Rated`."""
+    def read(path: Path, modality: str):
+        value = fn(path, modality) if cfg is None else fn(path, modality, cfg)
+        return Rated(value, video_fps(path, cfg)) if modality == "video" else value
+    return read
 
 
 _MP4_LIKE = (".mp4", ".m4v", ".mov")

@@ -46,7 +46,8 @@ def encode(sample: Sample) -> bytes:
         if str(data.dtype) not in _DTYPES:
             data = data.astype(np.float32)
         segs.append({"m": seg.modality, "shape": list(data.shape), "dtype": str(data.dtype), "loss": bool(seg.loss),
-                     **({"pair": int(seg.pair)} if seg.pair else {})})
+                     **({"pair": int(seg.pair)} if seg.pair else {}),
+                     **({"fps": float(seg.fps)} if seg.fps else {})})  # a video's kept-frame rate (M-RoPE time)
         blobs.append(data.tobytes())
     header = json.dumps({"segments": segs, "source": sample.source, "index": sample.index}).encode()
     return b"".join([MAGIC, struct.pack("<I", len(header)), header, *blobs])
@@ -79,16 +80,16 @@ def _header(raw: bytes, where: str) -> tuple[dict, int]:
 def read_meta(raw: bytes, source: str = "", index: int = -1) -> SampleMeta:
     """Metadata of a record from its header only."""
     header, _ = _header(raw, f"{source}[{index}]")
-    return SampleMeta(tuple(SegmentMeta(s["m"], tuple(s["shape"]), bool(s["loss"]), pair=int(s.get("pair", 0)))
-                            for s in header["segments"]), source, index)
+    return SampleMeta(tuple(SegmentMeta(s["m"], tuple(s["shape"]), bool(s["loss"]), pair=int(s.get("pair", 0)),
+                                        fps=float(s.get("fps", 0.0))) for s in header["segments"]), source, index)
 
 
 def decode(raw: bytes, source: str = "", index: int = -1) -> Sample:
     """Sample from record bytes; BadRecord if the bytes are inconsistent. Values are not validated here."""
     header, _ = _header(raw, f"{source}[{index}]")
     data = decode_segments(raw, range(len(header["segments"])), source, index)
-    return Sample(tuple(Segment(s["m"], data[k], bool(s["loss"]), pair=int(s.get("pair", 0)))
-                        for k, s in enumerate(header["segments"])), source, index)
+    return Sample(tuple(Segment(s["m"], data[k], bool(s["loss"]), pair=int(s.get("pair", 0)),
+                                fps=float(s.get("fps", 0.0))) for k, s in enumerate(header["segments"])), source, index)
 
 
 def decode_segments(raw: bytes, which, source: str = "", index: int = -1) -> dict[int, np.ndarray]:
@@ -121,12 +122,14 @@ class MetaTable:
     """Metadata of many records as flat arrays (compact: ~20 bytes per segment)."""
 
     def __init__(self, seg_offsets: np.ndarray, modality: np.ndarray, shape: np.ndarray, loss: np.ndarray,
-                 pair: np.ndarray | None = None):
+                 pair: np.ndarray | None = None, fps: np.ndarray | None = None):
         self.seg_offsets = np.asarray(seg_offsets, np.int64)
         self.modality = np.asarray(modality, np.uint8)
         self.shape = np.asarray(shape, np.int32).reshape(-1, MAX_RANK)
         self.loss = np.asarray(loss, bool)
         self.pair = np.zeros(len(self.loss), np.uint8) if pair is None else np.asarray(pair, np.uint8)
+        # a video's kept-frame rate (0: not recorded; sidecars written before it have none)
+        self.fps = np.zeros(len(self.loss), np.float32) if fps is None else np.asarray(fps, np.float32)
 
     def __len__(self) -> int:
         return len(self.seg_offsets) - 1
@@ -134,7 +137,7 @@ class MetaTable:
     @classmethod
     def from_metas(cls, metas: list[SampleMeta]) -> "MetaTable":
         offsets = np.zeros(len(metas) + 1, np.int64)
-        mods, shapes, loss, pair = [], [], [], []
+        mods, shapes, loss, pair, fps = [], [], [], [], []
         for i, m in enumerate(metas):
             offsets[i + 1] = offsets[i] + len(m.segments)
             for s in m.segments:
@@ -144,26 +147,29 @@ class MetaTable:
                 shapes.append(list(s.shape) + [-1] * (MAX_RANK - len(s.shape)))
                 loss.append(s.loss)
                 pair.append(s.pair)
+                fps.append(s.fps)
         return cls(offsets, np.array(mods, np.uint8), np.array(shapes, np.int32).reshape(-1, MAX_RANK),
-                   np.array(loss, bool), np.array(pair, np.uint8))
+                   np.array(loss, bool), np.array(pair, np.uint8), np.array(fps, np.float32))
 
     def meta(self, i: int, source: str = "") -> SampleMeta:
         lo, hi = int(self.seg_offsets[i]), int(self.seg_offsets[i + 1])
         mods, shapes, loss = self.modality[lo:hi].tolist(), self.shape[lo:hi].tolist(), self.loss[lo:hi].tolist()
-        pair = self.pair[lo:hi].tolist()
-        segs = tuple(SegmentMeta(MODALITIES[m], tuple(d for d in sh if d >= 0), lo_, pair=p)
-                     for m, sh, lo_, p in zip(mods, shapes, loss, pair))
+        pair, fps = self.pair[lo:hi].tolist(), self.fps[lo:hi].tolist()
+        segs = tuple(SegmentMeta(MODALITIES[m], tuple(d for d in sh if d >= 0), lo_, pair=p, fps=f)
+                     for m, sh, lo_, p, f in zip(mods, shapes, loss, pair, fps))
         return SampleMeta(segs, source, int(i))
 
     def save(self, path: str | Path) -> None:
         with open(path, "wb") as f:
             extra = {"pair": self.pair} if self.pair.any() else {}  # shards without pairs: the format as before
+            extra.update({"fps": self.fps} if self.fps.any() else {})  # likewise without videos
             np.savez(f, seg_offsets=self.seg_offsets, modality=self.modality, shape=self.shape, loss=self.loss, **extra)
 
     @classmethod
     def load(cls, path: str | Path) -> "MetaTable":
         with np.load(path) as z:
-            return cls(z["seg_offsets"], z["modality"], z["shape"], z["loss"], z["pair"] if "pair" in z else None)
+            return cls(z["seg_offsets"], z["modality"], z["shape"], z["loss"], z["pair"] if "pair" in z else None,
+                       z["fps"] if "fps" in z else None)
 
     @classmethod
     def concat(cls, tables: list["MetaTable"]) -> "MetaTable":
@@ -175,7 +181,7 @@ class MetaTable:
             base += int(t.seg_offsets[-1])
         return cls(np.concatenate(offs), np.concatenate([t.modality for t in tables]),
                    np.concatenate([t.shape for t in tables]), np.concatenate([t.loss for t in tables]),
-                   np.concatenate([t.pair for t in tables]))
+                   np.concatenate([t.pair for t in tables]), np.concatenate([t.fps for t in tables]))
 
 
 # -------------------------------------------------------------------------------- writing
@@ -190,7 +196,7 @@ class _MetaBuilder:
     def __init__(self):
         from array import array
         self.offsets, self.mods, self.shapes, self.loss = array("q", [0]), array("B"), array("i"), array("B")
-        self.pair = array("B")
+        self.pair, self.fps = array("B"), array("f")
 
     def add(self, meta: SampleMeta) -> None:
         for s in meta.segments:
@@ -200,12 +206,14 @@ class _MetaBuilder:
             self.shapes.extend(list(s.shape) + [-1] * (MAX_RANK - len(s.shape)))
             self.loss.append(bool(s.loss))
             self.pair.append(int(s.pair))
+            self.fps.append(float(s.fps))
         self.offsets.append(self.offsets[-1] + len(meta.segments))
 
     def table(self) -> MetaTable:
         return MetaTable(np.frombuffer(self.offsets, np.int64), np.frombuffer(self.mods, np.uint8),
                          np.frombuffer(self.shapes, np.int32).reshape(-1, MAX_RANK),
-                         np.frombuffer(self.loss, np.uint8).astype(bool), np.frombuffer(self.pair, np.uint8))
+                         np.frombuffer(self.loss, np.uint8).astype(bool), np.frombuffer(self.pair, np.uint8),
+                         np.frombuffer(self.fps, np.float32))
 
 
 def write_shard(path: str | Path, samples) -> int:

@@ -385,15 +385,16 @@ class JsonlSource(Source):
         return formats.build(self._record(index), self.tok, media_fn, self._resolve, f"{self.name}[{index}]")
 
     def meta(self, index: int) -> SampleMeta:
-        parts = self._parts(index, lambda p, m: _media_call(media.media_shape, p, m, self.media_cfg))
-        segs = tuple(SegmentMeta(m, tuple(v.shape) if m == "text" else tuple(v), loss, pair=pair)
+        parts = self._parts(index, media.rated(media.media_shape, self.media_cfg))
+        value, fps = media.Rated.value_of, media.Rated.fps_of
+        segs = tuple(SegmentMeta(m, tuple(v.shape) if m == "text" else tuple(value(v)), loss, pair=pair, fps=fps(v))
                      for m, v, loss, pair in map(formats.part_fields, parts))
         return SampleMeta(segs, self.name, int(index))
 
     def get(self, index: int) -> Sample:
-        parts = self._parts(index, lambda p, m: _media_call(media.load_media, p, m, self.media_cfg))
-        return Sample(tuple(Segment(m, v, loss, pair=pair) for m, v, loss, pair in map(formats.part_fields, parts)),
-                      self.name, index)
+        parts = self._parts(index, media.rated(media.load_media, self.media_cfg))
+        return Sample(tuple(Segment(m, media.Rated.value_of(v), loss, pair=pair, fps=media.Rated.fps_of(v))
+                            for m, v, loss, pair in map(formats.part_fields, parts)), self.name, index)
 
     def text(self, index: int) -> dict[int, np.ndarray]:
         parts = self._parts(index, lambda p, m: None)  # media files are not opened

@@ -45,8 +45,7 @@ def read_prompts(path: str | Path, tok: Any, media_cfg: Any = None) -> list[Samp
     read is a UserError naming the prompt and the cause (no prompt is dropped silently)."""
     root = Path(path).parent
     resolve = lambda s: Path(s) if os.path.isabs(s) else root / s  # noqa: E731
-    load = (lambda p, m: media.load_media(p, m)) if media_cfg is None else \
-        (lambda p, m: media.load_media(p, m, media_cfg))
+    load = media.rated(media.load_media, media_cfg)  # videos with their kept frames' rate (M-RoPE's time)
     out = []
     for k, rec in enumerate(read_records(path)):
         where = f"prompts={path} record {k}"
@@ -55,7 +54,8 @@ def read_prompts(path: str | Path, tok: Any, media_cfg: Any = None) -> list[Samp
         except BadSample as exc:
             msg = str(exc)
             raise UserError(msg if msg.startswith(where) else f"{where}: {msg}") from None
-        segs = tuple(Segment(m, v, False) for m, v, _ in parts if not (m == "text" and len(v) == 0))
+        segs = tuple(Segment(m, media.Rated.value_of(v), False, fps=media.Rated.fps_of(v)) for m, v, _ in parts
+                     if not (m == "text" and len(media.Rated.value_of(v)) == 0))
         if not segs:
             raise UserError(f"{where}: the prompt is empty")
         out.append(Sample(segs, str(path), k))
