@@ -386,6 +386,7 @@ def test_stages_are_the_folders_parts_and_gradients_reach_the_tower(folders, omn
         tower = count(lambda k: k.startswith("visual.")) - merger
         llm = count(lambda k: not k.startswith("visual."))
     assert sizes == {"llm": llm, "vision": tower, "projector": merger}
+    assert Partition(params, ["vision", "merger"]).trainable == ["vision", "projector"]  # trainer.trainable's names
     tokens, segs, types = _sample("image", (1, 6, 10))
     batch = _batch([(tokens, segs, types, (1, 6, 10), "image")], len(tokens) + 5)
     graph, rest = nnx.split(model, nnx.Param)

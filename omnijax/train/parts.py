@@ -16,6 +16,8 @@ from omnijax.errors import ConfigError
 from omnijax.models import adapters
 
 LLM, PROJECTOR, LORA = "llm", "projector", adapters.LORA
+# other names of a part in trainer.trainable / optimizer.lr_scale: Qwen2-VL's patch merger is its projector
+ALIASES = {"merger": PROJECTOR}
 
 
 def part_of(path: Sequence[Any]) -> str:
@@ -39,6 +41,7 @@ class Partition:
 
     def __init__(self, params: Any, trainable: Sequence[str] | None = None,
                  lr_scale: dict[str, float] | None = None):
+        trainable = None if trainable is None else [ALIASES.get(p, p) for p in trainable]
         self.leaf_parts = labels(params)
         sizes: dict[str, int] = {}
         for part, leaf in zip(self.leaf_parts, jax.tree.leaves(params)):
@@ -59,7 +62,7 @@ class Partition:
             if part not in sizes:
                 raise ConfigError(f"trainer.trainable: this model has no part {part!r}; its parts are {known}")
         self.trainable = [p for p in self.parts if p in trainable]
-        self.lr_scale = dict(lr_scale or {})
+        self.lr_scale = {ALIASES.get(k, k): v for k, v in (lr_scale or {}).items()}
         for part, scale in self.lr_scale.items():
             if part not in sizes:
                 raise ConfigError(f"optimizer.lr_scale.{part}: this model has no part {part!r}; its parts are {known}")
