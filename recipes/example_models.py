@@ -3,6 +3,9 @@ by transformers exactly as `save_pretrained` writes downloaded ones: the input o
 model" on a machine that cannot download real checkpoints.
 
 `python -m recipes example_models output=DIR tokenizer=mydata/tokenizer` writes DIR/llm, DIR/vision, DIR/audio.
+`... model=qwen2_5_vl` writes DIR as one tiny `Qwen2_5_VLForConditionalGeneration` folder instead (window-attention
+vision tower, M-RoPE LLM, `preprocessor_config.json`, the tokenizer with Qwen's chat markers and template): the
+input of README "Fine-tune Qwen2.5-VL" (`finetune init.model=DIR`).
 """
 from __future__ import annotations
 
@@ -18,8 +21,18 @@ from omnijax.errors import ConfigError, UserError
 DESCRIPTION = "tiny random HF Llama (+ tokenizer), SigLIP and Whisper folders saved by transformers (finetune's input)"
 
 
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>")
+# Qwen2's chat template for string contents (the released Qwen2.5-VL one renders list contents the same way)
+QWEN_TEMPLATE = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+                 "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+                 "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @dataclass
 class ExampleModelsConfig:
+    model: str = "parts"       # parts: llm/ + vision/ + audio/ (LLaVA-style); qwen2_5_vl: one Qwen2.5-VL folder
     output: str = ""           # folder for llm/, vision/, audio/ (must not exist)
     tokenizer: str = ""        # a tokenizer folder (tokenizer.json): copied into llm/, its size is the LLM's vocab
     llm_vocab: int = 0         # 0: the tokenizer's size
@@ -48,6 +61,10 @@ def main(argv: list[str]) -> int:
     except ImportError as exc:
         raise UserError(f"example_models needs torch and transformers ({exc}); pip install torch transformers") from None
 
+    if cfg.model == "qwen2_5_vl":
+        return _qwen2_5_vl(cfg, out, tok_dir)
+    if cfg.model != "parts":
+        raise ConfigError(f"model={cfg.model!r}: parts (LLM + SigLIP + Whisper folders) or qwen2_5_vl")
     vocab = cfg.llm_vocab or Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     torch.manual_seed(cfg.seed)
     heads = max(1, cfg.llm_width // 16)
@@ -83,3 +100,61 @@ def main(argv: list[str]) -> int:
                       "llm_params": sum(p.numel() for p in llm.parameters())}))
     print(f"wrote {out}/llm (Llama + tokenizer), {out}/vision (SigLIP), {out}/audio (Whisper)", file=sys.stderr)
     return 0
+
+
+def _qwen2_5_vl(cfg: ExampleModelsConfig, out: Path, tok_dir: Path) -> int:
+    """One tiny random Qwen2.5-VL folder: the tokenizer of `tok_dir` with Qwen's special tokens added, a vision
+    tower of 14 px patches (window attention in its first layers, full attention in its last), the LLM with
+    M-RoPE, and the image processor's preprocessor_config.json (small min/max pixels: few patches per image)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    ids = {t: tok.token_to_id(t) for t in QWEN_SPECIALS}
+    vocab = cfg.llm_vocab or tok.get_vocab_size(with_added_tokens=True)
+    torch.manual_seed(cfg.seed)
+    heads = max(1, cfg.llm_width // 16)
+    eh = 2  # two vision heads: an esp pair (parallel.encoder=edpNxesp2) splits them
+    text = dict(vocab_size=vocab, hidden_size=cfg.llm_width, intermediate_size=cfg.llm_width * 5 // 2,
+                num_hidden_layers=cfg.llm_layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                 "mrope_section": _mrope_section(cfg.llm_width // heads)})
+    vision = dict(depth=cfg.encoder_layers, hidden_size=cfg.encoder_width, intermediate_size=2 * cfg.encoder_width,
+                  num_heads=eh, patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=56,
+                  out_hidden_size=cfg.llm_width, fullatt_block_indexes=[cfg.encoder_layers - 1], tokens_per_second=2)
+    qcfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                            pad_token_id=ids["<|endoftext|>"])
+    model = Qwen2_5_VLForConditionalGeneration(qcfg)
+    with torch.no_grad():  # HF's default init is tiny; wider weights make every later comparison meaningful
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN_TEMPLATE,
+        "model_max_length": 2048}, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "do_resize": True, "resample": 3, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": 56 * 56, "max_pixels": 112 * 112,
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}, indent=2))
+    print(json.dumps({"output": str(out), "model": "qwen2_5_vl", "vocab": vocab,
+                      "params": sum(p.numel() for p in model.parameters())}))
+    print(f"wrote {out} (Qwen2.5-VL + tokenizer and chat template); fine-tune it with "
+          f"`python -m recipes finetune init.model={out} data.sources=[SHARDS]`", file=sys.stderr)
+    return 0
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """(t, h, w) runs of the rotary pairs in Qwen2.5-VL's proportions (16/24/24 of 64 pairs)."""
+    pairs = head_dim // 2
+    t = max(1, pairs // 4)
+    h = (pairs - t) // 2
+    return [t, h, pairs - t - h]

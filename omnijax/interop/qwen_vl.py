@@ -183,6 +183,18 @@ def load_params(path: str | Path, target: Any, encoder: str = "vision") -> nnx.S
     return sharded.load_params(index, table, target, str(path))
 
 
+def load_model(path: str | Path, target: Any = None, encoder: str = "vision") -> nnx.Module:
+    """The MultimodalModel of a Qwen2-VL / Qwen2.5-VL folder with its parameters; `target(abstract model)`
+    gives its Param state in the shardings to read into (``serve.generate.param_target``), else one device."""
+    from omnijax.models.mllm import MultimodalModel
+
+    cfg, _ = config_from_folder(path, encoder)
+    abstract = nnx.eval_shape(lambda: MultimodalModel(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    params = load_params(path, target(abstract) if target is not None else params, encoder)
+    return nnx.merge(graphdef, params, rest)
+
+
 # ------------------------------------------------------------------------------ out
 _FOLDER_FILES = ("config.json", "preprocessor_config.json", "video_preprocessor_config.json",
                  "processor_config.json", "chat_template.json", "chat_template.jinja", "generation_config.json")
