@@ -146,20 +146,21 @@ class Multiplexer:
 
     growth: float = routing.BUCKET_GROWTH  # capacity bucket step (a planning-only instance keeps it)
     hosts: int | None = None
-    payload_band, reuse_slack, max_programs, _resumed = 0.05, 0.05, 8, False
+    payload_band, reuse_slack, max_programs, route_growth, _resumed = 0.05, 0.05, 4, 1.25, False
     programs: list[dict] = []  # never mutated in place (a planning-only instance shares the empty one)
 
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
                  encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
                  balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None,
                  interleave: bool = False, growth: float = routing.BUCKET_GROWTH, hosts: int | None = None,
-                 payload_band: float = 0.05, reuse_slack: float = 0.05, max_programs: int = 8):
+                 payload_band: float = 0.05, reuse_slack: float = 0.05, max_programs: int = 4):
         """growth: the capacity bucket step (`routing.BUCKET_GROWTH` in training; benches may vary it).
         hosts: split the devices into this many contiguous hosts for the payload check of `size_window`
         (None: the job's processes, where there are several). payload_band: every host decodes
         1/hosts +- this of each step's payload. reuse_slack / max_programs: a window reuses a program
-        already compiled when its encoder buffers hold at most `reuse_slack` more rows than the window's
-        own fit; past `max_programs` programs, the one that holds the window with the fewest rows."""
+        already compiled that holds it with at most `reuse_slack` more encoder rows in all than the
+        window's own fit; past `max_programs` programs, the one that holds the window with the fewest
+        rows, else a wider one (`_reuse`)."""
         self.engine, self.mesh, self.mm_cfg = engine, engine.mesh, mm_cfg
         self.growth = float(growth)
         self.hosts, self.payload_band = hosts, float(payload_band)
@@ -345,8 +346,8 @@ class Multiplexer:
         host decoding more than 1/hosts + `payload_band` of its payload (tight buffers pack by room, not
         by cost, commit f9d5d03) gets roomier buffers, a bucket at a time, until every host is inside the
         band. A program already compiled is reused where it holds the window within `reuse_slack` more
-        encoder rows (past `max_programs`, the one that holds it with the fewest), so a run compiles a
-        few programs, not one per window. A fit is a pure function of the window's batches; what a
+        encoder rows (past `max_programs`, the one that holds it with the fewest, else a wider one:
+        `_reuse`), so a run compiles a few programs, not one per window. A fit is a pure function of the window's batches; what a
         resumed run needs is the window's capacities and the programs so far (`get_state`)."""
         batches = [self.balanced(b) for b in host_batches]
         if not batches:
@@ -422,25 +423,53 @@ class Multiplexer:
         return sum(v for k, v in caps.items() if k != "route")
 
     def _reuse(self, fit: dict, parts: list[list[dict]]) -> dict:
-        """The capacities the window runs with: a compiled program that holds it with at most
-        `reuse_slack` more encoder rows than its own fit, else the fit, as long as fewer than
-        `max_programs` programs exist. Past that, the program that holds the window with the fewest
-        rows, else the largest one grown to hold it too (one envelope that only grows, as every
-        window's capacities did before: the programs stay bounded by its bucket growths)."""
+        """The capacities the window runs with: a compiled program that holds it (every batch plans
+        inside it, hosts in their payload band) with at most `reuse_slack` more encoder rows in all
+        than the window's own fit, else the fit, as long as fewer than `max_programs` programs exist.
+        A program is judged by its total rows, not buffer by buffer: one that splits an encoder's rows
+        differently between its long and short buffers still holds a window whose own fit put them the
+        other way (the placement fills whichever buffers it has), and it was the buffer-by-buffer test
+        that made a run compile 8-9 programs where 3-4 did before. Past `max_programs`, the program that
+        holds the window with the fewest rows, else the widest program (`_widest`: per encoder the
+        largest buffer pair any window needed so far) if it holds the window, else the program that,
+        grown buffer by buffer to hold the window too, has the fewest rows. The route capacity is kept
+        on a coarse ladder (`route_growth`): it pads no compute."""
+        if "route" in fit:  # the all-to-all's capacity on a coarse ladder: it pads no compute, and windows
+            # whose encoder buffers agree then share a program instead of differing by a few routed tokens
+            fit = {**fit, "route": routing._bucket(fit["route"], 1, 8, self.route_growth)}
         if fit in self.programs:
             return dict(fit)
         budget = self._enc_rows(fit) * (1.0 + self.reuse_slack)
         full = len(self.programs) >= self.max_programs
-        covers = lambda c: all(c.get(k, 0) >= v for k, v in fit.items() if k != "route")  # noqa: E731
         for caps in sorted(self.programs, key=lambda c: (self._enc_rows(c), sorted(c.items()))):
-            # within budget: only programs at least as large as the fit in every buffer are planned
-            # against (a cheap filter; the window is planned once per candidate)
-            if (full or (self._enc_rows(caps) <= budget and covers(caps))) and self._holds(caps, parts):
+            if (full or self._enc_rows(caps) <= budget) and self._holds(caps, parts):
                 return dict(caps)
         if not full:
             return fit
-        top = max(self.programs, key=lambda c: (self._enc_rows(c), sorted(c.items())))
-        grown = {k: max(v, top.get(k, 0)) for k, v in fit.items()}
+        wide = self._widest(fit)
+        if wide not in self.programs and self._holds(wide, parts):
+            return wide
+        best = None
+        for base in self.programs:  # each program grown to the fit, buffer by buffer: the smallest that holds
+            grown = self._grown(base, fit, parts)
+            if grown is not None and (best is None or self._enc_rows(grown) < self._enc_rows(best)):
+                best = grown
+        return fit if best is None else best
+
+    def _widest(self, fit: dict) -> dict:
+        """Per encoder the (long, short) pair with the most rows among the programs and the fit, the
+        largest route: one program that holds what every window so far needed, encoder by encoder."""
+        known = [fit, *self.programs]
+        out: dict[str, int] = {"route": max(c["route"] for c in known if "route" in c)} if "route" in fit else {}
+        for name in self.reductions:
+            keys = (f"{name}_long", f"{name}_short")
+            pair = max(([c.get(k, 0) for k in keys] for c in known), key=lambda p: (sum(p), p))
+            out.update({k: v for k, v in zip(keys, pair) if any(k in c for c in known)})
+        return out
+
+    def _grown(self, base: dict, fit: dict, parts: list[list[dict]]) -> dict | None:
+        """`base` grown (buffer by buffer, route refitted) until it holds the window, or None."""
+        grown = {k: max(v, base.get(k, 0)) for k, v in fit.items()}
         for _ in range(4):
             for p in (p for ps in parts for p in ps):
                 try:
@@ -450,7 +479,7 @@ class Multiplexer:
                 grown = {k: max(v, grown.get(k, 0)) for k, v in plan.capacities}
             if self._holds(grown, parts):
                 return grown
-        return fit
+        return None
 
     reserve = size_window  # the trainer's prefetcher reserves a data-plane window ahead with it
 
