@@ -55,11 +55,15 @@ def data_bounds(sources: list[Source], mm_cfg: Any, prefix: int = 2048) -> DataB
             except (BadSample, UserError):
                 continue  # counted when drawn (bad metadata is skipped at planning)
             rows: dict[str, int] = {}
+            try:
+                for seg in meta.segments:
+                    key = (seg.modality, tuple(seg.shape))
+                    if key not in cache:
+                        cache[key] = segment_tokens(seg, mm_cfg)
+            except BadSample:
+                continue  # e.g. a modality this model has no encoder for: skipped (and counted) when drawn
             for seg in meta.segments:
-                key = (seg.modality, tuple(seg.shape))
-                if key not in cache:
-                    cache[key] = segment_tokens(seg, mm_cfg)
-                r, t = cache[key]
+                r, t = cache[(seg.modality, tuple(seg.shape))]
                 tokens += t
                 if seg.modality != "text" and seg.modality in enc_of:
                     rows[enc_of[seg.modality]] = rows.get(enc_of[seg.modality], 0) + r
