@@ -339,6 +339,24 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
+def explicit_overrides(overrides: list[str], prefix: str) -> dict:
+    """The `prefix.*` keys given in `overrides`, as dotted paths below `prefix` -> value (what the user set
+    explicitly, e.g. to check against a config a pretrained folder implies)."""
+    tree = parse_overrides([a for a in overrides if a.partition("=")[0].strip().startswith(prefix + ".")])
+    for part in prefix.split("."):
+        tree = tree.get(part, {})
+    out: dict = {}
+
+    def walk(node, path):
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else k)
+        elif path:
+            out[path] = node
+    walk(tree, "")
+    return out
+
+
 def merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from omnijax.config import Config, build, load_yaml, merge, parse_overrides
+from omnijax.config import Config, build, load_yaml, merge, parse_overrides, validate
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -82,9 +82,10 @@ def setup_devices(overrides: list[str]) -> None:
     _devices_and_threads(values.get("parallel.cpu_devices"), values.get("parallel.cpu_threads"))
 
 
-def load_config(name: str, overrides: list[str], cls: type = Config) -> Config:
-    """recipes/configs/<name>.yaml <- command-line overrides (run_name defaults to the recipe name)."""
-    return build(cls, CONFIGS / f"{name}.yaml", overrides, defaults={"trainer": {"run_name": name}})
+def load_config(name: str, overrides: list[str], cls: type = Config, check: Any = validate) -> Any:
+    """recipes/configs/<name>.yaml <- command-line overrides (run_name defaults to the recipe name), then
+    `check` (None: unchecked)."""
+    return build(cls, CONFIGS / f"{name}.yaml", overrides, defaults={"trainer": {"run_name": name}}, check=check)
 
 
 class IndexedLoader:

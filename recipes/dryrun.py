@@ -45,7 +45,8 @@ def main(argv: list[str]) -> int:
 
 def _load_multimodal(name: str, overrides: list[str]):
     """The recipe's config as it trains (capacity.* left out: sized from data.sources' metadata)."""
-    from recipes.tiny_omni import load, training_capacity
+    from omnijax.train.multimodal import training_capacity
+    from recipes.tiny_omni import load
 
     if name.startswith("finetune"):
         cfg = _load_finetune(name, overrides)
@@ -59,13 +60,14 @@ def _load_finetune(name: str, overrides: list[str]):
     """finetune's config (model from init.* folders or model.* overrides) without its shards: a dryrun reads
     no data when capacity.* is given, and plans from the built-in world's metadata otherwise."""
     from omnijax.config import build
-    from recipes import finetune, tiny_omni
+    from omnijax.train import multimodal, warmstart
+    from recipes import finetune
     from recipes.common import CONFIGS
 
     named = any(o.startswith("trainer.run_name=") for o in overrides)
     cfg = build(finetune.FinetuneConfig, CONFIGS / f"{name}.yaml", overrides,
                 defaults=None if named else {"trainer": {"run_name": name}}, check=None)
-    return tiny_omni.check(finetune.resolve(cfg, overrides))
+    return multimodal.check(warmstart.resolve_init(cfg, overrides))
 
 
 def _llm_parts(cfg, devices):
@@ -112,14 +114,14 @@ def _plan_capacities(cfg, mux) -> dict[str, int]:
     encoder rows per device instead of the 4096 vision rows its capacity says."""
     import math
 
-    from recipes import tiny_omni
+    from omnijax.train import multimodal
 
     tok = None
     if cfg.tokenizer.path:
         from omnijax.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(cfg.tokenizer.path)
-    loader = tiny_omni.make_loader(cfg, tok, None)
+    loader = multimodal.train_loader(cfg, tok, None)
     window = [next(loader) for _ in range(loader.window)]
     caps = dict(mux.size_window(window))
     D, tokens = mux.grid.num_devices, 0

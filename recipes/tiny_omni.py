@@ -1,135 +1,25 @@
 """tiny_omni: a tiny vision+audio+LLM model trained on the built-in world (then greedy-decoded) or on the
-user's own shards (`data.sources=[...]`, held-out loss on `data.eval_sources=[...]`)."""
+user's own shards (`data.sources=[...]`, held-out loss on `data.eval_sources=[...]`). The data, placement and
+held-out wiring is the library's (`omnijax.train.multimodal`); omni_8b and omni_moe run this recipe's main."""
 from __future__ import annotations
 
 import json
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
-from omnijax.config import (Config, DataConfig, MMDataConfig, OptimizerConfig, ParallelConfig, TokenizerConfig,
-                            TrainerConfig, build, validate)
-from omnijax.data.sources import WORLD, check_source_path, source_specs
-from omnijax.data.world import WorldConfig
-from omnijax.errors import ConfigError
-from omnijax.mm_config import MMConfig, encoder_configs
-from omnijax.train import data_plane
+from omnijax.data.sources import WORLD
+from omnijax.mm_config import encoder_configs
+from omnijax.train import multimodal
 
 DESCRIPTION = ("tiny vision+audio+LLM on the built-in multimodal world (CPU, minutes; per-modality answer accuracy "
                "vs chance) or on your own shards (data.sources=[...])")
 
 
-@dataclass
-class EvalConfig:
-    items: int = 150              # held-out questions per modality
-    batch_size: int = 32
-    max_new_tokens: int = 14
-    ablation_items: int = 64      # re-score this many per modality with encoder outputs zeroed (0 = off)
-
-
-@dataclass
-class OmniConfig:
-    model: MMConfig = field(default_factory=MMConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: MMDataConfig = field(default_factory=MMDataConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    world: WorldConfig = field(default_factory=WorldConfig)
-    # encoder name -> input rows of one global batch (multiples of its reduction); an encoder left out (or
-    # `auto`) is sized at start from the sources' metadata (`data_plane.step_capacities`)
-    capacity: dict[str, Any] = field(default_factory=dict)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-
-
-def check(cfg: OmniConfig) -> OmniConfig:
-    # the shared sections, with the LLM section checked as a text model's would be
-    d = cfg.data
-    validate(Config(model=cfg.model.llm, parallel=cfg.parallel, optimizer=cfg.optimizer, trainer=cfg.trainer,
-                    data=DataConfig(source=WORLD, seq_len=d.seq_len, batch_size=d.batch_size, eval_batches=d.eval_batches)))
-    if d.media.video_fps <= 0 or d.media.max_video_frames < 0:
-        raise ConfigError(f"data.media: video_fps={d.media.video_fps} must be > 0 and "
-                          f"max_video_frames={d.media.max_video_frames} >= 0")
-    for key, paths in (("data.sources", d.sources), ("data.eval_sources", d.eval_sources)):
-        for path in paths:
-            check_source_path(key, path)
-    if d.sources and WORLD not in d.sources and cfg.eval != EvalConfig():
-        raise ConfigError("eval.* scores decoded answers to the built-in world's questions, which this run does "
-                          "not train on (data.sources has no 'world'); use data.eval_sources for a held-out loss")
-    if cfg.tokenizer.path and not any(p != WORLD for p in d.sources + d.eval_sources):
-        raise ConfigError(f"tokenizer.path={cfg.tokenizer.path}: the built-in world is byte-level; a tokenizer is "
-                          "for data.sources converted with it")
-    encs = encoder_configs(cfg.model)
-    unknown = sorted(set(cfg.capacity) - set(encs))
-    if unknown:
-        raise ConfigError(f"capacity.{unknown[0]}: no such encoder; this model's encoders: {sorted(encs)}")
-    for name, enc in encs.items():
-        r = enc.merge * enc.merge if hasattr(enc, "merge") else enc.reduction
-        cap = cfg.capacity.get(name)
-        if cap not in (None, "auto") and (not isinstance(cap, int) or cap <= 0 or cap % r):
-            raise ConfigError(f"capacity.{name}={cap!r}: must be a positive multiple of {r} (the encoder's reduction), "
-                              "or auto to size it from the data")
-    if cfg.model.llm.max_seq_len < cfg.data.seq_len:
-        raise ConfigError(f"model.llm.max_seq_len={cfg.model.llm.max_seq_len} must be >= data.seq_len={cfg.data.seq_len}")
-    cfg.world.check()
-    return cfg
-
-
-def load(argv: list[str], name: str = "tiny_omni") -> OmniConfig:
+def load(argv: list[str], name: str = "tiny_omni") -> multimodal.MultimodalConfig:
     """recipes/configs/<name>.yaml <- key=value overrides, checked."""
-    from recipes.common import CONFIGS
+    from recipes.common import load_config
 
-    named = any(o.startswith("trainer.run_name=") for o in argv)
-    return build(OmniConfig, CONFIGS / f"{name}.yaml", argv,
-                 defaults=None if named else {"trainer": {"run_name": name}}, check=check)
-
-
-def _open(cfg: OmniConfig, key: str, paths: list[str], split: str, tok, mix, seed: int, steps: int = 0,
-          placement=None):
-    loader, cfg.capacity = data_plane.open_plane(key, paths, split, data=cfg.data, mm_cfg=cfg.model,
-                                                 world_cfg=cfg.world, capacity=cfg.capacity, tok=tok, mix=mix,
-                                                 seed=seed, steps=steps, placement=placement)
-    return loader
-
-
-def training_capacity(cfg: OmniConfig, tok=None) -> dict[str, int]:
-    """`capacity.*` as training uses it: explicit values, the rest sized from `data.sources`' metadata
-    (for code that packs or traces a step without opening the loader: tests, `dryrun`)."""
-    from omnijax.data.sources import open_sources
-
-    if not data_plane.capacities_known(cfg.capacity, cfg.model):
-        specs = source_specs("data.sources", cfg.data.sources or [WORLD], "train")
-        sources = open_sources(specs, cfg.world, tokenizer=tok, media_cfg=cfg.data.media)
-        cfg.capacity = data_plane.size_capacities(cfg.capacity, sources, cfg.model, cfg.data.batch_size,
-                                                  cfg.data.seq_len, "data.sources")
-    return dict(cfg.capacity)
-
-
-def make_loader(cfg: OmniConfig, tok=None, placement=None):
-    """The training loader: the data plane over `data.sources` (the built-in world by default); its small
-    state (window start, draw counts, deferred samples) goes into the checkpoint."""
-    from omnijax.data.loader import TrainerBatches
-
-    return TrainerBatches(_open(cfg, "data.sources", cfg.data.sources or [WORLD], "train", tok, cfg.data.mix,
-                                cfg.trainer.seed, placement=placement))
-
-
-def held_out_batches(cfg: OmniConfig, tok=None):
-    """() -> the held-out host batches of `data.eval_sources` (None without them): `data.eval_batches`
-    batches, each record at most once (a larger set is evaluated on its first part)."""
-    if not cfg.data.eval_sources:
-        return None
-    loader = _open(cfg, "data.eval_sources", cfg.data.eval_sources, "eval", tok, None, seed=0,
-                   steps=cfg.data.eval_batches)
-    return data_plane.cached_batches(loader, cfg.data.eval_batches)
-
-
-def multiplexed(cfg: OmniConfig):
-    """The joint-step placement of `parallel.*` (None: plain DP on one process)."""
-    from omnijax.train.placement import multimodal_placement
-
-    return multimodal_placement(cfg.parallel, cfg.model)
+    return load_config(name, argv, multimodal.MultimodalConfig, check=multimodal.check)
 
 
 def main(argv: list[str], name: str = "tiny_omni") -> int:
@@ -161,9 +51,9 @@ def main(argv: list[str], name: str = "tiny_omni") -> int:
     # greedy-decoded accuracy needs the built-in world's questions; other data get the held-out loss
     world_eval_on = WORLD in (cfg.data.sources or [WORLD])
 
-    placement = multiplexed(cfg)
-    loader = make_loader(cfg, tok, placement)  # opens (and checks) the data before the model is built
-    held_out = held_out_batches(cfg, tok)
+    placement = multimodal.placement(cfg)
+    loader = multimodal.train_loader(cfg, tok, placement)  # opens (and checks) the data before the model is built
+    held_out = multimodal.held_out_batches(cfg, tok)
     build = lambda: MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))  # noqa: E731
     model = nnx.eval_shape(build)  # shapes only: the trainer creates the parameters in their shardings
     counts = describe(model)

@@ -18,7 +18,8 @@ from omnijax.train.state import init_state
 from omnijax.train.optimizer import make_optimizer
 from omnijax.train.step import make_train_step
 from omnijax.data.packing import SamplePacker as Packer
-from recipes.tiny_omni import load, multiplexed, training_capacity
+from omnijax.train.multimodal import placement as multiplexed, training_capacity
+from recipes.tiny_omni import load
 
 GROUP = 4  # devices per sequence group in the unit tests (a 2 x 4 mesh, groups along "esp")
 

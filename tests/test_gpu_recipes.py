@@ -6,7 +6,7 @@ from omnijax.config import build
 from omnijax.errors import ConfigError
 from omnijax.train.dryrun import dry_run
 from recipes.common import CONFIGS
-from recipes.tiny_omni import OmniConfig, check
+from omnijax.train.multimodal import MultimodalConfig as OmniConfig, check
 
 
 def _cfg(name, *overrides):

@@ -95,7 +95,7 @@ class MetaSource:
 def _mm_config():
     from omnijax.config import build
     from recipes.common import CONFIGS
-    from recipes.tiny_omni import OmniConfig, check
+    from omnijax.train.multimodal import MultimodalConfig as OmniConfig, check
 
     return build(OmniConfig, CONFIGS / "omni_8b.yaml", [], check=check).model
 

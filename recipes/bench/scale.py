@@ -66,8 +66,8 @@ def recipe_layout(name: str, gpus: int = 64, check: bool = True):
     from omnijax.train.dryrun import dry_run
     from omnijax.train.metrics import llm_param_counts
     from recipes.common import CONFIGS
-    from recipes.tiny_omni import OmniConfig
-    from recipes.tiny_omni import check as check_config
+    from omnijax.train.multimodal import MultimodalConfig as OmniConfig
+    from omnijax.train.multimodal import check as check_config
 
     recipe, overrides = VARIANTS.get(name, (name, ()))
     cfg = build(OmniConfig, CONFIGS / f"{recipe}.yaml", list(overrides), check=check_config)
