@@ -74,10 +74,11 @@ def test_pairs_convert_and_pack_into_one_row(pair_shards):
     (src,) = sources.open_sources([sources.SourceSpec("p", path=str(pair_shards))])
     for i in range(4):  # the sidecar's metadata (read without the record) = the record's own
         assert src.meta(i).is_pair and src.meta(i) == src.get(i).meta()
+    from omnijax.train import multimodal
     from recipes import tiny_omni
     cfg = tiny_omni.load([f"data.sources=[{pair_shards}]", "data.batch_size=8", "capacity.vision=64",
                           "capacity.audio=8"])
-    batch = next(tiny_omni.make_loader(cfg))
+    batch = next(multimodal.train_loader(cfg))
     pref, seg, mask = batch["pref_index"], batch["segment_ids"], batch["loss_mask"]
     pairs = 0
     for r in range(len(pref)):
