@@ -464,3 +464,45 @@ def test_greedy_decode_of_an_image_prompt_equals_transformers_generate(folders, 
     toks, logits = run(delta)
     assert toks == ref_tokens and _rel(logits, ref_logits) < 1e-4
     assert _rel(run(0)[1][1:], ref_logits[1:]) > 1e-4  # the delta matters for every generated token
+
+
+def test_generator_answers_an_image_and_a_video_prompt_as_transformers_generate(folders, tmp_path):
+    """serve.generate on a Qwen2.5-VL folder (qwen_vl.load_model): the prompt's M-RoPE positions from the packer,
+    each new token at its slot plus its row's rope delta; two prompts decoded in one batch (an image, a video
+    at 1 fps) give transformers' greedy tokens for each (with the delta left out, the video's answer departs
+    from transformers' at its 9th token)."""
+    from omnijax.data.sample import Sample, Segment
+    from omnijax.mm_config import qwen_grid
+    from omnijax.serve.generate import Generator, SamplingConfig
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(1)  # weights at N(0, 0.05): the answers do not collapse onto one token (the delta shows)
+    hf_model = Qwen2_5_VLForConditionalGeneration(folders["qwen2_5_vl"].config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.normal_(0.0, 0.05) if p.dim() > 1 else None
+    folder = tmp_path / "qwen"
+    hf_model.save_pretrained(folder)
+    model = qwen_vl.load_model(folder)
+    cfg, info = qwen_vl.config_from_folder(folder)
+    vcfg = encoder_config("vision", cfg.encoders["vision"])
+    rng = np.random.RandomState(3)
+    media = [("image", rng.rand(20, 28, 3).astype(np.float32), 0.0), ("video", rng.rand(4, 12, 16, 3).astype(np.float32), 1.0)]
+    prompts = [Sample((Segment("text", rng.randint(0, 100, 3).astype(np.int32)), Segment(kind, x, fps=fps),
+                       Segment("text", rng.randint(0, 100, 4).astype(np.int32)))) for kind, x, fps in media]
+    gen = Generator(model, placeholder={"image": IMAGE, "video": VIDEO})
+    ours = gen.generate(prompts, SamplingConfig(max_new_tokens=16), batch_size=2)
+    for prompt, got, (kind, x, fps) in zip(prompts, ours, media):
+        rows, _ = features.segment_inputs(kind, x, cfg)
+        n, grid = rows.shape[0], qwen_grid(x.shape, vcfg)
+        hf_rows = rows.reshape(n, TP, PATCH, PATCH, 3).transpose(0, 4, 1, 2, 3).reshape(n, -1)
+        ids = np.asarray(got.prompt_tokens)
+        types = np.where(ids == (IMAGE if kind == "image" else VIDEO), 1 if kind == "image" else 2, 0)
+        kw = ({"pixel_values": torch.tensor(hf_rows), "image_grid_thw": torch.tensor([grid])} if kind == "image" else
+              {"pixel_values_videos": torch.tensor(hf_rows), "video_grid_thw": torch.tensor([grid]),
+               "second_per_grid_ts": torch.tensor([TP / fps])})
+        with torch.no_grad():
+            ref = hf_model.generate(input_ids=torch.tensor(ids[None]), mm_token_type_ids=torch.tensor(types[None]),
+                                                 max_new_tokens=16, do_sample=False, eos_token_id=None, **kw)
+        assert got.tokens == ref[0, len(ids):].tolist(), (kind, got.tokens)
