@@ -2,7 +2,9 @@
 
 `python -m recipes export RUN_DIR output=DIR`: DIR/llm an HF Llama/Qwen2 folder with the tokenizer,
 DIR/encoders/NAME an HF folder per pretrained encoder (SigLIP / Whisper names), DIR/projector.safetensors,
-DIR/omnijax.json (the model config; `recipes generate DIR` reads it). A LoRA run (trainer.lora) also writes
+DIR/omnijax.json (the model config; `recipes generate DIR` reads it). A run started from a whole model's folder
+(`init.model`, Qwen2.5-VL / Qwen2-VL) is written back as that kind of folder instead, under its names, shapes
+and dtypes, with its config, processor, chat template and tokenizer (what transformers, vLLM and SGLang load). A LoRA run (trainer.lora) also writes
 DIR/llm_adapter in PEFT's format over the base in DIR/llm, or with merge=true its adapters merged into DIR/llm
 (omnijax/interop/peft.py). Written tensor by tensor from the
 parameters restored sharded over this machine's devices, into a temporary folder renamed when complete.
@@ -78,6 +80,16 @@ def main(argv: list[str]) -> int:
 
     params, step = warmstart.params_from_run(run_dir, jax.tree.map(sharded, abstract), key="RUN_DIR")
     src = warmstart.origins(run_dir)
+    if src.get("model"):  # a whole released model in, the same kind of folder out
+        if lora:
+            raise ConfigError(f"{run_dir}: exporting LoRA adapters of a run from init.model is not supported yet")
+        from omnijax.interop import qwen_vl
+
+        qwen_vl.export(params, out, like=src["model"])
+        print(f"exported {run_dir} step {step} -> {out} (a Hugging Face folder like {src['model']}, "
+              f"{time.perf_counter() - t0:.0f} s); generate with `python -m recipes generate {out} prompts=FILE "
+              "output=OUT.jsonl`", file=sys.stderr)
+        return 0
     trained, params = params, (peft.export_params(params, cfg.merge) if lora else params)
     write_bundle(out, model_cfg, params, llm_from=src["llm"], encoders_from=src["encoders"],
                  tokenizer=src["tokenizer"] or None,

@@ -5,7 +5,8 @@
   tokenizer the run trained with (`tokenizer.path`, else the folder of `init.llm`, else byte-level);
 - export folder (`DIR/omnijax.json`, written by `recipes export`): read through
   `omnijax.interop.bundle.read_bundle`;
-- a Hugging Face Llama/Qwen2 folder (`config.json` with a `model_type`): the LLM alone, with its tokenizer.
+- a Hugging Face Llama/Qwen2 folder (`config.json` with a `model_type`): the LLM alone, with its tokenizer; a
+  Qwen2.5-VL / Qwen2-VL folder: the whole multimodal model (`interop.qwen_vl.load_model`).
 """
 from __future__ import annotations
 
@@ -95,7 +96,12 @@ def load_hf(path: str | Path, layout: str = "", devices: list | None = None) -> 
     p = Path(path)
     if not (p / "tokenizer.json").is_file():
         raise UserError(f"{p}: no tokenizer.json next to the weights; copy the model's tokenizer files into it")
-    model = pretrained.load_llm(p, _target(layout, devices))
+    from omnijax.interop import qwen_vl
+
+    if qwen_vl.is_qwen_vl(p):  # a whole multimodal model (Qwen2.5-VL / Qwen2-VL, e.g. `recipes export`'s)
+        model = qwen_vl.load_model(p, _target(layout, devices))
+    else:
+        model = pretrained.load_llm(p, _target(layout, devices))
     tok = load_tokenizer(str(p))
     return Served(model, tok, _eos_ids(tok, p), "hf", {"folder": str(p)})
 
