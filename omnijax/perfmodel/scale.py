@@ -150,33 +150,45 @@ def _lognormal(rng, median, sigma, lo, hi, n):
     return np.clip(rng.lognormal(math.log(median), sigma, n), lo, hi)
 
 
-def _draw(mod: str, c: int, rng: np.random.Generator, row_len: int, red: dict[str, int]):
-    """(encoder, input rows, LLM tokens) of c samples of one modality (distributions in the README)."""
-    if mod == "image":      # side lengths log-uniform in 224..896 px (aspect ratio free), 2x2 merge
-        h = np.exp(rng.uniform(math.log(224), math.log(896), c)) // (2 * PATCH) * 2
-        w = np.exp(rng.uniform(math.log(224), math.log(896), c)) // (2 * PATCH) * 2
-        rows = (h * w).astype(np.int64)
-        text = _lognormal(rng, 120, 0.8, 8, 1024, c)
-        enc = "vision"
-    elif mod == "video":    # duration lognormal (median 20 s, 2-60 s), 2 fps, tubes of 2 frames
+def media_draws(mod: str, c: int, rng: np.random.Generator, row_len: int = 4096) -> dict[str, np.ndarray]:
+    """The raw quantities of c samples of one modality, in the units a record's metadata has (pixels,
+    seconds, text tokens): `image` h, w px; `video` seconds and a frame side in px; `audio` seconds;
+    every modality its text tokens. The one statement of the mixes' distributions (docs/scale.md cites
+    their sources): `_draw` turns them into rows here, `bench plan` into records' metadata."""
+    if mod == "image":      # side lengths log-uniform in 224..896 px (aspect ratio free)
+        h = np.exp(rng.uniform(math.log(224), math.log(896), c))
+        w = np.exp(rng.uniform(math.log(224), math.log(896), c))
+        return {"h": h, "w": w, "text": _lognormal(rng, 120, 0.8, 8, 1024, c)}
+    if mod == "video":      # duration lognormal (median 20 s, 2-60 s), square frames 224..448 px
         dur = _lognormal(rng, 20, 0.8, 2, 60, c)
-        side = np.exp(rng.uniform(math.log(224), math.log(448), c)) // (2 * PATCH) * 2
-        per = side * side
-        text = _lognormal(rng, 100, 0.8, 8, 512, c)
-        fit = np.floor((row_len - text) * red["vision"] / per)   # whole tubes that fit one LLM row
-        rows = (np.minimum(np.ceil(dur * VIDEO_FPS / 2), fit) * per).astype(np.int64)
-        enc = "vision"
-    elif mod == "audio":    # utterance 1-30 s (LibriSpeech mean 12.3 s), 100 mel frames/s
+        side = np.exp(rng.uniform(math.log(224), math.log(448), c))
+        return {"seconds": dur, "side": side, "text": _lognormal(rng, 100, 0.8, 8, 512, c)}
+    if mod == "audio":      # utterance 1-30 s (LibriSpeech mean 12.3 s); prompt + transcript (~3 tokens/s)
         dur = _lognormal(rng, 10, 0.6, 1, 30, c)
-        rows = (np.round(dur * MEL_FPS / red["audio"]) * red["audio"]).astype(np.int64)
-        text = _lognormal(rng, 60, 0.6, 8, 512, c) + dur * 3.0   # prompt + transcript (~3 tokens/s)
+        return {"seconds": dur, "text": _lognormal(rng, 60, 0.6, 8, 512, c) + dur * 3.0}
+    if mod == "text":       # long documents / long SFT: median 1,000 tokens, up to a row
+        return {"text": _lognormal(rng, 1000, 1.0, 32, row_len, c)}
+    raise ConfigError(f"unknown modality {mod!r} in a mix; known: image, video, audio, text")
+
+
+def _draw(mod: str, c: int, rng: np.random.Generator, row_len: int, red: dict[str, int]):
+    """(encoder, input rows, LLM tokens) of c samples of one modality (`media_draws`' distributions)."""
+    d = media_draws(mod, c, rng, row_len)
+    text = d["text"]
+    if mod == "image":      # patches of 14 px, 2x2 merge
+        rows = ((d["h"] // (2 * PATCH) * 2) * (d["w"] // (2 * PATCH) * 2)).astype(np.int64)
+        enc = "vision"
+    elif mod == "video":    # 2 fps, tubes of 2 frames, whole tubes that fit one LLM row
+        per = (d["side"] // (2 * PATCH) * 2) ** 2
+        fit = np.floor((row_len - text) * red["vision"] / per)
+        rows = (np.minimum(np.ceil(d["seconds"] * VIDEO_FPS / 2), fit) * per).astype(np.int64)
+        enc = "vision"
+    elif mod == "audio":    # 100 mel frames/s
+        rows = (np.round(d["seconds"] * MEL_FPS / red["audio"]) * red["audio"]).astype(np.int64)
         enc = "audio"
-    elif mod == "text":     # long documents / long SFT: median 1,000 tokens, up to a row
-        rows = np.zeros(c, np.int64)
-        text = _lognormal(rng, 1000, 1.0, 32, row_len, c)
-        enc = ""
     else:
-        raise ConfigError(f"unknown modality {mod!r} in a mix; known: image, video, audio, text")
+        rows = np.zeros(c, np.int64)
+        enc = ""
     tokens = np.minimum(text.astype(np.int64) + rows // red.get(enc, 1), row_len)
     return enc, rows, tokens
 

@@ -6,15 +6,20 @@ metadata only: samples drawn from `bench scale`'s distributions (`omnijax.perfmo
 224-896 px, clips 2-60 s, speech 1-30 s, text to 4k tokens) under its image / video / audio_text mixes,
 shaped for `omni_8b`'s encoders (SigLIP/14 with a 2x2 merge, Whisper-style audio). A global batch is
 `rows_per_device` rows of `row_len` tokens per device (2 x 4k, as `bench scale`), one dp rank per
-device as the trainer's data plane has, and every host plans the whole step (the plan is identical
-everywhere). Rows: devices x mix, with `plan_s_per_step` (mean over the timed windows, the first one's
-start-up included), `peak_rss_mb` growth while planning, and the step's samples and items. Nothing is
-decoded; no device is used.
+device as the trainer's data plane has. A host (`devices_per_host` devices) plans only the planning
+groups (`omnijax.data.groups`, `plan_rows` rows each) its own ranks hold (`Loader(plan_local=True)`):
+rows `loader_plan_host` for the first and the last host of each size, with `plan_s_per_step` (wall
+time, mean over the timed windows, the first one's start-up included), `plan_cpu_s_per_step` (the
+process's CPU time over the same: what the plan costs a host's core, whatever else shares the machine;
+the growth row compares it), `plan_peak_mb` (the peak of Python's
+allocations while planning a window) and the samples and items it planned; `whole_up_to=N` adds, up
+to N devices, the whole step's plan (every group, as a host without `plan_local` does) and the whole
+step as one group (the loader's plan before planning groups, what every host did), side by side. Then
+the growth from the smallest to the largest size. Nothing is decoded; no device is used.
 """
 from __future__ import annotations
 
 import math
-import resource
 import time
 from typing import Iterator
 
@@ -24,8 +29,12 @@ DESCRIPTION = "loader planner at 1k-16k devices (2 rows of 4k tokens each): seco
 
 
 def _options(overrides: list[str]) -> dict:
-    opts = {"devices": "1024,4096,16384", "mixes": "image,video,audio_text", "rows_per_device": 2,
-            "row_len": 4096, "window": 4, "windows": 1, "samples_per_row": 4, "seed": 0}
+    from recipes.bench.scale import _options as scale_options
+
+    at_scale = scale_options([])  # the devices and mixes of `bench scale`, planned here by the loader itself
+    opts = {"devices": at_scale["devices"], "mixes": at_scale["mixes"], "rows_per_device": 2, "row_len": 4096,
+            "window": 4, "windows": 1, "samples_per_row": 4, "seed": 0, "devices_per_host": 8, "plan_rows": 0,
+            "whole_up_to": 0}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.")
@@ -56,36 +65,37 @@ class MetaSource:
         return self._metas[index]
 
     def _draw(self, chunk: int) -> list:
+        """One chunk of records: a modality per record by the phase's shares, then `bench scale`'s own
+        distributions (`perfmodel.scale.media_draws`) as the record's metadata: pixels, frames, samples."""
         from omnijax.data.sample import SampleMeta, SegmentMeta
+        from omnijax.perfmodel.scale import PATCH, VIDEO_FPS, media_draws
 
         rng = np.random.default_rng([self.seed, chunk])
         n = self.CHUNK
         mods = list(self.shares)
         p = np.array([self.shares[m] for m in mods], np.float64)
         kind = rng.choice(len(mods), n, p=p / p.sum())
-        logu = lambda lo, hi: np.exp(rng.uniform(math.log(lo), math.log(hi), n)).astype(np.int64)  # noqa: E731
-        logn = lambda med, s, lo, hi: np.clip(rng.lognormal(math.log(med), s, n), lo, hi)  # noqa: E731
-        h, w, vside = logu(224, 896), logu(224, 896), logu(224, 448) // 28 * 28
-        dur_v, dur_a = logn(20, 0.8, 2, 60), logn(10, 0.6, 1, 30)
-        text = {"image": logn(120, 0.8, 8, 1024).astype(np.int64), "video": logn(100, 0.8, 8, 512).astype(np.int64),
-                "audio": (logn(60, 0.6, 8, 512) + 3 * dur_a).astype(np.int64),
-                "text": logn(1000, 1.0, 32, self.row_len).astype(np.int64)}
+        drawn = {m: media_draws(m, int((kind == k).sum()), rng, self.row_len) for k, m in enumerate(mods)}
+        nth = {m: 0 for m in mods}
         out = []
         for i in range(n):
             mod = mods[kind[i]]
-            t = int(text[mod][i])
+            d, j = drawn[mod], nth[mod]
+            nth[mod] += 1
+            t = int(d["text"][j])
             if mod == "image":
-                seg = SegmentMeta("image", (int(h[i]), int(w[i]), 3))
-            elif mod == "video":
-                per = (int(vside[i]) // 28) ** 2          # LLM tokens per 2-frame tube after the 2x2 merge
-                frames = min(2 * math.ceil(dur_v[i]), 2 * max(1, (self.row_len - t) // per))
-                seg = SegmentMeta("video", (frames, int(vside[i]), int(vside[i]), 3))
+                seg = SegmentMeta("image", (int(d["h"][j]), int(d["w"][j]), 3))
+            elif mod == "video":  # whole 2-frame tubes, as many as fit one LLM row beside the text
+                side = int(d["side"][j]) // (2 * PATCH) * 2 * PATCH
+                per = (side // (2 * PATCH)) ** 2      # LLM tokens per tube after the 2x2 merge
+                frames = min(2 * math.ceil(d["seconds"][j] * VIDEO_FPS / 2), 2 * max(1, (self.row_len - t) // per))
+                seg = SegmentMeta("video", (frames, side, side, 3))
             elif mod == "audio":
-                seg = SegmentMeta("audio", (int(dur_a[i] * 16000),))
+                seg = SegmentMeta("audio", (int(d["seconds"][j] * 16000),))
             else:
                 seg = None
-            segs = (SegmentMeta("text", (t,), loss=True),) if seg is None else (seg, SegmentMeta("text", (t,), loss=True))
-            out.append(SampleMeta(segs, self.name, chunk * n + i))
+            text = SegmentMeta("text", (t,), loss=True)
+            out.append(SampleMeta((text,) if seg is None else (seg, text), self.name, chunk * n + i))
         return out
 
     def get(self, index: int):  # pragma: no cover - planning never reads payloads
@@ -100,40 +110,64 @@ def _mm_config():
     return build(OmniConfig, CONFIGS / "omni_8b.yaml", [], check=check).model
 
 
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def plan_row(devices: int, mix_name: str, opts: dict, mm_cfg) -> dict:
-    """Time the loader's window plans for one global batch size and mix."""
-    from omnijax.data.loader import Loader, LoaderConfig
-    from omnijax.data.sources import SourceSpec
+def _sources(mix_name: str, opts: dict) -> list[MetaSource]:
     from omnijax.perfmodel.scale import MIXES
 
     mix = MIXES[mix_name]
+    return [MetaSource(f"{mix_name}{k}", mix.phases[k], opts["seed"] + k, opts["row_len"]) for k in range(len(mix.phases))]
+
+
+def _loader(devices: int, sources: list[MetaSource], opts: dict, mm_cfg, host: int | None, one_group: bool = False):
+    """The trainer's data plane (one dp rank per device, fixed shapes) for `devices`; `host`: the loader
+    of that host's ranks planning only its own groups (None: the whole step, every group). `one_group`:
+    the whole step as one planning group, the loader's plan before planning groups."""
+    from omnijax.data.loader import Loader, LoaderConfig
+    from omnijax.data.sources import SourceSpec
+
+    W, names = opts["window"], [s.name for s in sources]
     rows = devices * opts["rows_per_device"]
-    names = [f"{mix_name}{k}" for k in range(len(mix.phases))]
-    sources = [MetaSource(n, mix.phases[k], opts["seed"] + k, opts["row_len"]) for k, n in enumerate(names)]
-    W = opts["window"]
     schedule = [{"step": k * W, "weights": {n: float(j == k) for j, n in enumerate(names)}} for k in range(len(names))]
     cfg = LoaderConfig(sources=[SourceSpec(name=n, kind="world") for n in names], mix=schedule, seed=opts["seed"],
                        samples_per_step=opts["samples_per_row"] * rows, dp=devices, microbatches=1, window=W,
-                       row_len=opts["row_len"], max_rows=opts["rows_per_device"], fixed_shapes=True)
-    loader = Loader(cfg, mm_cfg=mm_cfg, sources=sources)
-    rss0 = _rss_mb()  # after the sources' metadata: what planning itself adds
-    t0 = time.perf_counter()
+                       row_len=opts["row_len"], max_rows=opts["rows_per_device"], fixed_shapes=True,
+                       plan_rows=rows if one_group else opts["plan_rows"])
+    per = opts["devices_per_host"]
+    ranks = None if host is None else list(range(host * per, (host + 1) * per))
+    return Loader(cfg, mm_cfg=mm_cfg, sources=sources, ranks=ranks, plan_local=host is not None)
+
+
+def plan_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[MetaSource],
+             host: int | None, one_group: bool = False) -> dict:
+    """Time one host's window plans (`host`; None: the whole step's) for one global batch size and mix,
+    then its memory: the peak of Python's allocations while planning the first window again, afresh."""
+    import tracemalloc
+
+    loader = _loader(devices, sources, opts, mm_cfg, host, one_group)
+    W = opts["window"]
+    t0, c0 = time.perf_counter(), time.process_time()
     samples = items = 0
     for w in range(opts["windows"]):
         wp = loader.window_plan(w)
         samples += sum(len(b) for b in wp.plan.bins)
         items += len(wp.items)
-    secs = time.perf_counter() - t0
+    secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     steps = opts["windows"] * W
-    return {"variant": "loader_plan", "devices": devices, "mix": mix_name, "global_rows": rows,
-            "row_len": opts["row_len"], "window": W, "steps": steps,
-            "plan_s_per_step": round(secs / steps, 3), "samples_per_step": round(samples / steps, 1),
-            "items_per_window": round(items / opts["windows"], 1), "peak_rss_growth_mb": round(_rss_mb() - rss0, 1),
-            "plans_on": "every host (the whole step, identical everywhere)"}
+    loader = _loader(devices, sources, opts, mm_cfg, host, one_group)
+    tracemalloc.start()
+    wp = loader.window_plan(0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    variant = "loader_plan_host" if host is not None else "loader_plan_one_group" if one_group else "loader_plan_step"
+    return {"variant": variant, "devices": devices,
+            "mix": mix_name, "global_rows": devices * opts["rows_per_device"], "row_len": opts["row_len"],
+            "window": W, "steps": steps, "host": host, "plan_groups": len(wp.groups),
+            "groups_per_step": loader.groups.count, "group_rows": loader.groups.rows,
+            "plan_s_per_step": round(secs / steps, 3), "plan_cpu_s_per_step": round(cpu / steps, 3),
+            "samples_per_step": round(samples / steps, 1),
+            "items_per_window": round(items / opts["windows"], 1), "plan_peak_mb": round(peak / 2**20, 1),
+            "plans_on": (f"host {host} of {devices // opts['devices_per_host']}: its own groups" if host is not None
+                         else "every host, the whole step as one group (before planning groups)" if one_group
+                         else "the whole step (every group)")}
 
 
 def run(overrides: list[str]) -> Iterator[dict]:
@@ -141,15 +175,22 @@ def run(overrides: list[str]) -> Iterator[dict]:
     mm_cfg = _mm_config()
     rows = []
     for mix in [m for m in opts["mixes"].split(",") if m]:
+        sources = _sources(mix, opts)
         for devices in [int(d) for d in opts["devices"].split(",") if d]:
-            row = plan_row(devices, mix, opts, mm_cfg)
-            rows.append(row)
-            yield row
-    by = {}
-    for r in rows:
-        by.setdefault(r["mix"], []).append(r)
-    for mix, rs in by.items():
-        rs = sorted(rs, key=lambda r: r["devices"])
-        if len(rs) > 1:
+            hosts = devices // opts["devices_per_host"]
+            for host in sorted({0, hosts - 1}):
+                row = plan_row(devices, mix, opts, mm_cfg, sources, host)
+                rows.append(row)
+                yield row
+            if devices <= opts["whole_up_to"]:
+                yield plan_row(devices, mix, opts, mm_cfg, sources, None)
+                yield plan_row(devices, mix, opts, mm_cfg, sources, None, one_group=True)
+    for mix in dict.fromkeys(r["mix"] for r in rows):
+        rs = sorted((r for r in rows if r["mix"] == mix), key=lambda r: (r["devices"], r["host"]))
+        if rs[-1]["devices"] > rs[0]["devices"]:
+            top = max(r["plan_cpu_s_per_step"] for r in rs if r["devices"] == rs[-1]["devices"])
+            low = max(r["plan_cpu_s_per_step"] for r in rs if r["devices"] == rs[0]["devices"])
+            mem = [max(r["plan_peak_mb"] for r in rs if r["devices"] == d) for d in (rs[-1]["devices"], rs[0]["devices"])]
             yield {"variant": "loader_plan_growth", "mix": mix, "devices": f"{rs[0]['devices']}->{rs[-1]['devices']}",
-                   "plan_s_growth": round(rs[-1]["plan_s_per_step"] / max(rs[0]["plan_s_per_step"], 1e-9), 2)}
+                   "plan_cpu_s_growth": round(top / max(low, 1e-9), 2),
+                   "plan_mem_growth": round(mem[0] / max(mem[1], 1e-9), 2)}
