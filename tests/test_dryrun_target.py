@@ -86,3 +86,37 @@ def test_advice_names_the_setting_that_shrinks_the_buffer():
     assert "remat" in shrink_advice({"source": "jit(step)/transpose(jvp(blockwise_attention))/dot_general",
                                      "instruction": "fusion.7"})
     assert "encoder" in shrink_advice({"source": "jit(step)/encoders/vision/dot_general", "instruction": "f"})
+
+
+def test_attention_made_fully_manual_inside_a_pipeline_stage():
+    """`manual_attention` (how a pipeline stage's attention reaches cuDNN: a nested shard_map manual over every
+    other axis, its own backward) equals the plain call, output and gradients, under pp2xfsdp2xtp2."""
+    from jax.sharding import PartitionSpec as P
+
+    from omnijax.parallel import rules as rules_lib
+    from omnijax.parallel.mesh import make_mesh
+    from omnijax.parallel.stage_attention import manual_attention
+
+    mesh, rules = make_mesh("pp2xfsdp2xtp2", jax.devices()[:8]), rules_lib.load_rules("llm_5d")
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 4, 32, 4, 16), jnp.float32)  # [stage, B, L, H, Dh]
+    k, v = (jax.random.normal(kk, (2, 4, 32, 2, 16), jnp.float32) for kk in keys[1:])
+    seg = jnp.broadcast_to(jnp.repeat(jnp.arange(1, 3), 16), (4, 32))
+    pos = jnp.broadcast_to(jnp.tile(jnp.arange(16), 2), (4, 32))
+
+    def plain(q, k, v):
+        return attn.dot_product_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
+                                          kv_positions=pos, impl="reference")
+
+    def staged(q, k, v):
+        def body(q, k, v):
+            out = manual_attention(q[0], k[0], v[0], seg, pos, mesh=mesh, rules=rules, impl="reference")
+            assert out is not None
+            return out[None]
+        return jax.shard_map(body, mesh=mesh, in_specs=P("pp"), out_specs=P("pp"), axis_names={"pp"})(q, k, v)
+
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+    want = jax.value_and_grad(loss(jax.vmap(plain)), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.value_and_grad(loss(staged), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert jnp.allclose(a, b, atol=1e-5, rtol=1e-5)

@@ -32,6 +32,7 @@ from omnijax.layers.attention import dot_product_attention
 from omnijax.models.llm import AUX_KEYS, LLM, default_packing, is_moe_layer, remat_mode, run_block, zero_aux
 from omnijax.parallel import context, embedding, expert, hosts, pipeline, rules as rules_lib
 from omnijax.parallel.mesh import Layout, make_mesh, parse_layout
+from omnijax.parallel.stage_attention import stage_attention
 from omnijax.models.losses import head_cross_entropy
 from omnijax.models.objective import loss_and_grads
 
@@ -293,6 +294,10 @@ class LLMParallel:
         if self.layout.cp > 1 and not inside_pipeline:
             return context.cp_attention(q, k, v, seg, seg, pos, pos, mesh=self.mesh, impl=self.cp_impl,
                                         attention_impl=impl)
+        if inside_pipeline:  # cuDNN in a stage: fully manual over the other axes (omnijax.parallel.stage_attention)
+            out = stage_attention(q, k, v, seg, pos, mesh=self.mesh, rules=self.rules, impl=impl)
+            if out is not None:
+                return out
         return dot_product_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
                                      kv_positions=pos, causal=True, impl=impl)
 
