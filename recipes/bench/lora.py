@@ -7,6 +7,11 @@ base weights (quantised under QLoRA). Then `bench.repeats` interleaved rounds of
 batches (rotating which variant goes first): ``step_s`` is the median round, ``*_vs_full`` ratios against the
 ``full`` row measured in the same run, and ``loss_after`` the loss after every variant has taken the same steps
 on the same batches (QLoRA's margin against LoRA on a float32 base is ``loss_after`` of the two rows).
+
+``bench.target=h100`` (any `recipes dryrun` target) also compiles each variant's step, at the same shape, for
+that GPU on this machine (`python -m recipes dryrun tiny_lm target=...`, one process per variant, nothing
+allocated): ``target_memory`` is XLA's plan per device there (arguments, temporaries, peak, the largest
+buffers), beside the CPU's figures, with ``target_peak_vs_full``.
 """
 from __future__ import annotations
 
@@ -15,7 +20,13 @@ import statistics
 import time
 from typing import Iterator
 
+import json
+import os
+import subprocess
+import sys
+
 from omnijax import allocator
+from omnijax.errors import UserError
 
 DESCRIPTION = ("full fine-tuning vs LoRA vs QLoRA (nf4/int8) on tiny_lm: compiled memory, state bytes, step time, "
                "loss after the same steps")
@@ -25,6 +36,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
     from recipes.common import load_config, setup_devices
 
     setup_devices(overrides)
+    target = next((o.split("=", 1)[1] for o in overrides if o.startswith("bench.target=")), None)
+    overrides = [o for o in overrides if not o.startswith("bench.target=")]
     extra = [o for o in overrides if o.split("=")[0] in {"bench.rank", "bench.steps", "bench.repeats"}]
     overrides = [o for o in overrides if o not in extra]
     opts = {k.split(".")[1]: int(v) for k, v in (o.split("=", 1) for o in extra)}
@@ -84,6 +97,13 @@ def run(overrides: list[str]) -> Iterator[dict]:
             jax.block_until_ready(m)
             run_["times"].append((time.perf_counter() - t0) / steps)
             run_["state"], run_["loss"] = state, float(m["loss"])
+    if target:
+        model_overrides = [o for o in overrides if not o.startswith("parallel.cpu_devices=")]
+        for run_ in runs:
+            base = variants[run_["variant"]]
+            lora = ([f"trainer.lora.rank={rank}", f"trainer.lora.alpha={2.0 * rank}", f"trainer.lora.base_dtype={base}"]
+                    if base else [])
+            run_["target"] = target_memory(target, model_overrides + lora)
     full = runs[0]
     for run_ in runs:
         row = {"variant": run_["variant"], "rank": rank if run_["variant"] != "full" else 0,
@@ -94,6 +114,11 @@ def run(overrides: list[str]) -> Iterator[dict]:
                "base_block_bytes": run_["base_block_bytes"], "opt_state_bytes": run_["opt_state_bytes"],
                "step_s": statistics.median(run_["times"]), "loss_after": run_["loss"],
                "steps_taken": steps * repeats, "allocator": allocator.describe()}
+        if "target" in run_:
+            row["target_memory"] = run_["target"]
+            if run_ is not full:
+                row["target_peak_vs_full"] = (run_["target"]["peak_bytes_per_device"]
+                                              / full["target"]["peak_bytes_per_device"])
         if run_ is not full:
             row.update({"vs": "full",
                         "peak_bytes_vs_full": run_["memory"]["peak_bytes"] / full["memory"]["peak_bytes"],
@@ -101,3 +126,18 @@ def run(overrides: list[str]) -> Iterator[dict]:
                         "base_block_bytes_vs_full": run_["base_block_bytes"] / full["base_block_bytes"],
                         "step_time_vs_full": statistics.median(run_["times"]) / statistics.median(full["times"])})
         yield row
+
+
+def target_memory(target: str, overrides: list[str]) -> dict:
+    """tiny_lm's step with `overrides` compiled for `target` by `recipes dryrun` in its own process: XLA's
+    memory per device there (the dryrun report's fields)."""
+    cmd = [sys.executable, "-m", "recipes", "dryrun", "tiny_lm", f"target={target}", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or [""])[-1]
+        raise UserError(f"bench lora: dryrun target={target} exited {proc.returncode}: {tail[:200]}")
+    r = json.loads(lines[-1])
+    keys = ("target", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes_per_device",
+            "device_memory_bytes", "fits", "largest_buffers")
+    return {k: r[k] for k in keys} | {"command": " ".join(cmd[1:])}
