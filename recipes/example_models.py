@@ -120,6 +120,7 @@ def _qwen2_5_vl(cfg: ExampleModelsConfig, out: Path, tok_dir: Path) -> int:
     text = dict(vocab_size=vocab, hidden_size=cfg.llm_width, intermediate_size=cfg.llm_width * 5 // 2,
                 num_hidden_layers=cfg.llm_layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                 max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                  "mrope_section": _mrope_section(cfg.llm_width // heads)})
     vision = dict(depth=cfg.encoder_layers, hidden_size=cfg.encoder_width, intermediate_size=2 * cfg.encoder_width,
