@@ -80,9 +80,11 @@ def main(argv: list[str]) -> int:
 
     params, step = warmstart.params_from_run(run_dir, jax.tree.map(sharded, abstract), key="RUN_DIR")
     src = warmstart.origins(run_dir)
+    trained, params = params, (peft.export_params(params, cfg.merge) if lora else params)
     if src.get("model"):  # a whole released model in, the same kind of folder out
-        if lora:
-            raise ConfigError(f"{run_dir}: exporting LoRA adapters of a run from init.model is not supported yet")
+        if lora and not cfg.merge:
+            raise ConfigError(f"{run_dir}: a LoRA run from init.model exports with its adapters merged (merge=true); "
+                              "PEFT adapter folders are written for init.llm runs only")
         from omnijax.interop import qwen_vl
 
         qwen_vl.export(params, out, like=src["model"])
@@ -90,7 +92,6 @@ def main(argv: list[str]) -> int:
               f"{time.perf_counter() - t0:.0f} s); generate with `python -m recipes generate {out} prompts=FILE "
               "output=OUT.jsonl`", file=sys.stderr)
         return 0
-    trained, params = params, (peft.export_params(params, cfg.merge) if lora else params)
     write_bundle(out, model_cfg, params, llm_from=src["llm"], encoders_from=src["encoders"],
                  tokenizer=src["tokenizer"] or None,
                  extra={"run": str(run_dir.resolve()), "step": step, "tokenizer_from": src["tokenizer"]})
