@@ -34,7 +34,43 @@ def synthetic_cluster_data():
         yield CLUSTER_FIXTURES
 
 
-def pytest_collection_modifyitems(items):
-    """The slow tests first (stable otherwise): xdist hands out work in collection order, so a long test
-    collected last keeps one worker busy after the other has finished everything else."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+def _module_fixtures(item) -> bool:
+    """Whether the test uses a module- (or wider-) scoped fixture defined in its own module."""
+    module = item.nodeid.split("::")[0]
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope in ("module", "package", "session") and d.baseid == module for ds in defs for d in ds)
+
+
+def _group(item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    return None if mark is None else str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+def pytest_itemcollected(item):
+    """Tests that share a module-scoped fixture are one xdist group (their module's, unless they name one):
+    pytest builds such a fixture once per worker that runs one of its tests, and again each time a worker
+    comes back to the module, so spread over both workers a LoRA run or a set of HF folders was built two or
+    more times."""
+    if _group(item) is None and _module_fixtures(item):
+        item.add_marker(pytest.mark.xdist_group(pathlib.Path(item.nodeid.split("::")[0]).stem))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first, a group with its slow member (stable otherwise): xdist hands out the groups
+    first (most tests first), then single tests in collection order, so a long test collected last would
+    keep one worker busy after the other has finished everything else.
+
+    `--dist loadgroup` sends a group to one worker by the `@group` suffix xdist puts on each test's id, which
+    pytest-xdist 3.8 writes to `item._nodeid`; pytest 9 keeps the id in `item._id` and never reads it, so
+    every group was silently spread over both workers (one local Ray per worker, every fixture built twice).
+    The suffix is written where this pytest reads it; where xdist's own write works, it is left alone."""
+    if getattr(config.option, "loadgroup", False):
+        for item in items:
+            group = _group(item)
+            if group is not None and not item.nodeid.endswith(f"@{group}") and hasattr(item, "_id"):
+                from _pytest.nodeid import coerce_node_id
+
+                item._id = coerce_node_id(f"{item.nodeid}@{group}")
+    slow = {_group(item) for item in items if item.get_closest_marker("slow") is not None} - {None}
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None and _group(item) not in slow)
