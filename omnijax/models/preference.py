@@ -83,8 +83,12 @@ def reference_logps(model: Any, batch: dict, logits_fn: Callable[[Any, dict], ja
         return token_logps(logits_fn(model, batch), batch["targets"], batch["loss_mask"])
 
 
-def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = _logits):
+def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = _logits, rpo_alpha: float = 0.0):
     """A `LossFn` (model, batch) -> (loss_sum, token_count, aux) whose global mean is the mean pair loss.
+
+    `rpo_alpha` > 0 adds that weight times the chosen answers' mean token negative log-likelihood (TRL's
+    `rpo_alpha`, Pang et al. 2024), which keeps the chosen answers' own probability from falling with the
+    rejected ones'.
 
     The trainer divides `loss_sum` by the batch's answer tokens; the pair losses are scaled by tokens / pairs
     so that quotient is the mean over pairs. That holds for a batch seen whole (trainer.grad_accum=1, the jitted
@@ -110,6 +114,11 @@ def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = _l
         counts = pair_sums(mask, pref)
         real = (counts[0] > 0) & (counts[1] > 0)
         total, stats = dpo_terms(policy, reference, real, beta)
-        scale = tokens / jnp.maximum(stats["dpo_pairs"], 1.0)
-        return total * scale, tokens, means(stats)
+        objective = total / jnp.maximum(stats["dpo_pairs"], 1.0)
+        aux = means(stats)
+        if rpo_alpha:
+            chosen_tokens = jnp.sum(counts[0] * real)
+            aux["dpo_nll_chosen"] = -jnp.sum(policy[0] * real) / jnp.maximum(chosen_tokens, 1.0)
+            objective = objective + rpo_alpha * aux["dpo_nll_chosen"]
+        return objective * tokens, tokens, aux
     return loss_fn
