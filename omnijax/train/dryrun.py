@@ -366,7 +366,7 @@ def xla_flops(compiled: Any) -> float | None:
         return None
 
 
-def _read_dump(dump_dir: str) -> tuple[str, str]:
+def read_dump(dump_dir: str) -> tuple[str, str]:
     files = sorted(os.listdir(dump_dir))
     hlo = [f for f in files if f.endswith("after_optimizations.txt")]
     ba = [f for f in files if f.endswith("after_optimizations-buffer-assignment.txt")]
@@ -397,7 +397,7 @@ def target_report(compiled: Any, calls: list[dict], dump_dir: str, *, target: An
                   analytic: dict | None, model_flops_per_device: float | None, compile_s: float) -> dict:
     """The per-device report of a step compiled for `target` (see `recipes dryrun`)."""
     mem = compiled.memory_analysis()
-    hlo, assignment = _read_dump(dump_dir)
+    hlo, assignment = read_dump(dump_dir)
     instr = _instructions(hlo)
     args, outs = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
     alias, temp = int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes)
@@ -420,7 +420,8 @@ def target_report(compiled: Any, calls: list[dict], dump_dir: str, *, target: An
         "collectives": colls, "collective_bytes": sum(c["bytes"] for c in colls.values()),
         "xla_flops": flops, "model_flops_per_device": model_flops_per_device,
         "xla_flops_note": "HloCostAnalysis of the per-device program: a loop body (the pipeline's scan, the loss's "
-                          "chunks, blockwise attention) counts once, custom calls (cuDNN attention) count 0",
+                          "chunks, blockwise attention) counts once, custom calls (cuDNN attention) count 0 (recipes dryrun adds "
+                          "loop_flops: every loop body times its trip count)",
         "compile_s": round(compile_s, 1),
     }
     if flops and model_flops_per_device:
