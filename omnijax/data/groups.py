@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from omnijax.errors import ConfigError
 
-PLAN_ROWS = 256  # rows per planning group by default: a host plans ~4k samples a window whatever the job's size
+PLAN_ROWS = 128  # rows per planning group by default: a host plans ~2k samples a window whatever the job's size
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ order; only then are a step's samples spread over the dp ranks (`balance.spread_
 where they run, never whether. A sample whose encoder rows exceed the step's capacity is not dropped:
 its window plans at a larger bucket (the capacity doubled until it fits, a bounded set of programs).
 
-Planning groups (`omnijax.data.groups`): a step of more than `data.plan_rows` rows (default 256) is
+Planning groups (`omnijax.data.groups`): a step of more than `data.plan_rows` rows (default 128) is
 planned as independent groups of global rows, each with its own draws (a lane of the mixer), its own
 deferred samples and its share of the step capacity; the step's samples are the union of the groups',
 still the same on every layout. A host that plans only the groups its ranks hold (`plan_local`) does
