@@ -4,6 +4,8 @@ a JSONL of interleaved segments, a LLaVA-style conversation JSON, and a tiny Hug
 The content is the built-in world's (shapes, moving blocks, tone sequences with their questions), so a model
 trained on it has something to learn; two entries are deliberately corrupt (a truncated JPEG and an empty WAV)
 to show that `recipes convert` skips and counts them. The README's "Train on your own data" runs on this.
+`{train,eval}_pairs.jsonl` hold the same questions as preference pairs for `recipes dpo` (the correct answer
+chosen, a wrong one rejected; the first `llava` of them as LLaVA conversations with two marked assistant turns).
 """
 from __future__ import annotations
 
@@ -73,6 +75,23 @@ def _llava(record: dict) -> dict | None:
                                        {"from": "gpt", "value": texts[1]["text"]}]}
 
 
+def _pair(record: dict, wrong: str, llava: bool) -> dict | None:
+    """The record as a preference pair: its prompt, its answer chosen, `wrong` rejected (a LLaVA conversation
+    with two marked assistant turns when `llava`)."""
+    answers = [s["text"] for s in record["segments"] if s.get("loss")]
+    if len(answers) != 1:
+        return None
+    prompt = [s for s in record["segments"] if not s.get("loss")]
+    if not llava:
+        return {"segments": prompt, "chosen": answers[0], "rejected": wrong}
+    conv = _llava(record)
+    if conv is None:
+        return None
+    turns = conv["conversations"][:1] + [{"from": "gpt", "value": answers[0], "preference": "chosen"},
+                                         {"from": "gpt", "value": wrong, "preference": "rejected"}]
+    return {**conv, "conversations": turns}
+
+
 def _tokenizer(folder: Path, texts: list[str], vocab: int) -> None:
     """A tiny byte-level BPE trained on the dataset's own text, saved as a Hugging Face tokenizer folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -103,16 +122,21 @@ def main(argv: list[str]) -> int:
     root = Path(cfg.output)
     (root / "media").mkdir(parents=True, exist_ok=True)
     # video_frames/sides as the tiny recipe expects; every modality present
-    world_cfg = WorldConfig(seed=cfg.seed)
+    world_cfg = WorldConfig(seed=cfg.seed, pairs=True)  # pairs: each spec also draws a wrong answer (items stay plain)
     texts: list[str] = []
     files = {}
     for split, n, offset in (("train", cfg.train, 0), ("eval", cfg.eval, 1_000_000)):
         world = World(world_cfg, "train" if split == "train" else "eval")
-        records = []
+        records, pairs = [], []
         for i in tqdm(range(n), desc=f"example_data {split}", unit="rec", file=sys.stderr, mininterval=1.0):
             record, t = _write_item(world.item(i), root, offset + i, cfg.video_fps)
             records.append(record)
             texts += t
+            pair = _pair(record, world.spec(i)["wrong"], llava=split == "train" and i < cfg.llava)
+            if pair is not None:
+                pairs.append(pair)
+        (root / f"{split}_pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+        files[f"{split}_pairs"] = str(root / f"{split}_pairs.jsonl")
         if split == "train":
             # two broken inputs a real dataset would have: a truncated JPEG and a zero-length WAV
             good = next(r for r in records if any("image" in s for s in r["segments"]))
