@@ -9,7 +9,8 @@ Stage 2 (LLM + projector, from stage 1's latest checkpoint):
 
 `model.llm` comes from `init.llm`'s config.json, each `model.encoders.NAME` from its folder (SigLIP or
 Whisper, with the preprocessing it was trained on); `init.checkpoint` takes the model and the tokenizer
-of that run. The data plane, held-out loss and parallel layouts are the library's multimodal wiring
+of that run. A whole released MLLM (Qwen2.5-VL / Qwen2-VL) starts from `init.model=DIR` alone (stages:
+`trainer.trainable` from vision, merger, llm). The data plane, held-out loss and parallel layouts are the library's multimodal wiring
 (`omnijax.train.multimodal`), as in tiny_omni.
 """
 from __future__ import annotations
@@ -22,8 +23,8 @@ from omnijax.data.sources import WORLD
 from omnijax.errors import ConfigError
 from omnijax.train import multimodal, warmstart
 
-DESCRIPTION = ("LLaVA-style fine-tuning from pretrained HF folders (init.llm, init.encoders.NAME) or a previous "
-               "run (init.checkpoint), with frozen parts (trainer.trainable) on your converted shards")
+DESCRIPTION = ("LLaVA-style fine-tuning from pretrained HF folders (init.llm, init.encoders.NAME; a whole Qwen2.5-VL: "
+               "init.model) or a previous run (init.checkpoint), with frozen parts (trainer.trainable) on your shards")
 
 
 @dataclass

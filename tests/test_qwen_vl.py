@@ -506,3 +506,37 @@ def test_generator_answers_an_image_and_a_video_prompt_as_transformers_generate(
             ref = hf_model.generate(input_ids=torch.tensor(ids[None]), mm_token_type_ids=torch.tensor(types[None]),
                                                  max_new_tokens=16, do_sample=False, eos_token_id=None, **kw)
         assert got.tokens == ref[0, len(ids):].tolist(), (kind, got.tokens)
+
+
+def test_init_model_resolves_the_whole_model_and_loads_its_weights(folders, tmp_path):
+    """finetune's `init.model=DIR` (omnijax.train.warmstart): model.* and the tokenizer path are the folder's, the
+    recipe's capacities for other encoders are dropped (an explicit one stays), an override that disagrees is one
+    line, the parameters are the folder's, and export follows a later stage back to the folder."""
+    import json
+
+    from omnijax.errors import ConfigError
+    from omnijax.train import warmstart
+    from recipes.finetune import FinetuneConfig
+
+    folder = str(folders["root"] / "qwen2_5_vl")
+    cfg = FinetuneConfig()
+    cfg.capacity = {"vision": 512, "audio": 1024}
+    cfg.init.model = folder
+    cfg = warmstart.resolve_init(cfg, [f"init.model={folder}"])
+    want, _ = qwen_vl.config_from_folder(folder)
+    assert cfg.model == want and cfg.tokenizer.path == folder and cfg.capacity == {}
+    bad = FinetuneConfig()
+    bad.init.model = folder
+    with pytest.raises(ConfigError, match="model.llm.num_layers=3 disagrees"):
+        warmstart.resolve_init(bad, [f"init.model={folder}", "model.llm.num_layers=3"])
+    model = nnx.eval_shape(lambda: MultimodalModel(cfg.model, rngs=nnx.Rngs(0)))
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), nnx.state(model, nnx.Param))
+    params = warmstart.initial_params(cfg, zeros, "test")
+    ref = folders["qwen2_5_vl"].state_dict()
+    got = np.asarray(params["encoders"]["vision"]["patch_embed"][...])
+    assert np.array_equal(got, ref["model.visual.patch_embed.proj.weight"].numpy())
+    stage1, stage2 = tmp_path / "stage1", tmp_path / "stage2"
+    for run, init in ((stage1, {"model": folder}), (stage2, {"checkpoint": str(stage1)})):
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"init": init, "tokenizer": {"path": folder}}))
+    assert warmstart.origins(stage2)["model"] == folder

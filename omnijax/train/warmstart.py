@@ -40,6 +40,7 @@ class InitConfig:
     encoders: dict[str, str] = field(default_factory=dict)  # encoder name -> SigLIP or Whisper folder
     checkpoint: str = ""         # a previous run's folder: its latest checkpoint's parameters, its model and tokenizer
     adapter: str = ""            # a PEFT LoRA adapter folder: the LLM's adapters start from it (trainer.lora from its config)
+    model: str = ""              # a whole released MLLM folder (Qwen2.5-VL / Qwen2-VL): model.*, weights and tokenizer
 
 
 def _get(cfg, path: str):
@@ -75,6 +76,8 @@ def resolve_init(cfg: Any, argv: list[str]) -> Any:
             raise ConfigError(f"trainer.lora.rank={cfg.trainer.lora.rank}: init.adapter={init.adapter} has rank "
                               f"{lora.rank}; drop trainer.lora.rank")
         cfg.trainer.lora = dataclasses.replace(lora, base_dtype=cfg.trainer.lora.base_dtype)
+    if init.model:
+        return _resolve_model(cfg, argv)
     if init.checkpoint:
         if init.llm or init.encoders:
             raise ConfigError("init.checkpoint starts from a previous run's parameters: drop init.llm / "
@@ -91,6 +94,7 @@ def resolve_init(cfg: Any, argv: list[str]) -> Any:
         for key in RUNTIME_LLM_KEYS:
             setattr(model.llm, key, getattr(cfg.model.llm, key))
         cfg.model = model
+        _capacity_for_model(cfg, argv, keep=True)
         prev_tok = (prev.get("tokenizer") or {}).get("path", "")
         if cfg.tokenizer.path and cfg.tokenizer.path != prev_tok:
             raise ConfigError(f"tokenizer.path={cfg.tokenizer.path}: init.checkpoint={init.checkpoint} was trained "
@@ -121,24 +125,59 @@ def resolve_init(cfg: Any, argv: list[str]) -> Any:
     return cfg
 
 
+def _resolve_model(cfg: Any, argv: list[str]) -> Any:
+    """`init.model`: the whole model (vision tower, merger, M-RoPE LLM) and the tokenizer from a Qwen2.5-VL /
+    Qwen2-VL folder; capacities not given on the command line are sized from the data (the recipe's defaults
+    were for other encoders)."""
+    from omnijax.interop import qwen_vl
+
+    init = cfg.init
+    if init.llm or init.encoders or init.checkpoint:
+        raise ConfigError(f"init.model={init.model} is the whole model: drop init.llm / init.encoders / "
+                          "init.checkpoint (a later stage starts from this run with init.checkpoint alone)")
+    if not qwen_vl.is_qwen_vl(init.model):
+        raise ConfigError(f"init.model={init.model}: not a Qwen2.5-VL / Qwen2-VL folder (config.json's model_type "
+                          f"must be one of {', '.join(qwen_vl.MODEL_TYPES)})")
+    model, _ = qwen_vl.config_from_folder(init.model)
+    _agree("model", f"init.model={init.model}", model, explicit_overrides(argv, "model"), allowed=RUNTIME_LLM_KEYS)
+    for key in RUNTIME_LLM_KEYS:
+        setattr(model.llm, key, getattr(cfg.model.llm, key))
+    cfg.model = model
+    _capacity_for_model(cfg, argv, keep=False)
+    if not cfg.tokenizer.path:
+        cfg.tokenizer.path = str(Path(init.model))
+    return cfg
+
+
+def _capacity_for_model(cfg: Any, argv: list[str], keep: bool) -> None:
+    """`capacity.*` for the model init.* brought: the recipe's defaults for encoders it lacks dropped (`keep`: its
+    own encoders' kept; else sized from the data), what the command line gives kept (and checked later)."""
+    from omnijax.mm_config import encoder_configs
+
+    given, encs = explicit_overrides(argv, "capacity"), encoder_configs(cfg.model)
+    cfg.capacity = {k: v for k, v in cfg.capacity.items() if k in given or (keep and k in encs)}
+
+
 def check_tokenizer(cfg: Any, tok: Any) -> None:
     """The tokenizer must be the LLM's: its text ids fit the LLM's table, and under init.llm it is the folder's own."""
     from omnijax.data.tokenizer import check_llm_vocab, load_tokenizer
 
-    where = f"init.llm={cfg.init.llm}" if cfg.init.llm else (
+    key, folder = ("init.model", cfg.init.model) if getattr(cfg.init, "model", "") else ("init.llm", cfg.init.llm)
+    where = f"{key}={folder}" if folder else (
         f"init.checkpoint={cfg.init.checkpoint}" if cfg.init.checkpoint else "model.llm")
     check_llm_vocab(tok, cfg.model.llm.vocab_size, where)
-    own = Path(cfg.init.llm) / "tokenizer.json" if cfg.init.llm else None
-    if own is not None and own.is_file() and Path(cfg.tokenizer.path).resolve() != Path(cfg.init.llm).resolve():
-        if load_tokenizer(cfg.init.llm).fingerprint != tok.fingerprint:
-            raise ConfigError(f"tokenizer.path={cfg.tokenizer.path} is not the tokenizer of init.llm={cfg.init.llm} "
+    own = Path(folder) / "tokenizer.json" if folder else None
+    if own is not None and own.is_file() and Path(cfg.tokenizer.path).resolve() != Path(folder).resolve():
+        if load_tokenizer(folder).fingerprint != tok.fingerprint:
+            raise ConfigError(f"tokenizer.path={cfg.tokenizer.path} is not the tokenizer of {key}={folder} "
                               "(the LLM was trained with its own): drop tokenizer.path and convert the data with "
-                              f"tokenizer.path={cfg.init.llm}")
+                              f"tokenizer.path={folder}")
 
 
 def check_placement(cfg: Any, placement: Any) -> None:
     """Starting from pretrained or previous parameters is not supported under a pipelined LLM layout yet."""
-    if placement is not None and placement.engine.schedule is not None and (cfg.init.llm or cfg.init.checkpoint):
+    if placement is not None and placement.engine.schedule is not None and (
+            cfg.init.llm or cfg.init.checkpoint or getattr(cfg.init, "model", "")):
         raise ConfigError(f"parallel.llm={cfg.parallel.llm}: starting from pretrained or previous parameters is not "
                           "supported under pipeline parallelism yet; use dp/fsdp/tp/cp layouts")
 
@@ -160,6 +199,11 @@ def initial_params(cfg: Any, params: Any, name: str) -> Any:
         else:
             params, step = from_run(params)
         print(f"{name}: parameters of {init.checkpoint} step {step}", file=sys.stderr)
+    elif getattr(init, "model", ""):
+        from omnijax.interop import qwen_vl
+
+        params = adapters.with_base(params, lambda base: qwen_vl.load_params(init.model, _abstract(base)))
+        print(f"{name}: pretrained model <- {init.model}", file=sys.stderr)
     elif init.llm or init.encoders:
         params = adapters.with_base(params, lambda base: load_pretrained(base, init.llm, init.encoders))
         froms = ([f"llm <- {init.llm}"] if init.llm else []) + [f"{k} <- {v}" for k, v in init.encoders.items()]
@@ -241,7 +285,8 @@ def params_from_run(run_dir: str | Path, params: Any, key: str = "init.checkpoin
 
 def origins(run_dir: str | Path) -> dict:
     """Where a run's parts came from, following `init.checkpoint` back to the first stage:
-    {"llm": HF folder or None, "encoders": {name: HF folder}, "tokenizer": folder or ""}."""
+    {"llm": HF folder or None, "encoders": {name: HF folder}, "tokenizer": folder or "", "model": a whole
+    model's folder (`init.model`) or None}."""
     seen: list[Path] = []
     run = Path(run_dir)
     cfg = run_config(run)
@@ -250,7 +295,7 @@ def origins(run_dir: str | Path) -> dict:
         init = cfg.get("init") or {}
         if not init.get("checkpoint"):
             return {"llm": init.get("llm") or None, "encoders": dict(init.get("encoders") or {}),
-                    "tokenizer": tokenizer}
+                    "tokenizer": tokenizer, "model": init.get("model") or None}
         seen.append(run.resolve())
         run = Path(init["checkpoint"])
         if run.resolve() in seen:
