@@ -7,7 +7,7 @@ import pytest
 
 from omnijax.data import formats, records, sources
 from omnijax.data import tokenizer as T
-from omnijax.data.sample import CHOSEN, REJECTED
+from omnijax.data.sample import CHOSEN, REJECTED, Sample
 
 TOK = T.BYTE_TOKENIZER
 PROMPT = [{"from": "human", "value": "<image>\nWhat colour?"}]
@@ -90,3 +90,44 @@ def test_pairs_convert_and_pack_into_one_row(pair_shards):
             assert np.all(batch["positions"][r][j] == np.arange(j.sum()))  # the rejected document starts at 0
             pairs += 1
     assert pairs >= 4 and not np.any(mask[pref == 0])  # every loss token belongs to a pair
+
+
+def test_a_pairs_chosen_documents_score_as_their_plain_samples():
+    """Each document of a pair is its own sample to the model: the chosen answers' log-probabilities inside the
+    pairs equal the plain samples' (the prompt's media routed to both documents), on image and video prompts."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from omnijax.data.packing import SamplePacker
+    from omnijax.data.world import World
+    from omnijax.models import preference
+    from omnijax.models.mllm import MultimodalModel
+    from recipes import tiny_omni
+
+    cfg = tiny_omni.load([])
+    plain, pairs = (World(dataclasses.replace(cfg.world, pairs=p)) for p in (False, True))
+    idx = [i for i in range(40) if plain.spec(i)["modality"] != "text"][:4]
+    assert {plain.spec(i)["modality"] for i in idx} >= {"image", "video"}
+    graph, params, rest = nnx.split(MultimodalModel(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    packer = SamplePacker(cfg.model, 4, 128, {"vision": 640, "audio": 512})
+    fn = jax.jit(lambda p, b: preference.token_logps(nnx.merge(graph, p, rest)(b)[0], b["targets"], b["loss_mask"]))
+
+    def logps(samples):
+        batch, used = packer.pack(samples)
+        assert len(used) == len(samples) and not packer.skipped
+        jb = {k: jnp.asarray(v) for k, v in batch.items()}
+        return jb, fn(params, jb)
+
+    jb, lp = logps([pairs.sample(i) for i in idx])
+    chosen, rejected = preference.pair_sums(lp, jb["pref_index"])
+    _, alone = logps([plain.sample(i) for i in idx])
+    np.testing.assert_allclose(float(jnp.sum(chosen)), float(jnp.sum(alone)), rtol=1e-5)
+    # the rejected documents, taken out of their pairs as plain samples, score as inside them
+    wrong = [Sample(tuple(dataclasses.replace(x, pair=0) for x in pairs.sample(i).segments if x.pair == REJECTED))
+             for i in idx]
+    _, alone = logps(wrong)
+    np.testing.assert_allclose(float(jnp.sum(rejected)), float(jnp.sum(alone)), rtol=1e-5)
+    assert int(jnp.sum(chosen != 0)) == len(idx) and float(jnp.sum(chosen)) != float(jnp.sum(rejected))
