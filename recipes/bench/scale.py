@@ -28,7 +28,7 @@ DESCRIPTION = ("planner on 1k-16k abstract devices + modeled joint step vs coupl
 def _options(overrides: list[str]) -> dict:
     opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_edp64",
             "mixes": "image,video,audio_text",
-            "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 3, "cal_batch_size": 32,
+            "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 0, "cal_batch_size": 0,
             "cal_rounds": 5, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
             "plot": "1", "long_factor": 0.25, "refine": "1",
             "balance_target": 1.05, "bucket_growth": 0.0,
@@ -144,16 +144,23 @@ def calibration(opts: dict) -> dict:
 
     cfg = from_dict(MMConfig, omni.MM)
     o = omni._options([])
-    steps, bs, rounds = opts["cal_steps"], opts["cal_batch_size"], max(1, opts["cal_rounds"])
+    # bench omni's own batches and windows (0: its defaults), so the prediction and the measurement
+    # are of the same steps in the same programs
+    steps, bs = opts["cal_steps"] or o["steps"], opts["cal_batch_size"] or o["batch_size"]
+    rounds = max(1, opts["cal_rounds"])
+    w = max(1, o["window"])
     t0 = time.perf_counter()
-    host = omni.batches(cfg, steps, bs, o["seq_len"], o["lookahead"])
+    host = omni.batches(cfg, steps, bs, o["seq_len"], o["lookahead"], omni._ranks(o), w)
     plans = {}
     for name in ("omnijax", "coupled"):
         mode, long_short, _ = omni.VARIANTS[name]
         mx = Multiplexer(LLMParallel(o["llm"], cfg.llm), cfg, encoder_layout=o["encoder"], mode=mode,
                          long_short=long_short, balance_rows=False, growth=routing.BUCKET_GROWTH, hosts=o["hosts"])
-        mx.size_window(host)  # the trainer's window sizing
-        plans[name] = (mx.grid.esp, [mx.host_plan(b) for b in host])
+        hp = []
+        for i in range(0, steps, w):  # the trainer's window sizing, window after window, as bench omni runs it
+            mx.size_window(host[i:i + w])
+            hp += [mx.host_plan(b) for b in host[i:i + w]]
+        plans[name] = (mx.grid.esp, hp)
     # CPU constants timed here, interleaved: encoders over the span lengths of bench omni's buffers and
     # beyond (the quadratic term needs long spans), the LLM over its row lengths
     enc_sizes = [int(x) for x in opts["cal_enc_sizes"].split(",")]
