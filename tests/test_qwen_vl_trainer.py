@@ -89,6 +89,18 @@ def test_packer_carries_segment_local_rope_positions_and_a_packed_row_equals_its
     assert rope[0, flats[0].size].tolist() == [0, 0, 0] and rope[0, flats[0].size, 0] != flats[0].size
 
 
+def test_a_long_text_sample_split_over_rows_restarts_its_rope_positions_per_piece(setup):
+    """An over-long text-only sample becomes row-sized documents (`packing.text_piece`): each piece's M-RoPE
+    positions are its own 0..n-1 on all three axes, as its `positions` are."""
+    cfg = setup[0]
+    flat = packing.flatten(Sample((_text(np.random.RandomState(9), 150),), "test", 9), cfg, packing.encoder_specs(cfg))
+    pieces = [packing.text_piece(flat, k, L) for k in range(3)]
+    batch = packing.pack([[(p, k) for k, p in enumerate(pieces)]], packing.Layout(3, L, (("vision", 8),)),
+                         packing.encoder_specs(cfg))
+    assert [p.size for p in pieces] == [64, 64, 22]
+    assert np.array_equal(batch["rope_positions"], np.repeat(batch["positions"][..., None], 3, axis=-1))
+
+
 def _check(setup, layout, encoder_layout, **kw):
     cfg, _, _, batch, model, ref_loss, ref_grads, _ = setup
     interleave = kw.pop("interleave", False)
