@@ -33,8 +33,10 @@ def test_grad_accumulation_equals_one_big_batch(setup):
     assert float(loss1) == pytest.approx(float(loss4), rel=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
-    # the loss is the token-weighted mean cross entropy over the whole batch
-    logits = nnx.merge(graphdef, params, rest)(batch["tokens"], batch["segment_ids"], batch["positions"])
+    # the loss is the token-weighted mean cross entropy over the whole batch (the forward compiled as one
+    # program: run op by op, it compiled each of its hundreds of ops alone, most of this test's time)
+    forward = jax.jit(lambda p, b: nnx.merge(graphdef, p, rest)(b["tokens"], b["segment_ids"], b["positions"]))
+    logits = forward(params, batch)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     expected = (ce * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
     assert float(loss1) == pytest.approx(float(expected), rel=1e-5)
