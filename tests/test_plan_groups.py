@@ -42,9 +42,11 @@ def test_groups_tile_the_step_and_align_with_ranks():
     one = Groups.of(dp=1, rank_rows=16, plan_rows=4)   # one rank holds all four groups, each at its rows
     assert [one.row_offset(j) for j in range(4)] == [0, 4, 8, 12] and one.of_ranks([0]) == [0, 1, 2, 3]
     assert Groups.of(dp=64, rank_rows=2).count == 1    # a step of <= PLAN_ROWS rows: one group, the plan as before
-    assert Groups.of(dp=4, rank_rows=3, plan_rows=6).count == 2  # a group holds two whole ranks
+    assert Groups.of(dp=4, rank_rows=3, plan_rows=6).aligned     # a group holds two whole ranks
+    cut = Groups.of(dp=3, rank_rows=4, plan_rows=6)                 # groups of 6 rows cut ranks of 4
+    assert not cut.aligned and [list(cut.ranks(j)) for j in range(2)] == [[0, 1], [1, 2]]
     with pytest.raises(ConfigError, match="plan_rows"):
-        Groups.of(dp=3, rank_rows=4, plan_rows=6)      # groups of 6 rows would cut ranks of 4
+        Groups.of(dp=4, rank_rows=3, plan_rows=-1)
 
 
 def test_mixer_lanes_draw_disjoint_records():
@@ -88,3 +90,18 @@ def test_grouped_plan_is_layout_free_and_host_local(world):
     again = _loader(world, 2)
     again.restore(state)
     assert _steps(again, 3)[8:] == streams[2][8:]
+
+
+def test_groups_that_cut_ranks_keep_the_steps_samples(world):
+    """12 rows in groups of 6: on 3 ranks of 4 rows a rank holds parts of two groups; 1, 3 and 4 ranks
+    still train on the same samples, each placed once, none dropped."""
+    base = {**BASE, "samples_per_step": 48, "encoder_rows": {"vision": 240, "audio": 192}, "plan_rows": 6}
+    loaders = {dp: Loader(LoaderConfig(dp=dp, max_rows=12 // dp, **base), mm_cfg=world[0], world_cfg=world[1])
+               for dp in (1, 3, 4)}
+    assert not loaders[3].groups.aligned and loaders[4].groups.aligned
+    streams = {dp: _steps(lo, 2) for dp, lo in loaders.items()}
+    assert streams[1] == streams[3] == streams[4]
+    wp = loaders[3].window_plan(1)
+    placed = [k for b in wp.plan.bins for k, _ in b]
+    assert len(placed) == len(set(placed)) and loaders[3].metrics(4)["dropped_total"] == 0
+    assert all(r < 4 for b in wp.plan.bins for _, r in b)

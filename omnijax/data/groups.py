@@ -28,26 +28,24 @@ class Groups:
 
     @classmethod
     def of(cls, dp: int, rank_rows: int, plan_rows: int = 0) -> "Groups":
-        """Groups of at most `plan_rows` rows (0: `PLAN_ROWS`; a step of no more rows is one group):
-        the fewest groups of equal size that tile the step and align with the ranks (a group holds
-        whole ranks, or a rank holds whole groups). Depends on the step's rows, not on how they split
-        over ranks, except that an unaligned split is refused."""
+        """Groups of at most `plan_rows` rows (0: `PLAN_ROWS`; a step of no more rows is one group): the
+        fewest groups of equal size that tile the step. Depends on the step's rows only, never on how
+        they split over ranks (`aligned` says whether a group holds whole ranks or a rank whole groups)."""
         total = dp * rank_rows
         limit = plan_rows or PLAN_ROWS
         if limit <= 0:
-            raise ConfigError(f"data.plan_rows={plan_rows}: must be >= 0 (0: {PLAN_ROWS})")
+            raise ConfigError(f"plan_rows={plan_rows}: must be >= 0 (0: {PLAN_ROWS})")
         count = next(g for g in range(-(-total // limit), total + 1) if total % g == 0)
-        rows = total // count
-        if count > 1 and rows % rank_rows and rank_rows % rows:
-            raise ConfigError(f"planning groups of {rows} rows (data.plan_rows={plan_rows or PLAN_ROWS} over a "
-                              f"{total}-row step) do not align with {rank_rows} rows per dp rank: set data.plan_rows "
-                              f"to a multiple or a divisor of {rank_rows}")
-        return cls(count, rows, dp, rank_rows)
+        return cls(count, total // count, dp, rank_rows)
+
+    @property
+    def aligned(self) -> bool:
+        """A group holds whole ranks, or a rank whole groups (else a rank holds parts of two groups)."""
+        return self.count == 1 or self.rows % self.rank_rows == 0 or self.rank_rows % self.rows == 0
 
     def ranks(self, group: int) -> range:
         """The dp ranks holding rows of `group`."""
-        first = group * self.rows // self.rank_rows
-        return range(first, max(first + 1, (group + 1) * self.rows // self.rank_rows))
+        return range(group * self.rows // self.rank_rows, -(-(group + 1) * self.rows // self.rank_rows))
 
     def of_ranks(self, ranks) -> list[int]:
         """The groups holding rows of these dp ranks."""

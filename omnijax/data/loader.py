@@ -19,7 +19,7 @@ order; only then are a step's samples spread over the dp ranks (`balance.spread_
 where they run, never whether. A sample whose encoder rows exceed the step's capacity is not dropped:
 its window plans at a larger bucket (the capacity doubled until it fits, a bounded set of programs).
 
-Planning groups (`omnijax.data.groups`): a step of more than `data.plan_rows` rows (default 128) is
+Planning groups (`omnijax.data.groups`): a step of more than `LoaderConfig.plan_rows` rows (default 128) is
 planned as independent groups of global rows, each with its own draws (a lane of the mixer), its own
 deferred samples and its share of the step capacity; the step's samples are the union of the groups',
 still the same on every layout. A host that plans only the groups its ranks hold (`plan_local`) does
@@ -307,6 +307,14 @@ class Loader:
                 sel = selection.bins[g * M:(g + 1) * M]
                 for m in range(M):  # the layout-free selection in the step's global rows
                     sel_bins[g * M + m] += tuple((k, r + j * G.rows) for k, r in sel[m])
+                if not G.aligned:  # ranks hold parts of two groups: the selected rows in order onto the group's rows
+                    for m in range(M):
+                        for k, r in sel[m]:
+                            row = j * G.rows + r
+                            b = (g * cfg.dp + row // G.rank_rows) * M + m
+                            bins[b] += ((k, row % G.rank_rows),)
+                            loads[b] += by_key[k].cost
+                    continue
                 if G.rows >= G.rank_rows:  # the group holds whole ranks
                     p = balance.spread_step(sel, by_key, len(ranks), M, self.capacity)
                 else:  # a rank holds several groups: this one at its rows' offset
@@ -532,7 +540,7 @@ class Loader:
                 start = tuple(WindowStart.from_state(s) for s in saved)
                 if len(start) != self.groups.count:
                     raise UserError(f"loader state has {len(start)} planning groups, this run has {self.groups.count} "
-                                    "(data.batch_size or data.plan_rows changed): resume with the same data config")
+                                    "(data.batch_size changed): resume with the same data config")
                 if any(len(s.prefix) != len(self.sources) for s in start):
                     raise UserError(f"loader state has {len(start[0].prefix)} sources, this run has "
                                     f"{len(self.sources)}: resume with the same data config")
