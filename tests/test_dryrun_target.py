@@ -120,3 +120,19 @@ def test_attention_made_fully_manual_inside_a_pipeline_stage():
     got = jax.jit(jax.value_and_grad(loss(staged), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert jnp.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_estimate_counts_the_expert_dispatch_buffers():
+    """MoE layers hold dispatch/combine [rows, T, E, C] and the all-to-all's slot buffers [rows, E, C, D] (x4 with
+    ep): every MoE layer's without remat, the recomputed one's under remat=full, none for a dense model."""
+    from omnijax.config import LLMConfig, MoEConfig
+    from omnijax.parallel.mesh import parse_layout
+    from omnijax.train.dryrun import moe_dispatch_bytes
+
+    moe = LLMConfig(embed_dim=256, num_layers=4, moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.25, every=2))
+    lay = parse_layout("fsdp2xep2", 4)
+    rows, T, E, C = 8 // 4, 2048, 8, 640  # C = ceil(1.25 x 2048 x 2 / 8)
+    one = 2 * rows * T * E * C * 2 + 4 * rows * E * C * 256 * 2
+    assert moe_dispatch_bytes(moe, lay, 8, T, "full", 2) == one
+    assert moe_dispatch_bytes(moe, lay, 8, T, "none", 2) == 2 * one  # layers 0 and 2
+    assert moe_dispatch_bytes(LLMConfig(embed_dim=256, num_layers=4), lay, 8, T, "none", 2) == 0

@@ -92,6 +92,30 @@ def cudnn_stats_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_le
     return rows * max_segments * (llm.num_heads / layout.tp) * L * 4 * llm.num_layers / layout.pp
 
 
+def moe_dispatch_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int, remat: Any,
+                       dtype_bytes: int) -> float:
+    """The expert dispatch buffers of the MoE layers per device, which the activations term has no place for:
+    each MoE layer routes a row's T tokens into E experts x C slots (C = capacity_factor x T x top_k / E,
+    `layers.moe.expert_capacity`), with the dispatch and combine tensors [rows, T, E, C] in the compute dtype
+    (XLA fuses their fp32 forms away) and the slot buffers [rows, E, C, D] sent and received by the expert
+    all-to-all both ways (4; 2 without ep). rows = batch_size / (dp x fsdp x ep) and T the whole row
+    (`parallel.expert.ep_moe` routes whole rows). Held for every MoE layer of a stage at remat none or
+    save_dots (the backward reads them), for the one layer being recomputed at full."""
+    from omnijax.layers.moe import expert_capacity
+    from omnijax.models.llm import is_moe_layer
+
+    m = llm.moe
+    layers = sum(is_moe_layer(llm, i) for i in range(llm.num_layers))
+    if not layers:
+        return 0.0
+    C = expert_capacity(seq_len, m.num_experts, m.top_k, m.capacity_factor)
+    rows = batch_size / layout.batch_shards
+    routing = 2 * rows * seq_len * m.num_experts * C * dtype_bytes
+    slots = (4 if layout.ep > 1 else 2) * rows * m.num_experts * C * llm.embed_dim * dtype_bytes
+    live = 1 if remat_mode(remat) == "full" else layers / layout.pp
+    return live * (routing + slots)
+
+
 def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int, remat: Any,
                       dtype_bytes: int, params_per_device: float, *, cudnn_packed: bool = False,
                       trainable_per_device: float | None = None) -> dict[str, float]:
@@ -105,7 +129,8 @@ def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_le
     - ``loss``: the logits the loss holds: two chunks of ``model.loss_chunk`` positions per row (the forward's
       and the backward's recomputed one) or, with ``loss_chunk=0``, three [tokens x V] fp32 arrays (logits,
       their gradient, the gradient's scatter), as XLA allocates them;
-    - ``attention_stats``: cuDNN's packed softmax statistics (`cudnn_stats_bytes`), where cuDNN is used.
+    - ``attention_stats``: cuDNN's packed softmax statistics (`cudnn_stats_bytes`), where cuDNN is used;
+    - ``moe_dispatch``: the MoE layers' dispatch/combine tensors and expert slot buffers (`moe_dispatch_bytes`).
 
     The estimate before XLA's reports were compared counted 16 B/param of state (gradients included) and one
     [tokens x V] fp32 array, and nothing for the compute copy or the statistics: 29.4 GiB for the gpucheck 1B
@@ -122,7 +147,8 @@ def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_le
                              if dtype_bytes < 4 or layout.fsdp > 1 else 0.0),
             "activations": llm_activation_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes, logits=False),
             "loss": loss,
-            "attention_stats": cudnn_stats_bytes(llm, layout, batch_size, seq_len) if cudnn_packed else 0.0}
+            "attention_stats": cudnn_stats_bytes(llm, layout, batch_size, seq_len) if cudnn_packed else 0.0,
+            "moe_dispatch": moe_dispatch_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes)}
 
 
 def dry_run(cfg: Any, num_devices: int, device_memory_gib: float = 80.0) -> dict[str, Any]:
