@@ -58,6 +58,14 @@ MM = {"llm": {"vocab_size": 512, "embed_dim": 64, "num_layers": 2, "num_heads": 
                    "audio": {"kind": "audio", "n_mels": 16, "reduction": 4, "embed_dim": 64, "num_layers": 2,
                              "num_heads": 4, "mlp_dim": 128}}}
 
+# `model=qwen2_5_vl`: Qwen2.5-VL's parts at MM's widths (window-attention `qwen_vit` tower, M-RoPE LLM), resizing
+# within 8x8..64x64 px so the world's images and frames keep their native resolution (4..256 patches each).
+QWEN = {"llm": {**MM["llm"], "rope": {"mrope_section": [2, 3, 3], "theta": 10000.0}},
+        "encoders": {"vision": {"kind": "qwen_vit", "patch": 4, "temporal_patch": 2, "merge": 2, "embed_dim": 64,
+                                "num_layers": 2, "num_heads": 4, "mlp_dim": 128, "out_dim": 64, "window_size": 16,
+                                "fullatt_block_indexes": [1], "min_pixels": 64, "max_pixels": 64 * 64}},
+        "modalities": {"image": "vision", "video": "vision"}}
+
 # Mix phases (curriculum): the share of each modality changes every few steps.
 PHASES = [{"image": 0.5, "video": 0.2, "audio": 0.2, "text": 0.1},
           {"image": 0.2, "video": 0.4, "audio": 0.2, "text": 0.2},
@@ -67,7 +75,8 @@ PHASES = [{"image": 0.5, "video": 0.2, "audio": 0.2, "text": 0.1},
 def _options(overrides: list[str]) -> dict:
     opts = {"steps": 6, "llm": "pp2xdp2xtp2", "encoder": "edp4xesp2", "batch_size": 32, "seq_len": 128,
             "cpu_devices": 8, "variants": ",".join(VARIANTS), "lookahead": 128, "window": 3,
-            "bucket_growth": 0.0, "interleave": "0", "hosts": 2, "host_pair": "1", "host_repeats": 5, "host_cores": 1, "hardware": "h100"}
+            "bucket_growth": 0.0, "interleave": "0", "hosts": 2, "host_pair": "1", "host_repeats": 5, "host_cores": 1, "hardware": "h100",
+            "model": ""}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.").removeprefix("parallel.")
@@ -77,6 +86,27 @@ def _options(overrides: list[str]) -> dict:
             raise ConfigError(f"bench omni: unknown option '{key}'; known: {', '.join(opts)}")
         opts[key] = type(opts[key])(value)
     return opts
+
+
+def model_config(model: str):
+    """The bench's MMConfig: "" the composed toy (MM), `qwen2_5_vl` the tiny Qwen2.5-VL (QWEN), or a
+    Qwen2-VL/Qwen2.5-VL folder's config (e.g. `example_models model=qwen2_5_vl`'s output)."""
+    from omnijax.config import from_dict
+    from omnijax.mm_config import MMConfig
+
+    if model in ("", "omni"):
+        return from_dict(MMConfig, MM)
+    if model == "qwen2_5_vl":
+        return from_dict(MMConfig, QWEN)
+    from pathlib import Path
+
+    from omnijax.interop import qwen_vl
+
+    if not Path(model).is_dir():
+        from omnijax.errors import ConfigError
+
+        raise ConfigError(f"bench omni: model={model!r}: qwen2_5_vl, or a Qwen2-VL/Qwen2.5-VL folder")
+    return qwen_vl.config_from_folder(model)[0]
 
 
 def _ranks(opts: dict) -> int:
@@ -96,6 +126,16 @@ def batches(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 256
     return [loader.host_batch(step)["microbatches"][0] for step in range(steps)]
 
 
+def _phases(cfg) -> list[dict[str, float]]:
+    """PHASES for `cfg`'s modalities: a modality the model has no encoder for gives its share to text."""
+    out = []
+    for p in PHASES:
+        kept = {m: v for m, v in p.items() if m == "text" or m in cfg.modalities}
+        kept["text"] = kept.get("text", 0.0) + sum(v for m, v in p.items() if m not in kept)
+        out.append(kept)
+    return out
+
+
 def make_loader(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int = 256, devices: int = 8,
                 window: int = 3):
     """The data-plane `Loader` behind `batches` (a fresh one gives the same batches: plans are pure)."""
@@ -104,7 +144,7 @@ def make_loader(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int =
     from omnijax.data.world import Tail, WorldConfig
 
     names = [f"phase{k}" for k in range(len(PHASES))]
-    sources = [WorldSource(name, cfg=WorldConfig(seed=k, weights=PHASES[k], image_side=Tail(16, 64, 1.2),
+    sources = [WorldSource(name, cfg=WorldConfig(seed=k, weights=_phases(cfg)[k], image_side=Tail(16, 64, 1.2),
                                                  video_side=Tail(16, 32, 1.3), video_frames=Tail(2, 24, 1.1),
                                                  audio_items=Tail(1, 12, 1.1), text_words=Tail(2, 48, 1.0)))
                for k, name in enumerate(names)]
@@ -114,7 +154,8 @@ def make_loader(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int =
     plane = LoaderConfig(sources=[SourceSpec(name=n, kind="world") for n in names], mix=mix,
                          samples_per_step=max(lookahead, 1), dp=devices, microbatches=1, window=max(window, 1),
                          row_len=seq_len, max_rows=batch_size // devices, fixed_shapes=True,
-                         max_encoder_rows={"vision": 8192 * scale // devices, "audio": 4096 * scale // devices})
+                         max_encoder_rows={e: {"vision": 8192, "audio": 4096}.get(e, 8192) * scale // devices
+                                           for e in cfg.encoders})
     return Loader(plane, mm_cfg=cfg, sources=sources)
 
 
@@ -169,9 +210,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
     import numpy as np
     from flax import nnx
 
-    from omnijax.config import OptimizerConfig, from_dict
+    from omnijax.config import OptimizerConfig
     from omnijax.models import mllm
-    from omnijax.mm_config import MMConfig
     from omnijax.parallel import routing
     from omnijax.parallel.engine import LLMParallel
     from omnijax.parallel.multiplex import Multiplexer
@@ -192,7 +232,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         from omnijax.errors import ConfigError
 
         raise ConfigError(f"bench omni: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
-    cfg = from_dict(MMConfig, MM)
+    cfg = model_config(opts["model"])
     steps, w = opts["steps"], max(1, opts["window"])
     ranks = _ranks(opts)
     t0 = time.perf_counter()
@@ -263,7 +303,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         t_bare = 0.0
         for i, b in enumerate(host):
             b = dict(b)
-            for enc in ("vision", "audio"):
+            for enc in cfg.encoders:
                 b[f"{enc}_segment_ids"] = np.zeros_like(b[f"{enc}_segment_ids"])
                 b[f"{enc}_dest"] = np.full_like(b[f"{enc}_dest"], -1)
             r["mx"].capacities = dict(r["caps"][window_of[i]])
@@ -299,18 +339,18 @@ def run(overrides: list[str]) -> Iterator[dict]:
                       "reshard_kb_intra_host": round(mean("intra_host_bytes") / 1024, 1),  # as 2 hosts x 4 devices
                       "reshard_kb_inter_host": round(mean("inter_host_bytes") / 1024, 1), "long_segments": mean("long_segments"),
                       "short_in_long_segments": mean("short_in_long_segments"),
-                      "final_loss": round(r["losses"][-1], 4), "layout": f"{opts['llm']}+{opts['encoder']}",
+                      "final_loss": round(r["losses"][-1], 4), "model": opts["model"] or "omni", "layout": f"{opts['llm']}+{opts['encoder']}",
                       "interleaved": r["mx"].interleave,
                       "devices": jax.device_count(), "steps": steps, "batch_size": opts["batch_size"],
                       "pack_s": round(pack_s, 1)}
-        for enc in ("vision", "audio"):
+        for enc in cfg.encoders:
             rows[name][f"padded_fraction_{enc}"] = round(
                 1 - total(f"enc_rows_real_{enc}") / max(total(f"enc_rows_computed_{enc}"), 1), 4)
         rows[name]["padded_fraction_llm"] = round(
             1 - total("llm_tokens_real") / max(total("llm_tokens_computed"), 1), 4)
-        enc_real = sum(total(f"enc_rows_real_{e}") for e in ("vision", "audio"))
+        enc_real = sum(total(f"enc_rows_real_{e}") for e in cfg.encoders)
         rows[name]["padded_fraction_encoders"] = round(
-            1 - enc_real / max(sum(total(f"enc_rows_computed_{e}") for e in ("vision", "audio")), 1), 4)
+            1 - enc_real / max(sum(total(f"enc_rows_computed_{e}") for e in cfg.encoders), 1), 4)
         if "host_payload_share_min" in r["stats"][0]:  # each host's share of every step's payload, as `hosts` hosts
             rows[name]["host_payload_share"] = [round(min(s["host_payload_share_min"] for s in r["stats"]), 4),
                                                 round(max(s["host_payload_share_max"] for s in r["stats"]), 4)]
