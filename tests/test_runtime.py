@@ -36,10 +36,17 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
+    """The undisturbed 8-step run (its last step is saved): its trainer and folder."""
     run = tmp_path_factory.mktemp("ref")
-    _trainer(run, 8).fit()
-    return _losses(run)
+    trainer = _trainer(run, 8)
+    trainer.fit()
+    return trainer, run
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return _losses(reference_run[1])
 
 
 def test_preemption_then_resume_reproduces_the_loss_curve(tmp_path, reference):
@@ -65,14 +72,14 @@ def test_preemption_then_resume_reproduces_the_loss_curve(tmp_path, reference):
         assert resumed[step] == reference[step], (step, resumed[step], reference[step])
 
 
-def test_restore_onto_a_different_device_count(tmp_path):
-    trainer = _trainer(tmp_path, 2, ["trainer.checkpoint_every=2"])
-    trainer.fit()
-    small = _trainer(tmp_path / "other", 2, placement=DataParallel(jax.devices()[:4]))
-    ckpt = Checkpointer(tmp_path / "checkpoints")
+def test_restore_onto_a_different_device_count(tmp_path, reference_run):
+    """The reference run's last checkpoint (8 devices) restored into a 4-device trainer's state."""
+    trainer, run = reference_run
+    small = _trainer(tmp_path / "other", 8, placement=DataParallel(jax.devices()[:4]))
+    ckpt = Checkpointer(run / "checkpoints")
     restored, loader_state, step = ckpt.restore(small.state)
     ckpt.close()
-    assert step == 2 and loader_state == {"step": 2, "seed": 0}
+    assert step == 8 and loader_state == {"step": 8, "seed": 0}
     for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(trainer.state.params)):
         assert len(a.sharding.device_set) == 4
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
