@@ -59,7 +59,8 @@ MM = {"llm": {"vocab_size": 512, "embed_dim": 64, "num_layers": 2, "num_heads": 
                              "num_heads": 4, "mlp_dim": 128}}}
 
 # `model=qwen2_5_vl`: Qwen2.5-VL's parts at MM's widths (window-attention `qwen_vit` tower, M-RoPE LLM), resizing
-# within 8x8..64x64 px so the world's images and frames keep their native resolution (4..256 patches each).
+# within 8x8..64x64 px so the world's images and frames keep their native resolution (16..64 px sides: 16..256
+# patches per image or temporal patch, counts varying sample by sample).
 QWEN = {"llm": {**MM["llm"], "rope": {"mrope_section": [2, 3, 3], "theta": 10000.0}},
         "encoders": {"vision": {"kind": "qwen_vit", "patch": 4, "temporal_patch": 2, "merge": 2, "embed_dim": 64,
                                 "num_layers": 2, "num_heads": 4, "mlp_dim": 128, "out_dim": 64, "window_size": 16,
