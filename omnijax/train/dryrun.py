@@ -82,14 +82,18 @@ STATE_BYTES_PER_PARAM = 12  # what the step takes as arguments: fp32 masters + t
 GRAD_BYTES_PER_PARAM = 4    # fp32 gradients: temporaries of the step, not state
 
 
-def cudnn_stats_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int) -> float:
+def cudnn_stats_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int, remat: Any = "none") -> float:
     """Softmax statistics cuDNN's packed attention saves for its backward, per device: jax's packed API
     declares them [B x max_segments, H, L] fp32, max_segments being the bound `attention._cudnn_or_blockwise`
-    passes (max(64, L/16), at most L), per layer."""
+    passes (max(64, L/16), at most L), per layer: every layer of a stage at remat none; at full and save_dots
+    the attention call (a custom call, not a saveable dot) is recomputed in the backward, so one layer's
+    (omni_8b with cuDNN in its stages: 8.0 GiB counted for all 16 layers where XLA's whole working memory
+    is 16.2 GiB)."""
     L = seq_len // layout.cp
     max_segments = max(2, min(L, max(64, L // 16)))
     rows = batch_size / layout.batch_shards
-    return rows * max_segments * (llm.num_heads / layout.tp) * L * 4 * llm.num_layers / layout.pp
+    layers = llm.num_layers / layout.pp if remat_mode(remat) == "none" else 1
+    return rows * max_segments * (llm.num_heads / layout.tp) * L * 4 * layers
 
 
 def moe_dispatch_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int, remat: Any,
@@ -147,7 +151,7 @@ def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_le
                              if dtype_bytes < 4 or layout.fsdp > 1 else 0.0),
             "activations": llm_activation_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes, logits=False),
             "loss": loss,
-            "attention_stats": cudnn_stats_bytes(llm, layout, batch_size, seq_len) if cudnn_packed else 0.0,
+            "attention_stats": cudnn_stats_bytes(llm, layout, batch_size, seq_len, remat) if cudnn_packed else 0.0,
             "moe_dispatch": moe_dispatch_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes)}
 
 
