@@ -17,12 +17,6 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["OMNI
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
-# Every process the tests start keys its CPU programs as process 0 does (cache_key/sitecustomize.py): jax's
-# key holds the calling process's index on CPU, so process 1 of a pair never read the cache. With equal keys
-# a pair compiles each program once: process 0 compiles (or loads) it and hands it to process 1 through
-# jax's coordinator (the hook turns jax_share_binary_between_hosts on), where each compiled its own before.
-CACHE_KEY_HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_key")
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (CACHE_KEY_HOOK, os.environ.get("PYTHONPATH")) if p)
 
 
 import pathlib  # noqa: E402

@@ -123,15 +123,10 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"  # as the rest of the suite 
 # check (a lost process's line, the restart, equal losses) holds at any level, and compiling is most of their CPU
 
 
-def _pythonpath() -> str:
-    """The checkout, then the suite's own PYTHONPATH (conftest.py's cache-key hook)."""
-    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-
-
 def _recipes(args, log: Path, env=None):
     """`python -m recipes ARGS`, its stderr (what a user's terminal shows) into `log` (files, not pipes: a
     full pipe would stall the process)."""
-    e = dict(os.environ, PYTHONPATH=_pythonpath(), **(env or {}))
+    e = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     if "XLA_FLAGS" not in (env or {}):  # the suite's compile level (conftest.py), not its device count
         e["XLA_FLAGS"] = FAST_COMPILE
     return subprocess.Popen([sys.executable, "-m", "recipes", *args], cwd=REPO, env=e, stdout=subprocess.DEVNULL,
@@ -268,7 +263,7 @@ def test_a_finished_process_exits_cleanly_while_its_peer_watch_is_busy(tmp_path)
     port = free_port()
     procs = []
     for pid in (0, 1):
-        env = dict(os.environ, PYTHONPATH=_pythonpath(), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE,
+        env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE,
                    OMNIJAX_COORDINATOR=f"127.0.0.1:{port}", OMNIJAX_NUM_PROCESSES="2", OMNIJAX_PROCESS_ID=str(pid))
         procs.append(subprocess.Popen([sys.executable, "-c", _EXIT_PAIR], cwd=REPO, env=env,
                                       stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"p{pid}.log", "w")))
@@ -359,7 +354,7 @@ def test_a_supervisor_names_what_a_signal_ended(tmp_path):
         code = (f"import sys; from recipes.launch import supervise; "
                 f"sys.exit(supervise({argv!r}, command=[sys.executable, '-c', {child!r}]))")
         return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=_pythonpath(), OMNIJAX_RUNS=str(runs)))
+                              env=dict(os.environ, PYTHONPATH=str(REPO), OMNIJAX_RUNS=str(runs)))
 
     aborted = supervised(f"import os, pathlib, resource; pathlib.Path({str(native)!r}).write_text({GLOO_ABORT!r}); "
                          "resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); os.abort()")  # (no core file)
@@ -391,7 +386,7 @@ def test_the_command_line_launcher_and_supervisor_start_without_jax():
     supervisor or launcher holding jax would cost every process of a job its import time and memory."""
     code = ("import sys, recipes.__main__, recipes.launch, omnijax.allocator; "
             "assert not {'jax', 'flax'} & set(sys.modules), sorted(m for m in sys.modules if m.startswith(('jax', 'flax')))")
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=_pythonpath()), check=True)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), check=True)
 
 
 # ----------------------------------------------------------------- a changed config is not damage (issue 46)
@@ -538,7 +533,7 @@ def _launch(tmp_path: Path, codes: str, max_restarts: int = 5) -> tuple[int, int
                           f"cmd = lambda i, port: [sys.executable, '-c', {_ATTEMPT!r}, {str(run)!r}, {codes!r}, str(i)]\n"
                           f"sys.exit(launch.run_local(argparse.Namespace(**{vars(args)!r}), command=cmd))"],
                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=_pythonpath(), OMNIJAX_RUNS=str(tmp_path)))
+                         env=dict(os.environ, PYTHONPATH=str(REPO), OMNIJAX_RUNS=str(tmp_path)))
     return out.returncode, len(list(run.glob("attempt.*"))), out.stderr
 
 

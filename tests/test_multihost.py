@@ -226,8 +226,7 @@ def _pair(args: list[str], runs: Path, log: Path, env: dict) -> list[subprocess.
     port = free_port()
     return [subprocess.Popen([sys.executable, "-c", _SUPERVISED.format(script=_LONGER), *args,
                               f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"], cwd=ROOT,
-                             env={**_env(runs), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ["PYTHONPATH"]]),
-                                  **env},
+                             env={**_env(runs), "PYTHONPATH": str(ROOT), **env},
                              stdout=subprocess.DEVNULL, stderr=open(f"{log}.p{i}", "w"))
             for i in range(2)]
 
