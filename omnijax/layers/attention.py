@@ -228,8 +228,10 @@ def _partly_manual() -> bool:
     """Tracing inside a shard_map that is manual over some mesh axes and automatic over others of size > 1
     (the SPMD pipeline: manual over pp). jax's cuDNN attention is custom-partitioned, and its partitioner
     fails there (it reads `.spec` of the GSPMDSharding such a region hands it: omni_8b's pp2xfsdp8xtp4 step
-    does not compile for H100s with it), so those calls stay blockwise. Fully manual regions (the encoders'
-    shard_map, the explicit FSDP step) and plain GSPMD code keep cuDNN."""
+    does not compile for H100s with it), so a call made there directly stays blockwise. The pipeline's stages
+    reach cuDNN by wrapping the call in a shard_map manual over every remaining axis
+    (`omnijax/parallel/stage_attention.py`); fully manual regions (the encoders' shard_map, the explicit FSDP
+    step) and plain GSPMD code keep cuDNN."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not mesh.manual_axes:
         return False
