@@ -67,11 +67,15 @@ def test_dpo_equals_trl_formula_and_trains_adapters_only():
     keys = iter(jax.random.split(jax.random.key(2), 64))
     p = jax.tree_util.tree_map_with_path(   # a policy that has moved away from the reference
         lambda path, x: 0.1 * jax.random.normal(next(keys), x.shape) if adapters.is_adapter(path) else x, p)
+    # each forward one compiled program (op by op, every op of the model compiled alone: most of the test's time)
     fwd = lambda q: nnx.merge(g, q, r)(jb["tokens"], jb["segment_ids"], jb["positions"])  # noqa: E731
-    policy = fwd(p)
-    with lora.disabled():
-        reference = fwd(p)
-    base = LLM(DENSE, rngs=nnx.Rngs(0))(jb["tokens"], jb["segment_ids"], jb["positions"])
+
+    def fwd_off(q):
+        with lora.disabled():  # a trace-time switch: its own jitted function, never a cache hit of fwd's
+            return fwd(q)
+    policy, reference = jax.jit(fwd)(p), jax.jit(fwd_off)(p)
+    bg, bp = nnx.split(LLM(DENSE, rngs=nnx.Rngs(0)))
+    base = jax.jit(lambda q: nnx.merge(bg, q)(jb["tokens"], jb["segment_ids"], jb["positions"]))(bp)
     np.testing.assert_allclose(reference, base, atol=1e-5)  # adapters off = the base model
     assert float(jnp.abs(policy - reference).max()) > 1e-2
 
@@ -97,9 +101,9 @@ def test_dpo_equals_trl_formula_and_trains_adapters_only():
     np.testing.assert_allclose(float(aux["dpo_reward_margin"]),
                                float(aux["dpo_reward_chosen"]) - float(aux["dpo_reward_rejected"]), rtol=1e-5, atol=1e-6)
     # dpo.reference=precompute: the adapters-off log-probabilities computed once and carried in the batch
-    ref_logps = preference.reference_logps(nnx.merge(g, p, r), jb)
-    pre_loss, pre_grads, _ = loss_and_grads(g, r, preference.dpo_loss(BETA), p, {**jb, "ref_logps": ref_logps},
-                                            trainable=mask)
+    ref_logps = jax.jit(lambda q: preference.reference_logps(nnx.merge(g, q, r), jb))(p)
+    pre_loss, pre_grads, _ = jax.jit(lambda q: loss_and_grads(g, r, preference.dpo_loss(BETA), q,
+                                                              {**jb, "ref_logps": ref_logps}, trainable=mask))(p)
     assert abs(float(pre_loss) - float(step_loss)) <= 1e-5 * abs(float(step_loss))
     for t, leaf in zip(mask, jax.tree.leaves(grads)):
         assert t or not np.any(np.asarray(leaf))
