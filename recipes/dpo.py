@@ -43,7 +43,7 @@ class DPOConfig(multimodal.MultimodalConfig):
 
 def load(argv: list[str], name: str = "dpo") -> DPOConfig:
     """recipes/configs/dpo.yaml <- key=value overrides, the model from init.* (as finetune's), then checked."""
-    from omnijax.config import explicit_overrides, from_dict
+    from omnijax.config import from_dict, merge, parse_overrides
     from omnijax.data.sources import WORLD
     from omnijax.data.world import WorldConfig
     from recipes.common import load_config
@@ -69,14 +69,9 @@ def load(argv: list[str], name: str = "dpo") -> DPOConfig:
     if WORLD in cfg.data.sources:  # the world's pairs, in the world the SFT run trained on
         if cfg.init.checkpoint:
             prev = warmstart.run_config(cfg.init.checkpoint).get("world")
-            if prev:
-                cfg.world = from_dict(WorldConfig, prev, prefix="world.")
-                for key, value in explicit_overrides(argv, "world").items():  # the command line's world.* still hold
-                    *path, last = key.split(".")
-                    node = cfg.world
-                    for part in path:
-                        node = getattr(node, part)
-                    setattr(node, last, value)
+            if prev:  # the command line's world.* still hold over the SFT run's (coerced like any override)
+                given = parse_overrides([a for a in argv if a.partition("=")[0].strip().startswith("world.")])
+                cfg.world = from_dict(WorldConfig, merge(prev, given.get("world", {})), prefix="world.")
         cfg.world.pairs = True
     return multimodal.check(warmstart.resolve_init(cfg, argv))
 
