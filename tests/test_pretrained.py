@@ -306,11 +306,13 @@ def test_whisper_parity_packing_and_export(folders):
 
 def test_features_match_hf_processors(folders, tmp_path):
     from PIL import Image
-    from transformers import SiglipImageProcessor, WhisperFeatureExtractor
+    from transformers import SiglipImageProcessorPil, WhisperFeatureExtractor
 
     root = folders["root"]
     vcfg = pt.encoder_config_from_folder(root / "siglip")
-    proc = SiglipImageProcessor.from_pretrained(root / "siglip")
+    # the Pillow backend, which omnijax's resize follows (with torchvision installed, transformers 5's
+    # SiglipImageProcessor resizes with torchvision instead)
+    proc = SiglipImageProcessorPil.from_pretrained(root / "siglip")
     rs = np.random.RandomState(0)
     for h, w in ((45, 70), (20, 13), (96, 64)):
         Image.fromarray((rs.rand(h, w, 3) * 255).astype(np.uint8)).save(tmp_path / "img.png")
