@@ -23,11 +23,19 @@ DESCRIPTION = "tiny random HF Llama (+ tokenizer), SigLIP and Whisper folders sa
 
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>")
-# Qwen2's chat template for string contents (the released Qwen2.5-VL one renders list contents the same way)
-QWEN_TEMPLATE = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-                 "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-                 "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# the chat template released Qwen2-VL/Qwen2.5-VL folders carry: a string content as written, a list content's
+# image/video items as <|vision_start|><|image_pad|><|vision_end|> (transformers' processor then repeats the pad)
+QWEN_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
 
 
 @dataclass
@@ -141,6 +149,8 @@ def _qwen2_5_vl(cfg: ExampleModelsConfig, out: Path, tok_dir: Path) -> int:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN_TEMPLATE,
         "model_max_length": 2048}, indent=2))
+    # the processor's copy, as released folders carry it (transformers' AutoProcessor reads this one)
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_TEMPLATE}, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "do_resize": True, "resample": 3, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],

@@ -20,6 +20,12 @@ A pair becomes ONE sample of two documents, the prompt + chosen answer (segments
 prompt + rejected answer (`pair=REJECTED`): the prompt's media appear, and are encoded, in both. Only the final
 answer carries loss in a pair (an earlier assistant turn of the prompt does not).
 
+Media are laid out as the model's processor lays them out: alone (LLaVA-style composed models), or, for a
+tokenizer with media markers (a Qwen2-VL/Qwen2.5-VL folder's: `Tokenizer.media_markers`), each image/video
+between `<|vision_start|>` and `<|vision_end|>`, its tokens that model's `<|image_pad|>`/`<|video_pad|>` ids, and
+untagged media put directly before the first user turn's text (as Qwen's template writes image items before a
+text item) instead of on a line of their own, so the ids equal transformers' processor + `apply_chat_template`.
+
 Conversations go through the tokenizer's chat template when it has one, else the default
 `[bos] "User: {q}\\n" "Assistant: {a}" <eos>` (a `system` turn is "System: {s}\\n"). Loss is on the
 assistant's text and its end of turn only: with a template, on what the template emits for an
@@ -107,8 +113,18 @@ def _segments(segs: Any, tok: Tokenizer, media_fn, resolve, where: str) -> list[
         if m == "text":
             parts.append(("text", tok.encode(str(seg["text"])), bool(seg.get("loss", False))))
         else:
-            parts.append((m, media_fn(resolve(str(seg[m])), m), False))
+            parts += media_parts(tok, m, media_fn(resolve(str(seg[m])), m))
     return parts
+
+
+def media_parts(tok: Tokenizer, kind: str, payload: Any) -> list[Part]:
+    """A media segment as the model lays it out: alone, or between the tokenizer's start/end ids for its kind
+    (`tok.media_markers`: Qwen2-VL's `<|vision_start|>` .. `<|vision_end|>`, as its processor writes them)."""
+    start_end = tok.media_markers.get(kind)
+    if start_end is None:
+        return [(kind, payload, False)]
+    return [("text", np.array(start_end[:1], np.int32), False), (kind, payload, False),
+            ("text", np.array(start_end[1:], np.int32), False)]
 
 
 # ------------------------------------------------------------------------- preference pairs
@@ -222,22 +238,25 @@ def conversation(obj: dict, tok: Tokenizer, media_fn, resolve, where: str,
     """A LLaVA-style record -> text/media parts with loss on the assistant's turns only (`last_answer_only`:
     on its final turn only, a pair's answer)."""
     messages = _messages(obj, where)
-    media = _place_media(obj, messages, where)
+    media = _place_media(obj, messages, where, tok)
     last = len(messages) - 1 if last_answer_only else None
     chunks = (template_chunks(messages, tok, where, last) if tok.chat_template else
               default_chunks(messages, tok, last))
     return _assemble(chunks, media, tok, media_fn, resolve)
 
 
-def _place_media(obj: dict, messages: list[dict], where: str) -> dict[str, list[str]]:
-    """The record's media lists, with a tag put first in the first user turn for media that have none."""
+def _place_media(obj: dict, messages: list[dict], where: str, tok: Tokenizer) -> dict[str, list[str]]:
+    """The record's media lists, with a tag put first in the first user turn for media that have none (each
+    followed by a newline, LLaVA's way; directly before the text where the tokenizer wraps media in markers,
+    as Qwen2-VL's template writes an image item before a text item)."""
     media = _media_lists(obj, where)
     for m, files in media.items():
         tag = MEDIA_TAGS[m]
         n = sum(msg["content"].count(tag) for msg in messages)
         if n == 0 and files:  # LLaVA: media without a tag go first in the first user turn
             first = next((msg for msg in messages if msg["role"] == "user"), messages[0])
-            first["content"] = (tag + "\n") * len(files) + first["content"]
+            sep = "" if m in tok.media_markers else "\n"
+            first["content"] = (tag + sep) * len(files) + first["content"]
         elif n != len(files):
             raise BadRecord(f"{where}: {n} {tag} tag(s) in the text but {len(files)} {m} file(s)")
     return media
@@ -375,12 +394,17 @@ def _assemble(chunks: list[Chunk], media: dict[str, list[str]], tok: Tokenizer, 
             continue
         pos = 0
         for m in _TAG_RE.finditer(value):
-            run.append((value[pos:m.start()], loss, False))
-            flush()
             kind = _TAG_KIND[m.group()]
+            markers = tok.media_markers.get(kind)  # Qwen2-VL: <|vision_start|> placeholders <|vision_end|>
+            run.append((value[pos:m.start()], loss, False))
+            if markers:
+                run.append((markers[0], False, True))
+            flush()
             path = media[kind][taken[kind]]
             taken[kind] += 1
             parts.append((kind, media_fn(resolve(path), kind), False))
+            if markers:
+                run.append((markers[1], False, True))
             pos = m.end()
         run.append((value[pos:], loss, False))
     flush()
@@ -409,7 +433,7 @@ def prompt(obj: Any, tok: Tokenizer, media_fn: Callable[[Path, str], Any], resol
         messages.pop()
     if not messages:
         raise BadRecord(f"{where}: the conversation has no user turn to answer")
-    media = _place_media(obj, messages, where)
+    media = _place_media(obj, messages, where, tok)
     if not tok.chat_template:
         chunks = default_chunks(messages, tok) + [("Assistant:", False, True)]
         return _assemble(chunks, media, tok, media_fn, resolve)

@@ -91,6 +91,8 @@ class Tokenizer:
     fingerprint: str
     chat_template: str | None = None
     special_strings: dict[str, str]   # "bos_token"/"eos_token"/"pad_token"/"unk_token" -> text, for templates
+    # modality -> (start id, end id) around its placeholder run (Qwen2-VL's <|vision_start|> .. <|vision_end|>)
+    media_markers: dict[str, tuple[int, int]] = {}
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> np.ndarray:
         ids, _, _ = self._encode_offsets(text, markup=False)
@@ -232,6 +234,12 @@ class HFTokenizer(Tokenizer):
                   for t in MEDIA_TAGS.values()]
         self._tok.add_special_tokens(absent)  # reuses the id of a tag the vocabulary already has
         self.placeholder = {m: int(self._tok.token_to_id(t)) for m, t in MEDIA_TAGS.items()}
+        self.media_markers = {}
+        vl = _qwen_vl_ids(folder, own)
+        if vl is not None:  # a Qwen2-VL/Qwen2.5-VL folder: its own pad tokens, wrapped in vision start/end
+            self.placeholder.update(image=vl["image_token_id"], video=vl["video_token_id"])
+            pair = (vl["vision_start_token_id"], vl["vision_end_token_id"])
+            self.media_markers = {"image": pair, "video": pair}
 
         def pick(key: str, names: tuple[str, ...]) -> tuple[str | None, int | None]:
             for text in (_token_text(config.get(key)), _token_text(smap.get(key)), *names):
@@ -272,6 +280,8 @@ class HFTokenizer(Tokenizer):
         spec = json.loads(self._tok.to_str())
         spec = {k: spec.get(k) for k in ("added_tokens", "normalizer", "pre_tokenizer", "model")}
         spec["ids"] = {"bos": self.bos, "eos": self.eos, "pad": self.pad}
+        if self.media_markers:  # the media layout is part of what shards were tokenized with
+            spec["media"] = {"placeholder": self.placeholder, "markers": self.media_markers}
         self.fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
     @staticmethod
@@ -298,6 +308,28 @@ class HFTokenizer(Tokenizer):
         if self._special_re is None:
             return []
         return [m.span() for m in self._special_re.finditer(text)]
+
+
+_QWEN_VL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+_QWEN_VL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                   "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+
+
+def _qwen_vl_ids(folder: Path, vocab: dict[str, int]) -> dict[str, int] | None:
+    """The media token ids of a Qwen2-VL/Qwen2.5-VL folder (its config.json's, else the vocabulary's tokens of
+    those names), None for any other folder. UserError when one is missing or outside the vocabulary."""
+    from omnijax.errors import UserError
+    top = HFTokenizer._json(folder / "config.json")
+    if top.get("model_type") not in _QWEN_VL_TYPES:
+        return None
+    ids = {}
+    for key, name in _QWEN_VL_TOKENS.items():
+        value = top.get(key, vocab.get(name))
+        if not isinstance(value, int) or value not in vocab.values():
+            raise UserError(f"{folder}: a {top['model_type']} folder whose {key} ({value!r}) is not a token of its "
+                            f"tokenizer.json (expected {name})")
+        ids[key] = value
+    return ids
 
 
 def load_tokenizer(path: str = "") -> Tokenizer:

@@ -1,0 +1,248 @@
+"""The tiny Qwen2.5-VL folder `recipes example_models model=qwen2_5_vl` writes, against transformers on that folder:
+
+- conversations (LLaVA-style records: tagged and untagged images, a video, several turns, text only) become the
+  token ids `AutoProcessor` + `apply_chat_template` give for the same conversation, for training (`convert`'s
+  layout) and for generation prompts (`generate`'s), each image/video as `<|vision_start|>`, its pad tokens,
+  `<|vision_end|>`; their M-RoPE positions equal `get_rope_index`'s on those ids, and the logits and loss on them
+  equal Qwen2_5_VLForConditionalGeneration's;
+- `export` of a LoRA run from `init.model` writes the LLM's adapters in PEFT's format beside the folder (the vision
+  tower's merged into it): PeftModel over transformers' model gives omnijax's logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from recipes.__main__ import main  # noqa: E402
+
+TAGS = {"<image>": "image", "<video>": "video"}
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """example_data's media and tokenizer, the tiny Qwen2.5-VL folder over them, and a few records."""
+    root = tmp_path_factory.mktemp("qwen_folder")
+    assert main(["example_data", f"output={root}/data", "train=24", "eval=2", "llava=24"]) == 0
+    assert main(["example_models", "model=qwen2_5_vl", f"output={root}/qwen", f"tokenizer={root}/data/tokenizer",
+                 "llm_width=32", "encoder_width=32"]) == 0
+    llava = json.loads((root / "data" / "train_llava.json").read_text())
+    image = next(r for r in llava if "image" in r and "corrupt" not in r["image"])
+    video = next(r for r in llava if "video" in r and "corrupt" not in r["video"])
+    images = [r["image"] for r in llava if "image" in r and "corrupt" not in r["image"]][:3]
+    records = [
+        image,                                                   # "<image>\nQ: ...", one answer
+        video,                                                   # "<video>\nQ: ..."
+        {"image": images[1], "conversations": [                  # untagged: first in the first user turn
+            {"from": "system", "value": "Answer briefly."}, {"from": "human", "value": "What shape?"},
+            {"from": "gpt", "value": "A circle."}, {"from": "human", "value": "And its colour?"},
+            {"from": "gpt", "value": "Red."}]},
+        {"image": images[1:3], "conversations": [                # two tags inside the text
+            {"from": "human", "value": "Is <image> the same as <image>?"}, {"from": "gpt", "value": "No."}]},
+        {"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "hi"}]},
+    ]
+    return {"root": root, "folder": root / "qwen", "data": root / "data", "records": records}
+
+
+def _hf_messages(rec: dict, markers: bool = True) -> list[dict]:
+    """The record as transformers' list contents: each tag an image/video item, untagged media first in the first
+    user turn (Qwen's own order: the media items, then the text)."""
+    turns = [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]), "content": t["value"]}
+             for t in rec["conversations"]]
+    out = []
+    for k, t in enumerate(turns):
+        items, text = [], t["content"]
+        first_user = t["role"] == "user" and all(u["role"] != "user" for u in turns[:k])
+        if first_user:
+            for kind in ("image", "video"):
+                files = rec.get(kind, [])
+                files = [files] if isinstance(files, str) else files
+                if files and not any(f"<{kind}>" in u["content"] for u in turns):
+                    items += [{"type": kind}] * len(files)
+        while text:
+            cut = min([(text.find(tag), tag) for tag in TAGS if tag in text], default=None)
+            if cut is None:
+                items.append({"type": "text", "text": text})
+                break
+            if cut[0]:
+                items.append({"type": "text", "text": text[:cut[0]]})
+            items.append({"type": TAGS[cut[1]]})
+            text = text[cut[0] + len(cut[1]):]
+        out.append({"role": t["role"], "content": items})
+    return out
+
+
+def _media_of(rec: dict) -> list[tuple[str, str]]:
+    """(kind, path) in the order the conversation uses them."""
+    out = []
+    for kind in ("image", "video"):
+        files = rec.get(kind, [])
+        out += [(kind, f) for f in ([files] if isinstance(files, str) else files)]
+    return out
+
+
+def _ours(qwen, rec: dict, prompt: bool):
+    """(flat, samples' segments): omnijax's token run of a record, as convert lays it out for training, or as
+    generate reads a prompt (the answer dropped)."""
+    from omnijax.data import formats, media, packing
+    from omnijax.data.sample import Sample, Segment
+    from omnijax.data.tokenizer import load_tokenizer
+    from omnijax.interop import qwen_vl
+
+    tok = load_tokenizer(str(qwen["folder"]))
+    cfg, _ = qwen_vl.config_from_folder(qwen["folder"])
+    resolve = lambda s: qwen["data"] / s  # noqa: E731
+    load = media.rated(media.load_media)
+    parts = (formats.prompt if prompt else formats.build)(rec, tok, load, resolve, "rec")
+    segs = tuple(Segment(m, media.Rated.value_of(v), bool(loss), fps=media.Rated.fps_of(v))
+                 for m, v, loss, *_ in parts if not (m == "text" and len(media.Rated.value_of(v)) == 0))
+    return packing.flatten(Sample(segs, "rec", 0), cfg, packing.encoder_specs(cfg), tok.placeholder), segs, cfg
+
+
+def _hf_inputs(processor, rec: dict, segs, prompt: bool) -> dict:
+    """transformers' processor on the same conversation and the same decoded pixels (frames as omnijax kept them,
+    not resampled)."""
+    messages = _hf_messages(rec)
+    if prompt:
+        while messages[-1]["role"] == "assistant":
+            messages.pop()
+    text = processor.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+    images = [(s.data * 255).round().astype(np.uint8) for s in segs if s.modality == "image"]
+    videos = [(s.data * 255).round().astype(np.uint8) for s in segs if s.modality == "video"]
+    # each video's frames at the rate omnijax kept them (what its temporal positions step by)
+    meta = [{"total_num_frames": len(v), "fps": s.fps, "frames_indices": list(range(len(v)))}
+            for v, s in zip(videos, [s for s in segs if s.modality == "video"])]
+    kw = dict(videos=videos, video_metadata=meta, do_sample_frames=False) if videos else {}
+    return processor(text=[text], images=images or None, return_tensors="pt", **kw)
+
+
+@pytest.fixture(scope="module")
+def hf(qwen):
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(qwen["folder"])
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen["folder"], attn_implementation="eager").eval()
+    return processor, model
+
+
+def test_conversation_tokens_and_positions_equal_the_processors(qwen, hf):
+    """Training and prompt token ids equal AutoProcessor + apply_chat_template's, media wrapped in vision
+    start/end; the M-RoPE positions of those ids equal get_rope_index's."""
+    processor, model = hf
+    folder = qwen["folder"]
+    cfg = json.loads((folder / "config.json").read_text())
+    seen = set()
+    for k, rec in enumerate(qwen["records"]):
+        for prompt in (False, True):
+            flat, segs, _ = _ours(qwen, rec, prompt)
+            ref = _hf_inputs(processor, rec, segs, prompt)
+            ids = ref["input_ids"][0].numpy()
+            assert flat.tokens.tolist() == ids.tolist(), (k, prompt)
+            kinds = {s.modality for s in segs}
+            seen |= kinds
+            if kinds - {"text"}:
+                with torch.no_grad():
+                    pos, _ = model.model.get_rope_index(
+                        ref["input_ids"], ref["mm_token_type_ids"], image_grid_thw=ref.get("image_grid_thw"),
+                        video_grid_thw=ref.get("video_grid_thw"), second_per_grid_ts=ref.get("second_per_grid_ts"))
+                assert np.array_equal(flat.rope, pos[:, 0].numpy().T), (k, prompt)
+            for kind in kinds - {"text"}:  # <|vision_start|> pads <|vision_end|>, nothing else around them
+                pad = cfg[f"{kind}_token_id"]
+                runs = np.flatnonzero(np.diff(np.r_[0, ids == pad, 0]))
+                for a, b in runs.reshape(-1, 2):
+                    assert ids[a - 1] == cfg["vision_start_token_id"] and ids[b] == cfg["vision_end_token_id"]
+    assert seen == {"text", "image", "video"}
+
+
+def _omni_model(folder, lora=None):
+    from flax import nnx
+
+    from omnijax.interop import qwen_vl
+    from omnijax.models import adapters
+    from omnijax.models.mllm import MultimodalModel
+
+    cfg, _ = qwen_vl.config_from_folder(folder)
+    model = nnx.eval_shape(lambda: adapters.attach(MultimodalModel(cfg, rngs=nnx.Rngs(0)), lora))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    base, extra = adapters.split(params)
+    base = qwen_vl.load_params(folder, base)
+    return cfg, graph, adapters.join(base, extra) if extra else base, rest
+
+
+def _hf_pixels(segs, cfg) -> dict:
+    """omnijax's own pixel rows in transformers' (C, tp, p, p) order (one image or one video)."""
+    from omnijax.data import features
+    from omnijax.mm_config import encoder_config, qwen_grid
+
+    vcfg = encoder_config("vision", cfg.encoders["vision"])
+    (seg,) = [s for s in segs if s.modality != "text"]
+    rows, _ = features.segment_inputs(seg.modality, seg.data, cfg)
+    n, tp, p = rows.shape[0], vcfg.temporal_patch, vcfg.patch
+    hf_rows = torch.tensor(rows.reshape(n, tp, p, p, 3).transpose(0, 4, 1, 2, 3).reshape(n, -1))
+    grid = torch.tensor([qwen_grid(seg.data.shape, vcfg)])
+    if seg.modality == "image":
+        return {"pixel_values": hf_rows, "image_grid_thw": grid}
+    return {"pixel_values_videos": hf_rows, "video_grid_thw": grid,
+            "second_per_grid_ts": torch.tensor([tp / seg.fps])}
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _batch_of(flats, cfg, row_len: int = 128) -> dict:
+    """One row per sample, packed as the trainer packs (one compiled shape for every check here)."""
+    import jax.numpy as jnp
+
+    from omnijax.data import packing
+
+    specs = packing.encoder_specs(cfg)
+    layout = packing.Layout(len(flats), row_len, (("vision", 256),))
+    batch = packing.pack([[(f, r) for r, f in enumerate(flats)]], layout, specs)
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+@pytest.fixture(scope="module")
+def cases(qwen):
+    """The multi-turn image conversation and the video one, laid out for training."""
+    return [_ours(qwen, qwen["records"][k], False) for k in (2, 1)]
+
+
+def test_logits_and_loss_on_the_processors_tokens_equal_transformers(qwen, hf, cases):
+    """With the vision start/end tokens in place, omnijax's logits (1e-4) and its loss over the assistant's tokens
+    equal Qwen2_5_VLForConditionalGeneration's on the same ids and pixels."""
+    import jax
+    from flax import nnx
+
+    from omnijax.models.mllm import mm_loss
+
+    _, model = hf
+    cfg, graph, params, rest = _omni_model(qwen["folder"])
+    batch = _batch_of([c[0] for c in cases], cfg)
+    logits, (loss_sum, count) = jax.jit(lambda p, b: (lambda m: (m(b)[0], mm_loss(m, b)[:2]))(
+        nnx.merge(graph, p, rest)))(params, batch)
+    ref_sum, ref_count = 0.0, 0
+    for row, (flat, segs, _) in enumerate(cases):
+        ids = torch.tensor(flat.tokens[None], dtype=torch.long)
+        labels = torch.where(torch.tensor(np.r_[False, flat.loss[1:]][None]), ids, -100)
+        types = torch.tensor(np.isin(flat.tokens, [cfg_id for cfg_id in _pads(qwen)]).astype(np.int64)[None])
+        types = types * (2 if any(s.modality == "video" for s in segs) else 1)
+        with torch.no_grad():
+            out = model(input_ids=ids, mm_token_type_ids=types, labels=labels, **_hf_pixels(segs, cfg))
+        n = len(flat.tokens)
+        assert _rel(np.asarray(logits[row, :n]), out.logits[0].numpy()) < 1e-4, row
+        k = int((labels != -100).sum())
+        ref_sum, ref_count = ref_sum + float(out.loss) * k, ref_count + k
+    assert int(count) == ref_count and abs(float(loss_sum) - ref_sum) / ref_sum < 1e-4
+
+
+def _pads(qwen) -> list[int]:
+    cfg = json.loads((qwen["folder"] / "config.json").read_text())
+    return [cfg["image_token_id"], cfg["video_token_id"]]
