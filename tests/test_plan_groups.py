@@ -105,3 +105,93 @@ def test_groups_that_cut_ranks_keep_the_steps_samples(world):
     placed = [k for b in wp.plan.bins for k, _ in b]
     assert len(placed) == len(set(placed)) and loaders[3].metrics(4)["dropped_total"] == 0
     assert all(r < 4 for b in wp.plan.bins for _, r in b)
+
+
+class Rendezvous:
+    """An all-gather of bytes between loaders in one process (threads), as `data_plane.kv_exchange` is
+    between processes: each host puts its part of a window and waits for every host's."""
+
+    def __init__(self, hosts: int):
+        import threading
+
+        self.hosts, self.cv, self.parts = hosts, threading.Condition(), {}
+
+    def of(self, host: int):
+        def exchange(window: int, part: bytes) -> list[bytes]:
+            with self.cv:
+                self.parts.setdefault(window, {})[host] = part
+                self.cv.notify_all()
+                assert self.cv.wait_for(lambda: len(self.parts[window]) == self.hosts, timeout=120)
+                return [self.parts[window][h] for h in sorted(self.parts[window], reverse=True)]  # any order
+        return exchange
+
+
+def _on_hosts(loaders, fn):
+    """fn(loader) on every loader at once (each in a thread: their exchanges meet), results in host order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(loaders)) as pool:
+        return list(pool.map(fn, loaders))
+
+
+def _hosts(world, hosts, plan_rows, state=None):
+    dp, per = 8, 8 // hosts
+    meet = Rendezvous(hosts)
+    out = []
+    for h in range(hosts):
+        lo = Loader(LoaderConfig(dp=dp, max_rows=2, **{**BASE, "plan_rows": plan_rows}), mm_cfg=world[0],
+                    world_cfg=world[1], lazy_media=True, text_ranks=list(range(h * per, (h + 1) * per)),
+                    plan_local=True, exchange=meet.of(h))
+        if state is not None:
+            lo.restore(state)
+        out.append(lo)
+    return out
+
+
+def _starts(wp):
+    """The next window's start of every planning group, as the loader state keeps it."""
+    return [s.to_state() for s in wp.next_start]
+
+
+def _bins(wp):
+    """Every bin's samples (source, record, piece) and rows, in order."""
+    return [[(wp.entries[k].source, wp.entries[k].record, wp.entries[k].piece, r) for k, r in b] for b in wp.plan.bins]
+
+
+@pytest.mark.parametrize("hosts,plan_rows", [(2, 4), (4, 8)])
+def test_hosts_plan_their_own_groups_and_merge_the_whole_step(world, hosts, plan_rows):
+    """Each host plans only its own planning groups and the hosts exchange their parts: every host then
+    holds the whole step's plan of a loader that plans every group (samples, rows, layouts, geometry),
+    builds only its own token rows, and its state resumes every group exactly. (4, 8): a group spans two
+    hosts, both plan it."""
+    whole = Loader(LoaderConfig(dp=8, max_rows=2, **{**BASE, "plan_rows": plan_rows}), mm_cfg=world[0],
+                   world_cfg=world[1], lazy_media=True, text_ranks=[0, 1])
+    loaders = _hosts(world, hosts, plan_rows)
+    assert all(len(lo.plan_groups) < whole.groups.count for lo in loaders)
+    plans = _on_hosts(loaders, lambda lo: [lo.window_plan(w) for w in range(3)])
+    for w in range(3):
+        full = whole.window_plan(w)
+        for wp in (p[w] for p in plans):
+            assert wp.layouts == full.layouts and _starts(wp) == _starts(full)
+            assert _bins(wp) == _bins(full)
+    assert sum(len(b) for b in plans[0][1].plan.bins) > 16          # real steps: more samples than rows
+    batches = _on_hosts(loaders, lambda lo: lo.host_batch(5)["microbatches"][0])
+    ref = whole.host_batch(5)["microbatches"][0]
+    per = 8 // hosts
+    for h, got in enumerate(batches):
+        assert np.array_equal(got["row_docs"], ref["row_docs"])   # the whole step's geometry on every host
+        assert np.array_equal(got["rows"], np.arange(h * per * 2, (h + 1) * per * 2))  # only its own rows built
+        for name in ("vision", "audio"):
+            assert np.array_equal(np.asarray(got[f"{name}_segment_ids"]), np.asarray(ref[f"{name}_segment_ids"]))
+            assert np.array_equal(np.asarray(got[f"{name}_dest"]), np.asarray(ref[f"{name}_dest"]))
+    assert np.array_equal(batches[0]["tokens"][:4], ref["tokens"])                # ranks 0-1: the same rows
+    # the state (process 0's, as the checkpoint keeps it) holds every group: hosts resume the same windows
+    for lo in loaders:
+        lo.step = 8
+    state = loaders[0].state()
+    whole.step = 8
+    assert state == whole.state() and len(state["starts"]) == whole.groups.count
+    again = _hosts(world, hosts, plan_rows, state)
+    resumed = _on_hosts(again, lambda lo: lo.window_plan(2))
+    assert all(r.layouts == plans[0][2].layouts and _starts(r) == _starts(plans[0][2]) for r in resumed)
+    assert all(_bins(r) == _bins(plans[0][2]) for r in resumed)

@@ -35,12 +35,13 @@ missing shard fails at start (sources.open_sources).
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -129,6 +130,7 @@ class WindowPlan:
     next_start: tuple = ()                  # per planning group: the WindowStart of the next window
     starts: tuple = ()                      # per planning group: this window's WindowStart (`start`: the first planned's)
     groups: tuple[int, ...] = (0,)          # the planning groups this plan holds (bins of other ranks empty)
+    group_drops: tuple = ()                 # per planning group planned: (group, its dropped, its split)
 
 
 class Loader:
@@ -137,7 +139,7 @@ class Loader:
     def __init__(self, cfg: LoaderConfig, mm_cfg: Any = None, ranks: list[int] | None = None,
                  cost_model: CostModel | None = None, world_cfg: Any = None, sources: list[Source] | None = None,
                  tokenizer: Any = None, lazy_media: bool = False, text_ranks: list[int] | None = None,
-                 plan_local: bool = False):
+                 plan_local: bool = False, exchange: Callable[[int, bytes], list[bytes]] | None = None):
         """lazy_media: encoder inputs come as `payload.LazyRows`, decoded only where a slice asks (the
         multiplexer slices the segments this host's devices encode), with the step's geometry as a few
         integers per segment (`packing.pack`'s step geometry). text_ranks: the ranks whose token rows
@@ -145,7 +147,12 @@ class Loader:
         metadata only and never built (needs lazy_media). None: every rank in `ranks`. plan_local: plan
         only the planning groups (`groups.Groups`) that hold rows of `ranks`, not the whole step: a
         host's planning then does not grow with the number of hosts (the other ranks' bins stay empty,
-        and the layouts are those of the groups planned here)."""
+        and the layouts are those of the groups planned here). With `text_ranks`, the groups of those
+        ranks (the host's own rows). exchange (with plan_local): `exchange(window, part) -> every host's
+        part` (an all-gather of bytes, e.g. `train.data_plane.kv_exchange`); each host then plans its own
+        groups and the window's plan is merged from every host's part (`merge_parts`): the whole step's
+        samples, rows, layouts and next window starts, identical on every host and equal to the plan of a
+        loader that plans every group."""
         self.cfg = cfg.check()
         self.lazy_media = bool(lazy_media)
         self.text_ranks = None if text_ranks is None else {int(r) for r in text_ranks}
@@ -190,7 +197,11 @@ class Loader:
         self.group_capacity = self.step_capacity if G.count == 1 else balance.Capacity(
             G.rows, cfg.row_len, tuple(-(-self.step_enc[n] // (G.count * s.group)) * s.group
                                        for n, s in self.specs.items()))
-        self.plan_groups = tuple(G.of_ranks(self.ranks) if plan_local else range(G.count))
+        own = self.ranks if self.text_ranks is None else sorted(self.text_ranks)
+        self.plan_groups = tuple(G.of_ranks(own) if plan_local else range(G.count))
+        if exchange is not None and not plan_local:
+            raise ConfigError("Loader(exchange=...) merges the hosts' own plans: it needs plan_local=True")
+        self.exchange, self.own_ranks = exchange, tuple(own)
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
@@ -268,7 +279,10 @@ class Loader:
                 for w in range(known, window + 1):
                     if w in self._plans and w + 1 in self._starts:
                         continue
-                    wp = self._plans[w] = self._window_plan(w, self._starts[w])
+                    wp = self._window_plan(w, self._starts[w])
+                    if self.exchange is not None:  # every host's own groups -> the whole window, the same everywhere
+                        wp = self.merge(wp, self.exchange(w, self.own_part(wp)))
+                    self._plans[w] = wp
                     self._starts[w + 1] = wp.next_start
                     self._planned[w] = (len(wp.dropped), wp.split, len(wp.deferred))
                 while len(self._plans) > 4:  # keep the few windows that prefetch threads may still read
@@ -287,7 +301,7 @@ class Loader:
         bins: list = [()] * (W * cfg.dp * M)
         loads = [0.0] * len(bins)
         sel_bins: list = [()] * (W * M)
-        unplaced, next_start, enc_rows = [], list(start), [0] * len(self.enc_names)
+        unplaced, next_start, enc_rows, group_drops = [], list(start), [0] * len(self.enc_names), []
         for j in self.plan_groups:
             base = len(entries)
             e_j, m_j, items_j, d_j, s_j, prefix_j = self._items(step0, start[j], j, base)
@@ -296,6 +310,7 @@ class Loader:
             items += items_j
             dropped += d_j
             split += s_j
+            group_drops.append((j, tuple(d_j), s_j))
             cap = self._window_capacity(window, items_j, entries, self.group_capacity)
             enc_rows = [a + b for a, b in zip(enc_rows, cap.enc)]
             selection = self._select(items_j, entries, cap)
@@ -360,7 +375,77 @@ class Loader:
         first = self.plan_groups[0]
         return WindowPlan(step0, tuple(entries), plan, tuple(layouts), tuple(dropped), split, tuple(items),
                           start[first], deferred, next_start[first].prefix, tuple(metas), selection,
-                          tuple(enc_rows), next_start=tuple(next_start), starts=tuple(start), groups=self.plan_groups)
+                          tuple(enc_rows), next_start=tuple(next_start), starts=tuple(start), groups=self.plan_groups,
+                          group_drops=tuple(group_drops))
+
+    # ------------------------------------------------------------------------------ hosts' parts
+    def own_part(self, wp: WindowPlan) -> bytes:
+        """This host's part of window plan `wp` (planned over its own groups) for the other hosts: its own
+        ranks' samples and rows, its groups' next starts, drops and splits, and its step layouts, as a
+        JSON header and one int64 array of (bin, source, record, piece, row) (5 integers a sample)."""
+        cfg, M = self.cfg, self.cfg.microbatches
+        own = set(self.own_ranks)
+        rows = [(b, e.source, e.record, e.piece, row) for b, bin_ in enumerate(wp.plan.bins) if (b // M) % cfg.dp in own
+                for e, row in ((wp.entries[k], row) for k, row in bin_)]
+        src = {n: i for i, n in enumerate(self.names)}
+        nxt = dict(zip(self.plan_groups, (wp.next_start[j] for j in self.plan_groups)))
+        drops = {j: ([[src[name], int(rec), why] for name, rec, why in d], n) for j, d, n in wp.group_drops}
+        header = {"ranks": sorted(own),
+                  "groups": [[j, list(nxt[j].prefix), [[e.source, e.record, e.piece] for e in nxt[j].deferred],
+                              *drops[j]] for j in self.plan_groups],
+                  "layouts": [[lay.rows, lay.row_len, [c for _, c in lay.enc]] for lay in wp.layouts]}
+        head = json.dumps(header, separators=(",", ":")).encode()
+        body = np.asarray(rows, np.int64).reshape(-1, 5).tobytes()
+        return len(head).to_bytes(8, "little") + head + body
+
+    def merge(self, local: WindowPlan, parts: list[bytes]) -> WindowPlan:
+        """The whole window's plan from every host's `own_part` (any order; this host's among them): every
+        rank's samples and rows, the step layouts (per step the largest of the hosts': a bucket of the
+        largest need), every group's next start. A pure function of the parts, so identical on every host;
+        equal to a loader planning every group (`items`, `selection` and `encoder_rows` stay this host's)."""
+        cfg, M = self.cfg, self.cfg.microbatches
+        heads, bodies = [], []
+        for part in parts:
+            n = int.from_bytes(part[:8], "little")
+            heads.append(json.loads(part[8:8 + n]))
+            bodies.append(np.frombuffer(part[8 + n:], np.int64).reshape(-1, 5))
+        order = sorted(range(len(parts)), key=lambda h: heads[h]["ranks"])
+        seen = [r for h in order for r in heads[h]["ranks"]]
+        if sorted(seen) != list(range(cfg.dp)):
+            raise ConfigError(f"window plan parts cover dp ranks {sorted(seen)[:8]}... of {cfg.dp}: every rank "
+                              "must be some host's own, exactly once (the hosts' text_ranks)")
+        rows = np.concatenate([bodies[h] for h in order]) if bodies else np.zeros((0, 5), np.int64)
+        rows = rows[np.argsort(rows[:, 0], kind="stable")]  # bin order; a bin's samples keep their order
+        known = {(e.source, e.record): m for e, m in zip(local.entries, local.metas)}
+        entries, metas = [], []
+        bins: list = [[] for _ in range(cfg.window * cfg.dp * M)]
+        for k, (b, s, r, piece, row) in enumerate(rows.tolist()):
+            entries.append(Entry(s, r, piece))
+            meta = known.get((s, r))
+            metas.append(meta if meta is not None else self.sources[s].meta(r))
+            bins[b].append((k, row))
+        groups: dict[int, list] = {}
+        for h in order:
+            for g in heads[h]["groups"]:
+                groups.setdefault(int(g[0]), g)  # a group planned by several hosts: the same part from each
+        if sorted(groups) != list(range(self.groups.count)):
+            raise ConfigError(f"window plan parts hold planning groups {sorted(groups)[:8]}... of {self.groups.count}")
+        nxt = tuple(WindowStart(tuple(int(x) for x in groups[j][1]), tuple(Entry(*map(int, e)) for e in groups[j][2]))
+                    for j in range(self.groups.count))
+        dropped = tuple((self.names[d[0]], int(d[1]), str(d[2])) for j in sorted(groups) for d in groups[j][3])
+        split = sum(int(groups[j][4]) for j in groups)
+        layouts = []
+        for g in range(cfg.window):
+            ls = [heads[h]["layouts"][g] for h in order]
+            caps = [max(x[2][i] for x in ls) for i in range(len(self.enc_names))]
+            layouts.append(packing.Layout(max(x[0] for x in ls), max(x[1] for x in ls), tuple(zip(self.enc_names, caps))))
+        deferred = tuple(e for st in nxt for e in st.deferred)
+        plan = balance.Plan(tuple(tuple(b) for b in bins), tuple(0.0 for _ in bins), ())
+        return WindowPlan(local.first_step, tuple(entries), plan, tuple(layouts), dropped, split, local.items,
+                          local.starts[0], deferred, nxt[0].prefix, tuple(metas), local.selection, local.encoder_rows,
+                          next_start=nxt, starts=local.starts, groups=tuple(range(self.groups.count)),
+                          group_drops=tuple((j, tuple((self.names[d[0]], int(d[1]), str(d[2])) for d in groups[j][3]),
+                                             int(groups[j][4])) for j in sorted(groups)))
 
     def _select(self, items: list[balance.Item], entries: list[Entry], cap: balance.Capacity) -> balance.Plan:
         """Which samples form each step of the window: a function of the items and the capacity only (no ranks)."""
@@ -517,7 +602,10 @@ class Loader:
         replay of earlier windows. A loader that plans only its own groups (`plan_local`) knows only
         theirs: its state resumes the same groups (the other groups' entries are their first window's)."""
         window = self.step // self.cfg.window
-        self.window_plan(max(window - 1, 0))  # makes sure the window's start is known
+        with self._plan_lock:
+            known = window in self._starts
+        if not known:
+            self.window_plan(max(window - 1, 0))  # makes sure the window's start is known
         with self._plan_lock:
             start = self._starts[window]
         out = {"step": int(self.step), "seed": int(self.cfg.seed), "schedule": self.schedule.fingerprint(),
