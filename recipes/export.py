@@ -5,8 +5,9 @@ DIR/encoders/NAME an HF folder per pretrained encoder (SigLIP / Whisper names), 
 DIR/omnijax.json (the model config; `recipes generate DIR` reads it). A run started from a whole model's folder
 (`init.model`, Qwen2.5-VL / Qwen2-VL) is written back as that kind of folder instead, under its names, shapes
 and dtypes, with its config, processor, chat template and tokenizer (what transformers, vLLM and SGLang load). A LoRA run (trainer.lora) also writes
-DIR/llm_adapter in PEFT's format over the base in DIR/llm, or with merge=true its adapters merged into DIR/llm
-(omnijax/interop/peft.py). Written tensor by tensor from the
+DIR/llm_adapter in PEFT's format over the base in DIR/llm (a Qwen run: over DIR itself, under the names PEFT gives
+the LLM inside Qwen2_5_VLForConditionalGeneration), or with merge=true its adapters merged into DIR/llm (DIR);
+encoder adapters are always merged into their encoder's weights (omnijax/interop/peft.py). Written tensor by tensor from the
 parameters restored sharded over this machine's devices, into a temporary folder renamed when complete.
 """
 from __future__ import annotations
@@ -82,12 +83,11 @@ def main(argv: list[str]) -> int:
     src = warmstart.origins(run_dir)
     trained, params = params, (peft.export_params(params, cfg.merge) if lora else params)
     if src.get("model"):  # a whole released model in, the same kind of folder out
-        if lora and not cfg.merge:
-            raise ConfigError(f"{run_dir}: a LoRA run from init.model exports with its adapters merged (merge=true); "
-                              "PEFT adapter folders are written for init.llm runs only")
         from omnijax.interop import qwen_vl
 
         qwen_vl.export(params, out, like=src["model"])
+        if lora and not cfg.merge:  # the LLM's adapters over this folder, the tower's merged into it
+            peft.write_adapter(out / peft.ADAPTER_DIR, trained["llm"], lora, str(out), qwen_vl=True)
         print(f"exported {run_dir} step {step} -> {out} (a Hugging Face folder like {src['model']}, "
               f"{time.perf_counter() - t0:.0f} s); generate with `python -m recipes generate {out} prompts=FILE "
               "output=OUT.jsonl`", file=sys.stderr)

@@ -246,3 +246,64 @@ def test_logits_and_loss_on_the_processors_tokens_equal_transformers(qwen, hf, c
 def _pads(qwen) -> list[int]:
     cfg = json.loads((qwen["folder"] / "config.json").read_text())
     return [cfg["image_token_id"], cfg["video_token_id"]]
+
+
+def test_lora_export_writes_a_peft_adapter_transformers_loads(qwen, hf, cases, tmp_path):
+    """`export` of a LoRA run from `init.model` (adapters on every LLM projection, moved off zero): the folder
+    holds the base, `llm_adapter/` the adapters under PEFT's names for Qwen2_5_VLForConditionalGeneration (the
+    vision tower excluded); PeftModel over transformers' model gives omnijax's logits (1e-4), and reading the
+    adapter back (`init.adapter`) gives the same tensors."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from omnijax.config import LoraConfig
+    from omnijax.interop import peft as omni_peft
+    from omnijax.models import adapters
+    from omnijax.train.checkpoint import Checkpointer
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    cfg, graph, params, rest = _omni_model(qwen["folder"], lora)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    moved = {jax.tree_util.keystr(p): 0.3 * jnp.sin(jnp.arange(v.size, dtype=v.dtype).reshape(v.shape) + k)
+             for k, (p, v) in enumerate(leaves) if adapters.is_adapter([getattr(e, "key", e) for e in p])}
+    assert len(moved) > 10
+    params = jax.tree_util.tree_map_with_path(lambda p, v: moved.get(jax.tree_util.keystr(p), v), params)
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run / "checkpoints", async_save=False)
+    ckpt.save(1, {"params": params})
+    ckpt.wait(), ckpt.close()
+    (run / "config.json").write_text(json.dumps({
+        "model": dataclasses.asdict(cfg), "trainer": {"lora": dataclasses.asdict(lora)},
+        "init": {"model": str(qwen["folder"])}, "tokenizer": {"path": str(qwen["folder"])}}))
+    out = tmp_path / "out"
+    assert main(["export", str(run), f"output={out}"]) == 0
+    adapter = out / omni_peft.ADAPTER_DIR
+    written = json.loads((adapter / "adapter_config.json").read_text())
+    assert written["exclude_modules"] == omni_peft.QWEN_VL_EXCLUDE and written["r"] == 4
+
+    batch = _batch_of([c[0] for c in cases], cfg)
+    logits = jax.jit(lambda p, b: nnx.merge(graph, p, rest)(b)[0])(params, batch)
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(out, attn_implementation="eager").eval()
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    loaded = [n for n, _ in model.named_parameters() if "lora_A" in n]
+    assert loaded and all("language_model.layers." in n for n in loaded)  # none in the vision tower
+    for row, (flat, segs, _) in enumerate(cases):
+        types = np.isin(flat.tokens, _pads(qwen)).astype(np.int64) * (2 if any(s.modality == "video" for s in segs) else 1)
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor(flat.tokens[None], dtype=torch.long),
+                        mm_token_type_ids=torch.tensor(types[None]), **_hf_pixels(segs, cfg)).logits[0].numpy()
+            with model.disable_adapter():  # PEFT wrapped `base` in place: the base alone
+                plain = model(input_ids=torch.tensor(flat.tokens[None], dtype=torch.long),
+                              mm_token_type_ids=torch.tensor(types[None]), **_hf_pixels(segs, cfg)).logits[0].numpy()
+        n = len(flat.tokens)
+        assert _rel(np.asarray(logits[row, :n]), ref) < 1e-4, row
+    assert _rel(plain, ref) > 1e-3  # the adapter carries the LLM's change
+    back = dict(nnx.to_flat_state(omni_peft.load_adapter(adapter, jax.tree.map(jnp.zeros_like, params))))
+    for path, var in nnx.to_flat_state(params):
+        if adapters.is_adapter(path):
+            assert np.allclose(np.asarray(back[path][...]), np.asarray(var[...]), atol=1e-6), path

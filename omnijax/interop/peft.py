@@ -3,7 +3,12 @@
 `DIR/llm_adapter/` holds `adapter_config.json` and `adapter_model.safetensors` under PEFT's names
 (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]), so
 `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), DIR/llm_adapter)` computes what omnijax
-computes (PEFT's scale is lora_alpha / r, as ours). `merge=true` writes `W + alpha/r·A·B` into `DIR/llm` in the
+computes (PEFT's scale is lora_alpha / r, as ours). A Qwen2-VL/Qwen2.5-VL model's LLM sits at
+`model.language_model.layers.N` inside `Qwen2_5_VLForConditionalGeneration` (transformers >= 4.52, 5.x), so
+its adapter's names are `base_model.model.model.language_model.layers.N...` and its config excludes the vision
+tower (whose MLP names match `gate_proj`/`up_proj`/`down_proj` too): `PeftModel.from_pretrained(
+Qwen2_5_VLForConditionalGeneration.from_pretrained(DIR), DIR/llm_adapter)`. Reading an adapter back
+(`load_adapter`) takes either spelling. `merge=true` writes `W + alpha/r·A·B` into `DIR/llm` in the
 original layout instead (PEFT's `merge_and_unload`). Encoder adapters are always merged into their encoder's
 folder: vLLM and PEFT's LLM loaders serve LLM adapters only.
 """
@@ -21,6 +26,10 @@ from omnijax.config import LoraConfig, from_dict
 from omnijax.models import adapters
 
 ADAPTER_DIR = "llm_adapter"
+# PEFT's prefix of the LLM's layers: a Llama/Qwen2 causal LM, and the LLM inside a Qwen2-VL/Qwen2.5-VL model
+LLM_LAYERS = "base_model.model.model.layers."
+QWEN_VL_LAYERS = "base_model.model.model.language_model.layers."
+QWEN_VL_EXCLUDE = r".*visual.*"   # the vision tower: its adapters are merged into the folder, not PEFT's
 # omnijax (module, weight) -> the Hugging Face Llama/Qwen2 submodule PEFT targets
 HF_MODULES = {("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj",
               ("attn", "v"): "self_attn.v_proj", ("attn", "o"): "self_attn.o_proj",
@@ -44,8 +53,9 @@ def _host(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def adapter_tensors(llm_params: Any) -> dict[str, np.ndarray]:
-    """PEFT's tensors of the LLM's adapters (an unstacked LLM's Param state, `blocks/N/attn/q_lora_a`, ...)."""
+def adapter_tensors(llm_params: Any, layers: str = LLM_LAYERS) -> dict[str, np.ndarray]:
+    """PEFT's tensors of the LLM's adapters (an unstacked LLM's Param state, `blocks/N/attn/q_lora_a`, ...), named
+    `layers` + `N.self_attn.q_proj.lora_A.weight`."""
     out: dict[str, np.ndarray] = {}
     flat = {tuple(p): v for p, v in nnx.to_flat_state(llm_params if isinstance(llm_params, nnx.State)
                                                        else nnx.State(llm_params))}
@@ -56,7 +66,7 @@ def adapter_tensors(llm_params: Any) -> dict[str, np.ndarray]:
         if len(path) != 4 or path[0] != "blocks":
             raise ValueError(f"adapter at {'/'.join(map(str, path))}: not a layer projection PEFT knows")
         layer, module, weight = int(path[1]), str(path[2]), last[:-len(adapters.A_SUFFIX)]
-        hf = f"base_model.model.model.layers.{layer}.{HF_MODULES[(module, weight)]}"
+        hf = f"{layers}{layer}.{HF_MODULES[(module, weight)]}"
         a = _host(var)
         b = _host(flat[path[:-1] + (weight + adapters.B_SUFFIX,)])
         rank = a.shape[-1]
@@ -65,27 +75,30 @@ def adapter_tensors(llm_params: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def adapter_config(cfg: LoraConfig, base_model: str | None) -> dict:
-    """PEFT's `adapter_config.json` for these adapters."""
+def adapter_config(cfg: LoraConfig, base_model: str | None, exclude: str | None = None) -> dict:
+    """PEFT's `adapter_config.json` for these adapters (`exclude`: PEFT's exclude_modules, a regex)."""
     alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
     targets = sorted({HF_MODULES[k].split(".")[1] for k in HF_MODULES if k[1] in cfg.targets})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": cfg.rank, "lora_alpha": alpha, "lora_dropout": cfg.dropout, "target_modules": targets,
             "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
             "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
-            "revision": None}
+            "revision": None, **({"exclude_modules": exclude} if exclude else {})}
 
 
-def write_adapter(folder: str | Path, llm_params: Any, cfg: LoraConfig, base_model: str | None) -> Path:
-    """`folder/adapter_config.json` + `folder/adapter_model.safetensors` (process 0 writes)."""
+def write_adapter(folder: str | Path, llm_params: Any, cfg: LoraConfig, base_model: str | None,
+                  qwen_vl: bool = False) -> Path:
+    """`folder/adapter_config.json` + `folder/adapter_model.safetensors` (process 0 writes); `qwen_vl`: the
+    LLM of a Qwen2-VL/Qwen2.5-VL model (its names, the vision tower excluded)."""
     from safetensors.numpy import save_file
 
-    tensors = adapter_tensors(llm_params)
+    tensors = adapter_tensors(llm_params, QWEN_VL_LAYERS if qwen_vl else LLM_LAYERS)
     folder = Path(folder)
     if jax.process_index() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (folder / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, base_model), indent=2) + "\n")
+        config = adapter_config(cfg, base_model, QWEN_VL_EXCLUDE if qwen_vl else None)
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
 
@@ -152,7 +165,9 @@ def load_adapter(folder: str | Path, params: Any) -> nnx.State:
     files = sorted(folder.glob("adapter_model.safetensors"))
     if not files:
         raise UserError(f"init.adapter={folder}: no adapter_model.safetensors")
-    tensors = {k.replace(".default", ""): v for k, v in load_file(str(files[0])).items()}
+    # a Qwen-VL model's LLM layers read under the plain LLM's names
+    tensors = {k.replace(".default", "").replace(QWEN_VL_LAYERS, LLM_LAYERS): v
+               for k, v in load_file(str(files[0])).items()}
     flat = []
     for path, var in nnx.to_flat_state(params if isinstance(params, nnx.State) else nnx.State(params)):
         path = tuple(path)
