@@ -134,14 +134,13 @@ def _on_hosts(loaders, fn):
         return list(pool.map(fn, loaders))
 
 
-def _hosts(world, hosts, plan_rows, state=None):
-    dp, per = 8, 8 // hosts
-    meet = Rendezvous(hosts)
+def _hosts(world, ranks, plan_rows, state=None):
+    """A loader per host (its text ranks `ranks[h]`), exchanging through one Rendezvous."""
+    meet = Rendezvous(len(ranks))
     out = []
-    for h in range(hosts):
-        lo = Loader(LoaderConfig(dp=dp, max_rows=2, **{**BASE, "plan_rows": plan_rows}), mm_cfg=world[0],
-                    world_cfg=world[1], lazy_media=True, text_ranks=list(range(h * per, (h + 1) * per)),
-                    plan_local=True, exchange=meet.of(h))
+    for h, own in enumerate(ranks):
+        lo = Loader(LoaderConfig(dp=8, max_rows=2, **{**BASE, "plan_rows": plan_rows}), mm_cfg=world[0],
+                    world_cfg=world[1], lazy_media=True, text_ranks=list(own), plan_local=True, exchange=meet.of(h))
         if state is not None:
             lo.restore(state)
         out.append(lo)
@@ -158,16 +157,22 @@ def _bins(wp):
     return [[(wp.entries[k].source, wp.entries[k].record, wp.entries[k].piece, r) for k, r in b] for b in wp.plan.bins]
 
 
-@pytest.mark.parametrize("hosts,plan_rows", [(2, 4), (4, 8)])
+HOSTS = {"2 hosts": [range(0, 4), range(4, 8)], "4 hosts": [range(2 * h, 2 * h + 2) for h in range(4)],
+         "pp across hosts": [range(8), range(8)]}
+
+
+@pytest.mark.parametrize("hosts,plan_rows", [("2 hosts", 4), ("4 hosts", 8), ("pp across hosts", 4)])
 def test_hosts_plan_their_own_groups_and_merge_the_whole_step(world, hosts, plan_rows):
     """Each host plans only its own planning groups and the hosts exchange their parts: every host then
     holds the whole step's plan of a loader that plans every group (samples, rows, layouts, geometry),
-    builds only its own token rows, and its state resumes every group exactly. (4, 8): a group spans two
-    hosts, both plan it."""
+    builds only its own token rows, and its state resumes every group exactly. "4 hosts": a group spans
+    two hosts, both plan it; "pp across hosts": both hosts hold every rank (pipeline stages on different
+    hosts), each rank's rows are taken once."""
+    ranks = HOSTS[hosts]
     whole = Loader(LoaderConfig(dp=8, max_rows=2, **{**BASE, "plan_rows": plan_rows}), mm_cfg=world[0],
                    world_cfg=world[1], lazy_media=True, text_ranks=[0, 1])
-    loaders = _hosts(world, hosts, plan_rows)
-    assert all(len(lo.plan_groups) < whole.groups.count for lo in loaders)
+    loaders = _hosts(world, ranks, plan_rows)
+    assert all(len(lo.plan_groups) < whole.groups.count for lo in loaders) or hosts == "pp across hosts"
     plans = _on_hosts(loaders, lambda lo: [lo.window_plan(w) for w in range(3)])
     for w in range(3):
         full = whole.window_plan(w)
@@ -177,10 +182,9 @@ def test_hosts_plan_their_own_groups_and_merge_the_whole_step(world, hosts, plan
     assert sum(len(b) for b in plans[0][1].plan.bins) > 16          # real steps: more samples than rows
     batches = _on_hosts(loaders, lambda lo: lo.host_batch(5)["microbatches"][0])
     ref = whole.host_batch(5)["microbatches"][0]
-    per = 8 // hosts
-    for h, got in enumerate(batches):
+    for own, got in zip(ranks, batches):
         assert np.array_equal(got["row_docs"], ref["row_docs"])   # the whole step's geometry on every host
-        assert np.array_equal(got["rows"], np.arange(h * per * 2, (h + 1) * per * 2))  # only its own rows built
+        assert np.array_equal(got["rows"], np.arange(2 * own[0], 2 * own[-1] + 2))  # only its own rows built
         for name in ("vision", "audio"):
             assert np.array_equal(np.asarray(got[f"{name}_segment_ids"]), np.asarray(ref[f"{name}_segment_ids"]))
             assert np.array_equal(np.asarray(got[f"{name}_dest"]), np.asarray(ref[f"{name}_dest"]))
@@ -191,7 +195,7 @@ def test_hosts_plan_their_own_groups_and_merge_the_whole_step(world, hosts, plan
     state = loaders[0].state()
     whole.step = 8
     assert state == whole.state() and len(state["starts"]) == whole.groups.count
-    again = _hosts(world, hosts, plan_rows, state)
+    again = _hosts(world, ranks, plan_rows, state)
     resumed = _on_hosts(again, lambda lo: lo.window_plan(2))
     assert all(r.layouts == plans[0][2].layouts and _starts(r) == _starts(plans[0][2]) for r in resumed)
     assert all(_bins(r) == _bins(plans[0][2]) for r in resumed)

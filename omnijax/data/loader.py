@@ -410,11 +410,13 @@ class Loader:
             heads.append(json.loads(part[8:8 + n]))
             bodies.append(np.frombuffer(part[8 + n:], np.int64).reshape(-1, 5))
         order = sorted(range(len(parts)), key=lambda h: heads[h]["ranks"])
-        seen = [r for h in order for r in heads[h]["ranks"]]
-        if sorted(seen) != list(range(cfg.dp)):
-            raise ConfigError(f"window plan parts cover dp ranks {sorted(seen)[:8]}... of {cfg.dp}: every rank "
-                              "must be some host's own, exactly once (the hosts' text_ranks)")
-        rows = np.concatenate([bodies[h] for h in order]) if bodies else np.zeros((0, 5), np.int64)
+        owner = np.full(cfg.dp, -1, np.int64)  # a rank several hosts hold (pp across hosts): the first one's part
+        for h in reversed(order):
+            owner[heads[h]["ranks"]] = h
+        if (owner < 0).any():
+            raise ConfigError(f"window plan parts miss dp ranks {np.flatnonzero(owner < 0)[:8].tolist()} of "
+                              f"{cfg.dp}: every rank must be some host's own (the hosts' text_ranks)")
+        rows = np.concatenate([bodies[h][owner[bodies[h][:, 0] // M % cfg.dp] == h] for h in order])
         rows = rows[np.argsort(rows[:, 0], kind="stable")]  # bin order; a bin's samples keep their order
         known = {(e.source, e.record): m for e, m in zip(local.entries, local.metas)}
         entries, metas = [], []
