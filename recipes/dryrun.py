@@ -159,7 +159,7 @@ def compiled_dryrun(name: str, target_name: str, overrides: list[str], dump: str
         model, loss_fn, placement, layout = _multimodal_parts(cfg, devices)
     B, L = cfg.data.batch_size, cfg.data.seq_len
     trainer = lib.abstract_trainer_class()(cfg, model, loss_fn, iter(()), placement=placement, aux_weights=aux)
-    batch = lib.llm_batch(placement if not hasattr(placement, "engine") else placement.engine, B, L)
+    batch = _llm_batch(placement if not hasattr(placement, "engine") else placement.engine, llm_cfg, B, L)
     if name not in LLM_RECIPES:
         if hasattr(placement, "engine"):
             batch.update(lib.plan_batch(placement, _plan_capacities(cfg, placement)))
@@ -180,6 +180,22 @@ def compiled_dryrun(name: str, target_name: str, overrides: list[str], dump: str
     _print_report(report, info)
     print(json.dumps(report))
     return 0
+
+
+def _llm_batch(placement, llm_cfg, batch_size: int, seq_len: int) -> dict:
+    """`lib.llm_batch`, plus each token's M-RoPE positions [B, L, 3] for an M-RoPE LLM (Qwen2-VL /
+    Qwen2.5-VL: `model.llm.rope.mrope_section`), as its packed batches carry them: without them the step
+    compiled would be the plain-RoPE one, not the one that trains."""
+    import jax
+    import numpy as np
+
+    from omnijax.train import dryrun as lib
+
+    batch = lib.llm_batch(placement, batch_size, seq_len)
+    if getattr(llm_cfg.rope, "mrope_section", None):
+        sharding = placement.batch_sharding({"rope_positions": np.zeros((1, 1, 3), np.int32)})["rope_positions"]
+        batch["rope_positions"] = jax.ShapeDtypeStruct((batch_size, seq_len, 3), np.int32, sharding=sharding)
+    return batch
 
 
 def _loop_flops(hlo: str, model_flops: float) -> dict:

@@ -136,3 +136,26 @@ def test_estimate_counts_the_expert_dispatch_buffers():
     assert moe_dispatch_bytes(moe, lay, 8, T, "full", 2) == one
     assert moe_dispatch_bytes(moe, lay, 8, T, "none", 2) == 2 * one  # layers 0 and 2
     assert moe_dispatch_bytes(LLMConfig(embed_dim=256, num_layers=4), lay, 8, T, "none", 2) == 0
+
+
+def test_m_rope_step_is_compiled_with_each_tokens_positions():
+    """An M-RoPE LLM (Qwen2.5-VL) trains on batches that carry `rope_positions` [B, L, 3]; the dryrun's abstract
+    batch carries them too, laid out like the tokens, so the step compiled is the M-RoPE one (a plain LLM's
+    batch has none)."""
+    from recipes.dryrun import _llm_batch, _load_multimodal, _multimodal_parts
+
+    tiny = ["model.llm.num_layers=2", "model.llm.embed_dim=64", "model.llm.num_heads=2", "model.llm.num_kv_heads=1",
+            "model.llm.head_dim=32", "model.llm.mlp_dim=128", "model.llm.vocab_size=512", "model.llm.max_seq_len=256",
+            "model.llm.rope.mrope_section=[4,6,6]", "model.encoders.vision.embed_dim=32",
+            "model.encoders.vision.num_layers=2", "model.encoders.vision.num_heads=2",
+            "model.encoders.vision.mlp_dim=64", "model.encoders.vision.out_dim=64",
+            "model.encoders.vision.fullatt_block_indexes=[1]", "capacity.vision=256", "data.seq_len=256",
+            "data.batch_size=4", "parallel.llm=fsdp2", "parallel.encoder=edp2"]
+    cfg = _load_multimodal("finetune_qwen2_5_vl_7b", tiny)
+    _, _, placement, _ = _multimodal_parts(cfg, targets.devices(targets.parse_target("h100x2")))
+    batch = _llm_batch(placement.engine, cfg.model.llm, 4, 256)
+    rope, tokens = batch["rope_positions"], batch["tokens"]
+    assert rope.shape == (4, 256, 3) and rope.dtype == jnp.int32
+    assert rope.sharding.spec[:2] == tokens.sharding.spec[:2] and rope.sharding.mesh == tokens.sharding.mesh
+    cfg.model.llm.rope.mrope_section = []
+    assert "rope_positions" not in _llm_batch(placement.engine, cfg.model.llm, 4, 256)
