@@ -167,7 +167,9 @@ def open_plane(key: str, paths: list[str], split: str, *, data: MMDataConfig, mm
     or when some encoder's is still unknown. steps > 0: the loader serves only `steps` steps and draws
     no more than the sources hold, so no record repeats (the held-out set). With a joint-step
     `placement`, every host lays the whole step out from metadata but reads only the token rows its
-    devices hold and decodes only the media segments the plan places on its devices."""
+    devices hold and decodes only the media segments the plan places on its devices; with several
+    processes each plans only its own planning groups and the window is merged from every process's part
+    (`kv_exchange`)."""
     specs = source_specs(key, paths, split)
     sources = open_sources(specs, world_cfg, tokenizer=tok, media_cfg=data.media, bad_shards=data.bad_shards)
     if key == "data.sources" or not capacities_known(capacity, mm_cfg):
@@ -181,8 +183,40 @@ def open_plane(key: str, paths: list[str], split: str, *, data: MMDataConfig, mm
         return Loader(plane, mm_cfg=mm_cfg, world_cfg=world_cfg, sources=sources, tokenizer=tok), capacity
     rows = plane.max_rows  # bin r holds global rows [r*rows, (r+1)*rows)
     text_ranks = sorted({int(r) // rows for r in placement.host_rows(data.batch_size)})
+    # several processes: each plans only the planning groups of its own rows, and the window's plan is merged
+    # from every process's part (the same on all; the state holds every group, so process 0's resumes all)
+    several = jax.process_count() > 1
     return Loader(plane, mm_cfg=mm_cfg, world_cfg=world_cfg, sources=sources, tokenizer=tok, lazy_media=True,
-                  text_ranks=text_ranks), capacity
+                  text_ranks=text_ranks, plan_local=several,
+                  exchange=kv_exchange(f"omnijax_plan/{key}") if several else None), capacity
+
+
+def kv_exchange(prefix: str, timeout_s: float = 900.0, keep: int = 16) -> Callable[[int, bytes], list[bytes]]:
+    """`exchange(window, part) -> every process's part` over the coordination service's key-value store
+    (`Loader(exchange=...)`): each process writes its part of a window under `prefix/window/process` and
+    reads the others'. Host memory only, no device collective, so the loader's prefetch threads may call it
+    while a step runs. A process deletes its own part `keep` windows later (hosts run in step with each
+    other, at most a few windows apart). Every process reads every part, so the traffic through the
+    coordinator grows with processes squared: fine for tens of hosts, not for thousands."""
+    from omnijax.jax_private import distributed
+
+    client = distributed.global_state.client
+    me, n = jax.process_index(), jax.process_count()
+    if client is None or n == 1:
+        raise ConfigError("data_plane.kv_exchange needs a multi-process job (jax.distributed initialized)")
+
+    def exchange(window: int, part: bytes) -> list[bytes]:
+        client.key_value_set_bytes(f"{prefix}/{window}/{me}", part, allow_overwrite=True)
+        out = [part if j == me else bytes(client.blocking_key_value_get_bytes(f"{prefix}/{window}/{j}",
+                                                                              int(timeout_s * 1000)))
+               for j in range(n)]
+        if window >= keep:
+            try:
+                client.key_value_delete(f"{prefix}/{window - keep}/{me}")
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        return out
+    return exchange
 
 
 def cached_batches(loader: Loader, batches: int) -> Callable[[], list[dict]]:

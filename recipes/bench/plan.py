@@ -16,6 +16,14 @@ allocations while planning a window) and the samples and items it planned; `whol
 to N devices, the whole step's plan (every group, as a host without `plan_local` does) and the whole
 step as one group (the loader's plan before planning groups, what every host did), side by side. Then
 the growth from the smallest to the largest size. Nothing is decoded; no device is used.
+
+Rows `trainer_plan_host` (`trainer=1`, the default): the trainer's multi-host data path on host 0 as
+`data_plane.open_plane` builds it with several processes: its own groups planned, every host's part merged
+(`Loader.merge`; the other hosts' parts are host 0's moved to their ranks and groups, `_tiled_parts`, so no
+host but one is planned here), each step's host batch laid out (the whole step's geometry from metadata, its
+own token rows read), CPU s per step of each part. With `route_up_to=N`, up to N devices, also the step's
+routing plan on that geometry (`routing.build_plan`, what `Multiplexer.plan` runs; a fsdp x ep4 grid with
+esp4 groups): the capacity search a window's sizing runs, and one step inside the found capacities.
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ def _options(overrides: list[str]) -> dict:
     at_scale = scale_options([])  # the devices and mixes of `bench scale`, planned here by the loader itself
     opts = {"devices": at_scale["devices"], "mixes": at_scale["mixes"], "rows_per_device": 2, "row_len": 4096,
             "window": 4, "windows": 1, "samples_per_row": 4, "seed": 0, "devices_per_host": 8, "plan_rows": 0,
-            "whole_up_to": 0}
+            "whole_up_to": 0, "trainer": 1, "route_up_to": 0}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.")
@@ -97,6 +105,11 @@ class MetaSource:
             text = SegmentMeta("text", (t,), loss=True)
             out.append(SampleMeta((text,) if seg is None else (seg, text), self.name, chunk * n + i))
         return out
+
+    def text(self, index: int) -> dict[int, np.ndarray]:
+        """Token ids of the record's text segments (zeros): what a host reads for its own rows."""
+        return {k: np.zeros(seg.length, np.int32) for k, seg in enumerate(self._metas[index].segments)
+                if seg.modality == "text"}
 
     def get(self, index: int):  # pragma: no cover - planning never reads payloads
         raise NotImplementedError("bench plan's source holds metadata only")
@@ -170,6 +183,90 @@ def plan_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[Meta
                          else "the whole step (every group)")}
 
 
+def _tiled_parts(loader, host: int, hosts: int, per: int):
+    """exchange(window, part) for `loader` (host `host`): every host's part, each host's made from this
+    host's own by moving its ranks and planning groups to that host's (the same samples at every host's
+    rows: the sizes of a real step, parts of the real size, without planning every group here)."""
+    import json
+
+    G, M, dp = loader.groups, loader.cfg.microbatches, loader.cfg.dp
+
+    def exchange(window: int, part: bytes) -> list[bytes]:
+        n = int.from_bytes(part[:8], "little")
+        head, body = json.loads(part[8:8 + n]), np.frombuffer(part[8 + n:], np.int64).reshape(-1, 5)
+        out = []
+        for h in range(hosts):
+            shift = (h - host) * per
+            ranks = [r + shift for r in head["ranks"]]
+            groups = G.of_ranks(ranks)
+            moved = {**head, "ranks": ranks, "groups": [[j, *g[1:]] for j, g in zip(groups, head["groups"])]}
+            b = body.copy()
+            b[:, 0] += shift * M
+            h_head = json.dumps(moved, separators=(",", ":")).encode()
+            out.append(len(h_head).to_bytes(8, "little") + h_head + b.tobytes())
+        exchange.parts_s = time.process_time()  # noqa: B023 - when the parts were in: the merge starts
+        return out
+
+    return exchange
+
+
+def trainer_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[MetaSource], host: int,
+                route: bool = False) -> dict:
+    """The trainer's multi-host data path for one host (`data_plane.open_plane` with several processes): its
+    own groups planned (`plan_local`), every host's part merged (`Loader.merge`), then each step's host batch
+    (the whole step's geometry from metadata, its own token rows): CPU s per step of each part. `route`: also
+    the step's routing plan from that geometry (`routing.build_plan`, what `Multiplexer.plan` runs) on a
+    fsdp x ep4 grid with esp4 groups: once choosing capacities (a window's sizing runs this search) and once
+    inside them (a step of a sized window), no payload decoded."""
+    from dataclasses import replace
+
+    from omnijax.data.loader import Loader
+
+    per = opts["devices_per_host"]
+    base = _loader(devices, sources, opts, mm_cfg, None)
+    own = list(range(host * per, (host + 1) * per))
+    exchange = _tiled_parts(base, host, devices // per, per)
+    loader = Loader(base.cfg, mm_cfg=mm_cfg, sources=sources, lazy_media=True, text_ranks=own, plan_local=True,
+                    exchange=lambda w, part: exchange(w, part))
+    merge = loader.merge
+    loader.merge = lambda wp, parts: merge(replace(wp, entries=(), metas=()), parts)  # every sample's metadata read
+    W = opts["window"]
+    c0 = time.process_time()
+    loader.window_plan(0)
+    c1 = time.process_time()
+    local_s, merge_s = exchange.parts_s - c0, c1 - exchange.parts_s
+    batches = [loader.host_batch(g)["microbatches"][0] for g in range(W)]
+    geometry_s = time.process_time() - c1
+    wp = loader.window_plan(0)
+    row = {"variant": "trainer_plan_host", "devices": devices, "mix": mix_name, "host": host,
+           "hosts": devices // per, "global_rows": devices * opts["rows_per_device"],
+           "samples_per_step": round(sum(len(b) for b in wp.plan.bins) / W, 1),
+           "own_groups_cpu_s_per_step": round(local_s / W, 3), "merge_cpu_s_per_step": round(merge_s / W, 3),
+           "geometry_cpu_s_per_step": round(geometry_s / W, 3),
+           "cpu_s_per_step": round((local_s + merge_s + geometry_s) / W, 3),
+           "parts_mb_per_window": round(sum(len(p) for p in exchange(0, loader.own_part(wp))) / 2**20, 2)}
+    if route:
+        from omnijax.data import packing
+        from omnijax.data.cost import CostModel
+        from omnijax.parallel import context, routing
+
+        specs = packing.encoder_specs(mm_cfg)
+        red, dims = {n: s.group for n, s in specs.items()}, {n: s.dim for n, s in specs.items()}
+        flops = CostModel.from_flops(mm_cfg)
+        cost = lambda n, rows: float(flops.encoders[n](rows // red[n] if n == "audio" else rows))  # noqa: E731
+        grid = routing.DeviceGrid((1, 1, devices // 4, 4, 1, 1), 4)
+        kw = dict(order=context.balanced_order, fill_devices=(), host_of=np.arange(devices) // per)
+        c0 = time.process_time()
+        plan = routing.build_plan(batches[0], grid, red, dims, cost, **kw)
+        c1 = time.process_time()
+        routing.build_plan(batches[0], grid, red, dims, cost, capacities=dict(plan.capacities), **kw)
+        c2 = time.process_time()
+        row.update({"route_plan_search_cpu_s": round(c1 - c0, 3), "route_plan_cpu_s": round(c2 - c1, 3),
+                    "route_segments": sum(len(batches[0][f"{n}_segment_ids"].starts) for n in red
+                                          if f"{n}_segment_ids" in batches[0])})
+    return row
+
+
 def run(overrides: list[str]) -> Iterator[dict]:
     opts = _options(overrides)
     mm_cfg = _mm_config()
@@ -182,6 +279,8 @@ def run(overrides: list[str]) -> Iterator[dict]:
                 row = plan_row(devices, mix, opts, mm_cfg, sources, host)
                 rows.append(row)
                 yield row
+            if opts["trainer"]:
+                yield trainer_row(devices, mix, opts, mm_cfg, sources, 0, route=devices <= opts["route_up_to"])
             if devices <= opts["whole_up_to"]:
                 yield plan_row(devices, mix, opts, mm_cfg, sources, None)
                 yield plan_row(devices, mix, opts, mm_cfg, sources, None, one_group=True)
