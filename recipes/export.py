@@ -4,11 +4,12 @@
 DIR/encoders/NAME an HF folder per pretrained encoder (SigLIP / Whisper names), DIR/projector.safetensors,
 DIR/omnijax.json (the model config; `recipes generate DIR` reads it). A run started from a whole model's folder
 (`init.model`, Qwen2.5-VL / Qwen2-VL) is written back as that kind of folder instead, under its names, shapes
-and dtypes, with its config, processor, chat template and tokenizer (what transformers, vLLM and SGLang load). A LoRA run (trainer.lora) also writes
-DIR/llm_adapter in PEFT's format over the base in DIR/llm (a Qwen run: over DIR itself, under the names PEFT gives
-the LLM inside Qwen2_5_VLForConditionalGeneration), or with merge=true its adapters merged into DIR/llm (DIR);
-encoder adapters are always merged into their encoder's weights (omnijax/interop/peft.py). Written tensor by tensor from the
-parameters restored sharded over this machine's devices, into a temporary folder renamed when complete.
+and dtypes, with its config, processor, chat template and tokenizer (what transformers, vLLM and SGLang load).
+A LoRA run (trainer.lora) also writes DIR/llm_adapter in PEFT's format over the base in DIR/llm (a Qwen run: over
+DIR itself, under the names PEFT gives the LLM inside Qwen2_5_VLForConditionalGeneration), or with merge=true its
+adapters merged into DIR/llm (DIR); encoder adapters are always merged into their encoder's weights
+(omnijax/interop/peft.py). Written tensor by tensor from the parameters restored sharded over this machine's
+devices, into a temporary folder renamed when complete.
 """
 from __future__ import annotations
 

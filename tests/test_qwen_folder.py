@@ -232,8 +232,8 @@ def test_logits_and_loss_on_the_processors_tokens_equal_transformers(qwen, hf, c
     for row, (flat, segs, _) in enumerate(cases):
         ids = torch.tensor(flat.tokens[None], dtype=torch.long)
         labels = torch.where(torch.tensor(np.r_[False, flat.loss[1:]][None]), ids, -100)
-        types = torch.tensor(np.isin(flat.tokens, [cfg_id for cfg_id in _pads(qwen)]).astype(np.int64)[None])
-        types = types * (2 if any(s.modality == "video" for s in segs) else 1)
+        video = any(s.modality == "video" for s in segs)
+        types = torch.tensor(np.isin(flat.tokens, _pads(qwen)).astype(np.int64)[None]) * (2 if video else 1)
         with torch.no_grad():
             out = model(input_ids=ids, mm_token_type_ids=types, labels=labels, **_hf_pixels(segs, cfg))
         n = len(flat.tokens)
@@ -293,7 +293,8 @@ def test_lora_export_writes_a_peft_adapter_transformers_loads(qwen, hf, cases, t
     loaded = [n for n, _ in model.named_parameters() if "lora_A" in n]
     assert loaded and all("language_model.layers." in n for n in loaded)  # none in the vision tower
     for row, (flat, segs, _) in enumerate(cases):
-        types = np.isin(flat.tokens, _pads(qwen)).astype(np.int64) * (2 if any(s.modality == "video" for s in segs) else 1)
+        video = any(s.modality == "video" for s in segs)
+        types = np.isin(flat.tokens, _pads(qwen)).astype(np.int64) * (2 if video else 1)
         with torch.no_grad():
             ref = model(input_ids=torch.tensor(flat.tokens[None], dtype=torch.long),
                         mm_token_type_ids=torch.tensor(types[None]), **_hf_pixels(segs, cfg)).logits[0].numpy()
@@ -307,3 +308,39 @@ def test_lora_export_writes_a_peft_adapter_transformers_loads(qwen, hf, cases, t
     for path, var in nnx.to_flat_state(params):
         if adapters.is_adapter(path):
             assert np.allclose(np.asarray(back[path][...]), np.asarray(var[...]), atol=1e-6), path
+
+
+def test_a_pipelined_layout_starts_from_the_folder_as_the_unpipelined_one(qwen):
+    """`init.model` under pp2 (the finetune recipe's placement): the LLM's layers are read into the stages'
+    stacks, sharded over pp, and unstacked they equal the unpipelined start, as do the tower and the merger."""
+    import jax
+    from flax import nnx
+
+    from omnijax.interop import qwen_vl
+    from omnijax.models.mllm import MultimodalModel
+    from omnijax.parallel.engine import unstack_params
+    from omnijax.train import multimodal, warmstart
+    from recipes.finetune import FinetuneConfig
+
+    folder = str(qwen["folder"])
+    cfg = FinetuneConfig()
+    cfg.init.model = folder
+    cfg = warmstart.resolve_init(cfg, [f"init.model={folder}"])
+    cfg.parallel.llm, cfg.parallel.encoder = "pp2xfsdp2xdp2", "edp8"
+    placement = multimodal.placement(cfg)
+    warmstart.check_placement(cfg, placement)  # no longer refused
+    abstract = nnx.state(nnx.eval_shape(lambda: placement.prepare(MultimodalModel(cfg.model, rngs=nnx.Rngs(0)))),
+                         nnx.Param)
+    shardings = placement.state_shardings(abstract)  # what the trainer's parameters are put in
+    target = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.get_value())),
+                          abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    got = warmstart.initial_params(cfg, target, "test")
+    stack = dict(nnx.to_flat_state(got))[("llm", "stages", "attn", "q")][...]
+    assert stack.shape[:3] == (2, 1, 1) and "pp" in str(stack.sharding.spec)
+    plain = nnx.eval_shape(lambda: MultimodalModel(cfg.model, rngs=nnx.Rngs(0)))
+    ref = nnx.to_pure_dict(qwen_vl.load_params(folder, nnx.state(plain, nnx.Param)))
+    ours = nnx.to_pure_dict(got)
+    ours["llm"] = unstack_params(got["llm"], placement.engine.schedule)
+    flat_ref, flat_ours = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (ref, ours))
+    assert flat_ref.keys() == flat_ours.keys()
+    assert all(np.array_equal(np.asarray(flat_ours[k]), np.asarray(flat_ref[k])) for k in flat_ref)

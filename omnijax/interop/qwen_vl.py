@@ -180,7 +180,18 @@ def load_params(path: str | Path, target: Any, encoder: str = "vision") -> nnx.S
              and not (n == "lm_head.weight" and cfg.llm.tie_embeddings)]
     if extra:
         raise UserError(f"{path}: unexpected tensor(s) for this config, e.g. {extra[0]!r}")
-    return sharded.load_params(index, table, target, str(path))
+    flat = [(tuple(p), v) for p, v in nnx.to_flat_state(target if isinstance(target, nnx.State) else nnx.State(target))]
+    if not any(p[:2] == ("llm", "stages") for p, _ in flat):
+        return sharded.load_params(index, table, target, str(path))
+    # a pipelined LLM (`llm/stages/...`, [stage, repeat, layer, ...]): the shared reader stacks a bare LLM's
+    # layers into its stages, so the LLM is read as one, under its own paths, and the rest beside it
+    import dataclasses
+
+    llm = sharded.load_params(index, [dataclasses.replace(t, path=t.path[1:]) for t in table if t.path[0] == "llm"],
+                              nnx.from_flat_state([(p[1:], v) for p, v in flat if p[0] == "llm"]), str(path))
+    rest = sharded.load_params(index, [t for t in table if t.path[0] != "llm"],
+                               nnx.from_flat_state([(p, v) for p, v in flat if p[0] != "llm"]), str(path))
+    return nnx.from_flat_state([(("llm", *p), v) for p, v in nnx.to_flat_state(llm)] + list(nnx.to_flat_state(rest)))
 
 
 def load_model(path: str | Path, target: Any = None, encoder: str = "vision") -> nnx.Module:

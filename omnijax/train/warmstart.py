@@ -175,9 +175,9 @@ def check_tokenizer(cfg: Any, tok: Any) -> None:
 
 
 def check_placement(cfg: Any, placement: Any) -> None:
-    """Starting from pretrained or previous parameters is not supported under a pipelined LLM layout yet."""
-    if placement is not None and placement.engine.schedule is not None and (
-            cfg.init.llm or cfg.init.checkpoint or getattr(cfg.init, "model", "")):
+    """Starting from pretrained parts or a previous run is not supported under a pipelined LLM layout yet; a
+    whole Qwen-VL folder (`init.model`) is: its LLM's layers are read into the stages' stacks."""
+    if placement is not None and placement.engine.schedule is not None and (cfg.init.llm or cfg.init.checkpoint):
         raise ConfigError(f"parallel.llm={cfg.parallel.llm}: starting from pretrained or previous parameters is not "
                           "supported under pipeline parallelism yet; use dp/fsdp/tp/cp layouts")
 
