@@ -381,8 +381,9 @@ class Loader:
     # ------------------------------------------------------------------------------ hosts' parts
     def own_part(self, wp: WindowPlan) -> bytes:
         """This host's part of window plan `wp` (planned over its own groups) for the other hosts: its own
-        ranks' samples and rows, its groups' next starts, drops and splits, and its step layouts, as a
-        JSON header and one int64 array of (bin, source, record, piece, row) (5 integers a sample)."""
+        ranks' samples and rows, the next starts, drops and splits of the groups whose first rank is its own
+        (a group several hosts plan is sent once), and its step layouts, as a JSON header and one int64
+        array of (bin, source, record, piece, row) (5 integers a sample)."""
         cfg, M = self.cfg, self.cfg.microbatches
         own = set(self.own_ranks)
         rows = [(b, e.source, e.record, e.piece, row) for b, bin_ in enumerate(wp.plan.bins) if (b // M) % cfg.dp in own
@@ -392,7 +393,7 @@ class Loader:
         drops = {j: ([[src[name], int(rec), why] for name, rec, why in d], n) for j, d, n in wp.group_drops}
         header = {"ranks": sorted(own),
                   "groups": [[j, list(nxt[j].prefix), [[e.source, e.record, e.piece] for e in nxt[j].deferred],
-                              *drops[j]] for j in self.plan_groups],
+                              *drops[j]] for j in self.plan_groups if self.groups.ranks(j)[0] in own],
                   "layouts": [[lay.rows, lay.row_len, [c for _, c in lay.enc]] for lay in wp.layouts]}
         head = json.dumps(header, separators=(",", ":")).encode()
         body = np.asarray(rows, np.int64).reshape(-1, 5).tobytes()

@@ -198,8 +198,9 @@ def _tiled_parts(loader, host: int, hosts: int, per: int):
         for h in range(hosts):
             shift = (h - host) * per
             ranks = [r + shift for r in head["ranks"]]
-            groups = G.of_ranks(ranks)
-            moved = {**head, "ranks": ranks, "groups": [[j, *g[1:]] for j, g in zip(groups, head["groups"])]}
+            groups = G.of_ranks(ranks)  # a group's next start comes from the host of its first rank only
+            moved = {**head, "ranks": ranks, "groups": [[j, *g[1:]] for j, g in zip(groups, head["groups"])
+                                                        if G.ranks(j)[0] in ranks]}
             b = body.copy()
             b[:, 0] += shift * M
             h_head = json.dumps(moved, separators=(",", ":")).encode()
