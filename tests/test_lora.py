@@ -95,6 +95,9 @@ def single_device():
     return _adapted_grads(None)
 
 
+# The module's fixtures are built once per worker that runs one of their tests, so each fixture's tests are one
+# xdist group; two groups (not the module's one), so that the layouts and the LoRA run go to both workers.
+@pytest.mark.xdist_group("lora_layouts")
 @pytest.mark.parametrize("layout", ["dp8", "fsdp8", "tp2", "pp2"])
 def test_layouts_match_single_device(single_device, layout):
     ref_loss, ref_grads, _ = single_device
@@ -200,6 +203,7 @@ def lora_run(tmp_path_factory):
     return trainer, before, jax.device_get(result.state.params), run_dir
 
 
+@pytest.mark.xdist_group("lora_run")
 def test_lora_run_freezes_base_and_keeps_state_for_adapters_only(lora_run):
     trainer, before, after, run_dir = lora_run
     assert trainer.partition.trainable == ["lora", "projector"]
@@ -230,6 +234,7 @@ def test_lora_run_freezes_base_and_keeps_state_for_adapters_only(lora_run):
                                                                for n in llm) == 1
 
 
+@pytest.mark.xdist_group("lora_run")
 def test_resume_and_init_checkpoint_carry_adapters(lora_run):
     """Resuming the run restores its adapters and moments; a later stage started from its checkpoint
     (warmstart.params_from_run, init.checkpoint) gets its trained adapters."""
@@ -250,6 +255,9 @@ def test_resume_and_init_checkpoint_carry_adapters(lora_run):
         np.testing.assert_array_equal(a[...], b[...], err_msg=str(path))
 
 
+# The PEFT tests build the same small HF models: on one worker the second and third reuse the first's op-by-op
+# compiles (qwen2 alone: 5.6 CPU-s with torch imported; after llama: 0.9)
+@pytest.mark.xdist_group("lora_peft")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_peft_loads_our_adapter_and_merge_equals_peft(tmp_path, family):
     """The exported adapter under PEFT over the original folder gives omnijax's logits (1e-4), and the merged
@@ -317,6 +325,7 @@ def test_qlora_train_step_keeps_codes_and_trains_adapters():
             assert not np.array_equal(a[...], b[...])
 
 
+@pytest.mark.xdist_group("lora_peft")
 def test_peft_adapter_imports(tmp_path):
     """init.adapter: an adapter PEFT saved (get_peft_model + save_pretrained) read into omnijax's adapters gives
     PEFT's logits (1e-4); its config sets rank, alpha and targets."""
