@@ -72,6 +72,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"merge=true: {run_dir} has no adapters (trainer.lora); drop merge")
     abstract = nnx.state(nnx.eval_shape(lambda: adapters.attach(MultimodalModel(model_cfg, rngs=nnx.Rngs(0)), lora)),
                          nnx.Param)
+    schedule = _pipeline_schedule(saved, model_cfg)
+    saved_as = abstract if schedule is None else _stacked(abstract, model_cfg, lora, schedule)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     n = mesh.size
 
@@ -80,7 +82,14 @@ def main(argv: list[str]) -> int:
         spec = P(*([None] * axis + ["x"])) if axis is not None and n > 1 else P()
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-    params, step = warmstart.params_from_run(run_dir, jax.tree.map(sharded, abstract), key="RUN_DIR")
+    params, step = warmstart.params_from_run(run_dir, jax.tree.map(sharded, saved_as), key="RUN_DIR")
+    if schedule is not None:  # a pipelined run's LLM blocks, stacked [stage, repeat, layer, ...]: one per layer
+        from omnijax.parallel.engine import unstack_params
+
+        pure = nnx.to_pure_dict(params)
+        pure["llm"] = unstack_params(params["llm"], schedule)
+        nnx.replace_by_pure_dict(abstract, pure)  # in place: the unpipelined model's state, restored values
+        params = abstract
     src = warmstart.origins(run_dir)
     trained, params = params, (peft.export_params(params, cfg.merge) if lora else params)
     if src.get("model"):  # a whole released model in, the same kind of folder out
@@ -101,3 +110,40 @@ def main(argv: list[str]) -> int:
     print(f"exported {run_dir} step {step} -> {out} ({time.perf_counter() - t0:.0f} s); generate with "
           f"`python -m recipes generate {out} prompts=FILE output=OUT.jsonl`", file=sys.stderr)
     return 0
+
+
+def _pipeline_schedule(saved: dict, model_cfg) -> "object | None":
+    """The pipeline schedule a run trained under (its `parallel.*`), None without pp: its checkpoint holds the
+    LLM's blocks stacked as that schedule stacks them."""
+    from omnijax.parallel import pipeline
+    from omnijax.parallel.engine import LLMParallel
+    from omnijax.parallel.mesh import parse_layout
+
+    par = saved.get("parallel") or {}
+    text = str(par.get("llm") or "")
+    if "pp" not in text.lower():
+        return None
+    layout = parse_layout(text)
+    if layout.pp <= 1:
+        return None
+    import inspect
+
+    repeats = inspect.signature(LLMParallel).parameters["repeats"].default  # the trainer's (it passes none)
+    pp, kind = layout.pp, par.get("pipeline_schedule") or "gpipe"
+    return pipeline.make_schedule(kind, pp, int(par.get("microbatches") or 2 * pp), model_cfg.llm.num_layers,
+                                  repeats)
+
+
+def _stacked(abstract, model_cfg, lora, schedule):
+    """The Param state a pipelined run saved: the model's, its LLM prepared for `schedule`."""
+    from flax import nnx
+
+    from omnijax.models import adapters
+    from omnijax.models.mllm import MultimodalModel
+    from omnijax.parallel.engine import PipelinedLLM
+
+    def build():
+        model = adapters.attach(MultimodalModel(model_cfg, rngs=nnx.Rngs(0)), lora)
+        model.llm = PipelinedLLM(model.llm, schedule)
+        return model
+    return nnx.state(nnx.eval_shape(build), nnx.Param)

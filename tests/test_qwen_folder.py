@@ -310,9 +310,15 @@ def test_lora_export_writes_a_peft_adapter_transformers_loads(qwen, hf, cases, t
             assert np.allclose(np.asarray(back[path][...]), np.asarray(var[...]), atol=1e-6), path
 
 
-def test_a_pipelined_layout_starts_from_the_folder_as_the_unpipelined_one(qwen):
+def test_a_pipelined_layout_starts_from_the_folder_as_the_unpipelined_one(qwen, tmp_path):
     """`init.model` under pp2 (the finetune recipe's placement): the LLM's layers are read into the stages'
-    stacks, sharded over pp, and unstacked they equal the unpipelined start, as do the tower and the merger."""
+    stacks, sharded over pp, and unstacked they equal the unpipelined start, as do the tower and the merger;
+    `export` of such a run (its checkpoint stacked) writes the folder's tensors back bit for bit."""
+    import dataclasses
+
+    from safetensors.numpy import load_file
+
+    from omnijax.train.checkpoint import Checkpointer
     import jax
     from flax import nnx
 
@@ -332,9 +338,14 @@ def test_a_pipelined_layout_starts_from_the_folder_as_the_unpipelined_one(qwen):
     abstract = nnx.state(nnx.eval_shape(lambda: placement.prepare(MultimodalModel(cfg.model, rngs=nnx.Rngs(0)))),
                          nnx.Param)
     shardings = placement.state_shardings(abstract)  # what the trainer's parameters are put in
-    target = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.get_value())),
-                          abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def placed(v, s):  # the trainer's structure: a pipelined stack is a Param holding a Param
+        sds = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.get_value())
+        inner = v.get_value()
+        return v.replace(inner.replace(sds) if isinstance(inner, nnx.Variable) else sds)
+    target = jax.tree.map(placed, abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
     got = warmstart.initial_params(cfg, target, "test")
+    assert jax.tree.structure(got) == jax.tree.structure(target)  # what the optimizer state was built for
     stack = dict(nnx.to_flat_state(got))[("llm", "stages", "attn", "q")][...]
     assert stack.shape[:3] == (2, 1, 1) and "pp" in str(stack.sharding.spec)
     plain = nnx.eval_shape(lambda: MultimodalModel(cfg.model, rngs=nnx.Rngs(0)))
@@ -344,3 +355,50 @@ def test_a_pipelined_layout_starts_from_the_folder_as_the_unpipelined_one(qwen):
     flat_ref, flat_ours = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (ref, ours))
     assert flat_ref.keys() == flat_ours.keys()
     assert all(np.array_equal(np.asarray(flat_ours[k]), np.asarray(flat_ref[k])) for k in flat_ref)
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run / "checkpoints", async_save=False)
+    ckpt.save(1, {"params": got})
+    ckpt.wait(), ckpt.close()
+    (run / "config.json").write_text(json.dumps({
+        "model": dataclasses.asdict(cfg.model), "parallel": dataclasses.asdict(cfg.parallel),
+        "init": {"model": folder}, "tokenizer": {"path": folder}}))
+    assert main(["export", str(run), f"output={tmp_path / 'out'}"]) == 0
+    orig, back = load_file(f"{folder}/model.safetensors"), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(back) == sorted(orig) and all(np.array_equal(back[k], orig[k]) for k in orig)
+
+
+def test_video_rows_equal_the_video_processor(qwen, hf):
+    """Qwen2VLVideoProcessor (torchvision) on the same frames, not resampled: the grid always, the rows (<1e-5)
+    where no resize happens (normalisation, temporal patches, the last frame repeated to fill a patch); where
+    the frames are resized, omnijax's Pillow bicubic differs from torchvision's as transformers' own Pillow and
+    torchvision image processors differ from each other (measured in docs/qwen_vl.md)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from omnijax.data import features
+    from omnijax.interop import qwen_vl
+
+    processor, _ = hf
+    cfg, _ = qwen_vl.config_from_folder(qwen["folder"])
+    pil = Qwen2VLImageProcessorPil.from_pretrained(qwen["folder"])
+    rs = np.random.RandomState(0)
+
+    def ours_and_ref(frames):
+        out = processor.video_processor(videos=[frames], do_sample_frames=False, return_tensors="np")
+        ref = out["pixel_values_videos"]
+        n = ref.shape[0]
+        ref = ref.reshape(n, 3, 2, 14, 14).transpose(0, 2, 3, 4, 1).reshape(n, -1)
+        rows, _ = features.segment_inputs("video", frames.astype(np.float32) / 255.0, cfg)
+        return rows, ref, out["video_grid_thw"][0]
+
+    for shape in ((5, 56, 84, 3), (4, 112, 112, 3)):  # sides multiples of 28 within min/max pixels
+        rows, ref, grid = ours_and_ref((rs.rand(*shape) * 255).astype(np.uint8))
+        assert rows.shape == ref.shape and np.abs(rows - ref).max() < 1e-5, shape
+    frames = (rs.rand(4, 60, 80, 3) * 255).astype(np.uint8)  # resized to 56 x 84
+    rows, ref, grid = ours_and_ref(frames)
+    assert rows.shape == ref.shape and grid.tolist() == [2, 4, 6]
+    # each frame pair as transformers' Pillow image processor resizes a frame
+    for t in range(2):
+        img = pil(images=[frames[2 * t]], return_tensors="np")["pixel_values"]
+        img = img.reshape(-1, 3, 2, 14, 14)[:, :, 0].transpose(0, 2, 3, 1).reshape(len(img), -1)
+        mine = rows[t * 24:(t + 1) * 24].reshape(24, 2, 14 * 14 * 3)[:, 0]
+        assert np.abs(mine - img).max() < 1e-5

@@ -191,7 +191,21 @@ def load_params(path: str | Path, target: Any, encoder: str = "vision") -> nnx.S
                               nnx.from_flat_state([(p[1:], v) for p, v in flat if p[0] == "llm"]), str(path))
     rest = sharded.load_params(index, [t for t in table if t.path[0] != "llm"],
                                nnx.from_flat_state([(p, v) for p, v in flat if p[0] != "llm"]), str(path))
-    return nnx.from_flat_state([(("llm", *p), v) for p, v in nnx.to_flat_state(llm)] + list(nnx.to_flat_state(rest)))
+    target_of = dict(flat)
+    return nnx.from_flat_state([(("llm", *p), _like(target_of[("llm", *p)], v)) for p, v in nnx.to_flat_state(llm)]
+                               + list(nnx.to_flat_state(rest)))
+
+
+def _like(target: Any, loaded: Any) -> Any:
+    """`loaded`'s array in `target`'s Variable structure: a pipelined stack is a Param holding a Param, and the
+    trainer's optimizer state keeps that structure."""
+    arr = loaded
+    while isinstance(arr, nnx.Variable):
+        arr = arr.get_value()
+    inner = target.get_value() if isinstance(target, nnx.Variable) else None
+    if isinstance(inner, nnx.Variable):
+        return target.replace(inner.replace(arr))
+    return target.replace(arr) if isinstance(target, nnx.Variable) else arr
 
 
 def load_model(path: str | Path, target: Any = None, encoder: str = "vision") -> nnx.Module:
