@@ -24,7 +24,10 @@ planned as independent groups of global rows, each with its own draws (a lane of
 deferred samples and its share of the step capacity; the step's samples are the union of the groups',
 still the same on every layout. A host that plans only the groups its ranks hold (`plan_local`) does
 work that does not grow with the number of hosts. A step of at most `plan_rows` rows is one group: the
-plan described above, unchanged.
+plan described above, unchanged. With an `exchange` (the trainer's data plane on several processes) every
+host sends its part of the window (`own_part`: its ranks' samples and rows, its groups' next starts) and
+rebuilds the whole window from all parts (`merge`), identical on every host; the state then holds every
+group's start, so one host's state resumes all of them.
 
 Bad data: a sample whose metadata is invalid, or a sample with media that has more LLM tokens than a
 row holds (it may not be split; `recipes convert` refuses such samples), is skipped at planning
