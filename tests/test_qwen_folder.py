@@ -302,7 +302,9 @@ def test_lora_export_writes_a_peft_adapter_transformers_loads(qwen, hf, cases, t
                 plain = model(input_ids=torch.tensor(flat.tokens[None], dtype=torch.long),
                               mm_token_type_ids=torch.tensor(types[None]), **_hf_pixels(segs, cfg)).logits[0].numpy()
         n = len(flat.tokens)
-        assert _rel(np.asarray(logits[row, :n]), ref) < 1e-4, row
+        err = _rel(np.asarray(logits[row, :n]), ref)
+        print(f"PeftModel vs omnijax logits, row {row}: {err:.1e}")
+        assert err < 1e-4, row
     assert _rel(plain, ref) > 1e-3  # the adapter carries the LLM's change
     back = dict(nnx.to_flat_state(omni_peft.load_adapter(adapter, jax.tree.map(jnp.zeros_like, params))))
     for path, var in nnx.to_flat_state(params):
