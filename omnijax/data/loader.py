@@ -406,7 +406,8 @@ class Loader:
         """The whole window's plan from every host's `own_part` (any order; this host's among them): every
         rank's samples and rows, the step layouts (per step the largest of the hosts': a bucket of the
         largest need), every group's next start. A pure function of the parts, so identical on every host;
-        equal to a loader planning every group (`items`, `selection` and `encoder_rows` stay this host's)."""
+        equal to a loader planning every group (`items` and `selection`, keyed by the local plan's entries,
+        are left out; `encoder_rows` stays this host's groups')."""
         cfg, M = self.cfg, self.cfg.microbatches
         heads, bodies = [], []
         for part in parts:
@@ -447,8 +448,8 @@ class Loader:
             layouts.append(packing.Layout(max(x[0] for x in ls), max(x[1] for x in ls), tuple(zip(self.enc_names, caps))))
         deferred = tuple(e for st in nxt for e in st.deferred)
         plan = balance.Plan(tuple(tuple(b) for b in bins), tuple(0.0 for _ in bins), ())
-        return WindowPlan(local.first_step, tuple(entries), plan, tuple(layouts), dropped, split, local.items,
-                          local.starts[0], deferred, nxt[0].prefix, tuple(metas), local.selection, local.encoder_rows,
+        return WindowPlan(local.first_step, tuple(entries), plan, tuple(layouts), dropped, split, (),
+                          local.starts[0], deferred, nxt[0].prefix, tuple(metas), None, local.encoder_rows,
                           next_start=nxt, starts=local.starts, groups=tuple(range(self.groups.count)),
                           group_drops=tuple((j, tuple((self.names[d[0]], int(d[1]), str(d[2])) for d in groups[j][3]),
                                              int(groups[j][4])) for j in sorted(groups)))
