@@ -404,3 +404,20 @@ def test_video_rows_equal_the_video_processor(qwen, hf):
         img = img.reshape(-1, 3, 2, 14, 14)[:, :, 0].transpose(0, 2, 3, 1).reshape(len(img), -1)
         mine = rows[t * 24:(t + 1) * 24].reshape(24, 2, 14 * 14 * 3)[:, 0]
         assert np.abs(mine - img).max() < 1e-5
+
+
+def test_a_qwen_folder_whose_media_ids_are_not_its_tokens_is_one_line(qwen, tmp_path):
+    import shutil
+
+    from omnijax.data.tokenizer import load_tokenizer
+    from omnijax.errors import UserError
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qwen["folder"] / name, tmp_path / name)
+    cfg = json.loads((qwen["folder"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vision_end_token_id": 10 ** 6}))
+    with pytest.raises(UserError, match="vision_end_token_id .1000000. is not a token"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))  # a text LLM: no markers
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.media_markers == {} and tok.placeholder["image"] != cfg["image_token_id"]
