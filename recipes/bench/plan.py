@@ -21,7 +21,8 @@ Rows `trainer_plan_host` (`trainer=1`, the default): the trainer's multi-host da
 `data_plane.open_plane` builds it with several processes: its own groups planned, every host's part merged
 (`Loader.merge`; the other hosts' parts are host 0's moved to their ranks and groups, `_tiled_parts`, so no
 host but one is planned here), each step's host batch laid out (the whole step's geometry from metadata, its
-own token rows read), CPU s per step of each part. With `route_up_to=N`, up to N devices, also the step's
+own token rows read), CPU s per step of each part, and (`memory=1`) the peak of Python's allocations
+while a window is planned and laid out again. With `route_up_to=N`, up to N devices, also the step's
 routing plan on that geometry (`routing.build_plan`, what `Multiplexer.plan` runs; a fsdp x ep4 grid with
 esp4 groups): the capacity search a window's sizing runs, and one step inside the found capacities.
 """
@@ -42,7 +43,7 @@ def _options(overrides: list[str]) -> dict:
     at_scale = scale_options([])  # the devices and mixes of `bench scale`, planned here by the loader itself
     opts = {"devices": at_scale["devices"], "mixes": at_scale["mixes"], "rows_per_device": 2, "row_len": 4096,
             "window": 4, "windows": 1, "samples_per_row": 4, "seed": 0, "devices_per_host": 8, "plan_rows": 0,
-            "whole_up_to": 0, "trainer": 1, "route_up_to": 0}
+            "whole_up_to": 0, "trainer": 1, "route_up_to": 0, "memory": 1}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.")
@@ -239,13 +240,24 @@ def trainer_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[M
     batches = [loader.host_batch(g)["microbatches"][0] for g in range(W)]
     geometry_s = time.process_time() - c1
     wp = loader.window_plan(0)
+    peak = None
+    if opts["memory"]:  # the peak of Python's allocations over a window planned and laid out again, afresh
+        import tracemalloc
+
+        again = Loader(base.cfg, mm_cfg=mm_cfg, sources=sources, lazy_media=True, text_ranks=own, plan_local=True,
+                       exchange=lambda w, part: exchange(w, part))
+        tracemalloc.start()
+        [again.host_batch(g) for g in range(W)]
+        peak = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
+        tracemalloc.stop()
     row = {"variant": "trainer_plan_host", "devices": devices, "mix": mix_name, "host": host,
            "hosts": devices // per, "global_rows": devices * opts["rows_per_device"],
            "samples_per_step": round(sum(len(b) for b in wp.plan.bins) / W, 1),
            "own_groups_cpu_s_per_step": round(local_s / W, 3), "merge_cpu_s_per_step": round(merge_s / W, 3),
            "geometry_cpu_s_per_step": round(geometry_s / W, 3),
            "cpu_s_per_step": round((local_s + merge_s + geometry_s) / W, 3),
-           "parts_mb_per_window": round(sum(len(p) for p in exchange(0, loader.own_part(wp))) / 2**20, 2)}
+           "parts_mb_per_window": round(sum(len(p) for p in exchange(0, loader.own_part(wp))) / 2**20, 2),
+           "peak_mb": peak}
     if route:
         from omnijax.data import packing
         from omnijax.data.cost import CostModel
