@@ -33,8 +33,11 @@ MODULES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "xla_bridge": ("jax._src.xla_bridge", ("get_backend",), "XLA's cost analysis on the host backend (train/dryrun.py)"),
     "jaxlib_jax": ("jax._src.lib:_jax",
                    ("hlo_module_cost_analysis", "DistributedRuntimeClient.wait_at_barrier",
-                    "DistributedRuntimeClient.key_value_set", "DistributedRuntimeClient.key_value_try_get"),
-                   "XLA's cost analysis (train/dryrun.py) and the coordination client's calls (train/distributed.py)"),
+                    "DistributedRuntimeClient.key_value_set", "DistributedRuntimeClient.key_value_try_get",
+                    "DistributedRuntimeClient.key_value_set_bytes", "DistributedRuntimeClient.blocking_key_value_get_bytes",
+                    "DistributedRuntimeClient.key_value_delete"),
+                   "XLA's cost analysis (train/dryrun.py) and the coordination client's calls (train/distributed.py; "
+                   "the planning parts hosts exchange, train/data_plane.py)"),
 }
 
 
