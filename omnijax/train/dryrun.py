@@ -120,6 +120,46 @@ def moe_dispatch_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_l
     return live * (routing + slots)
 
 
+def layer_weight_bytes(llm: Any, layout: mesh_lib.Layout, layer: int, dtype_bytes: int) -> float:
+    """One LLM layer's weights as its forward uses them, per device: in the compute dtype, gathered over fsdp, split
+    by tp (heads, MLP columns) and, for experts, by ep: q/k/v/o, the dense MLP or the router and the experts."""
+    from omnijax.models.llm import is_moe_layer
+
+    D, H, K, Dh, tp = llm.embed_dim, llm.num_heads, llm.num_kv_heads, llm.head_dim, layout.tp
+    elems = D * (2 * H + 2 * K) * Dh / tp + 2 * D
+    if is_moe_layer(llm, layer):
+        m = llm.moe
+        elems += D * m.num_experts + 3 * m.num_experts * D * m.mlp_dim / (layout.ep * tp)
+    else:
+        elems += 3 * D * llm.mlp_dim / tp
+    return elems * dtype_bytes
+
+
+def recomputed_layer_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int, layer: int,
+                           dtype_bytes: int) -> float:
+    """What one layer's backward reads from its recomputed forward under remat full, per device (the values XLA
+    holds from a layer's recomputation until its backward runs): per token 3D (the two norms' outputs and the
+    residual sum) + (2H + 2K)·Dh / tp (q, k, v and the attention output); a dense MLP's gate, up and product
+    (3F / tp per token); an MoE layer's expert hidden buffers [rows, E, C, F / tp] (3: the recomputed product,
+    silu's derivative and its product with up) and its slot buffers [rows, E, C, D] (2: the expert input and
+    output of the all-to-alls). Checked value by value against the 8-layer omni_moe step below
+    (`step_memory_terms`): 0.65 GiB a layer here, 0.66 live at XLA's peak."""
+    from omnijax.layers.moe import expert_capacity
+    from omnijax.models.llm import is_moe_layer
+
+    D, H, K, Dh, tp = llm.embed_dim, llm.num_heads, llm.num_kv_heads, llm.head_dim, layout.tp
+    rows = batch_size / layout.batch_shards
+    L = seq_len / layout.cp
+    elems = rows * L * (3 * D + (2 * H + 2 * K) * Dh / tp)
+    if is_moe_layer(llm, layer):
+        m = llm.moe
+        slots = rows * m.num_experts * expert_capacity(seq_len, m.num_experts, m.top_k, m.capacity_factor)
+        elems += slots * (3 * m.mlp_dim / tp + 2 * D)
+    else:
+        elems += rows * L * 3 * llm.mlp_dim / tp
+    return elems * dtype_bytes
+
+
 def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_len: int, remat: Any,
                       dtype_bytes: int, params_per_device: float, *, cudnn_packed: bool = False,
                       trainable_per_device: float | None = None) -> dict[str, float]:
@@ -134,7 +174,15 @@ def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_le
       and the backward's recomputed one) or, with ``loss_chunk=0``, three [tokens x V] fp32 arrays (logits,
       their gradient, the gradient's scatter), as XLA allocates them;
     - ``attention_stats``: cuDNN's packed softmax statistics (`cudnn_stats_bytes`), where cuDNN is used;
-    - ``moe_dispatch``: the MoE layers' dispatch/combine tensors and expert slot buffers (`moe_dispatch_bytes`).
+    - ``moe_dispatch``: the MoE layers' dispatch/combine tensors and expert slot buffers (`moe_dispatch_bytes`);
+    - ``recomputed_layers``: at remat full with the layers unrolled in one program (no pp), XLA:GPU recomputes
+      every layer's forward ahead of the backward chain and holds every layer's recomputed values
+      (`recomputed_layer_bytes`) at once; the term is what that holds beyond the loss's phase (the saved layer
+      inputs and the logits), so the sum is the larger of the two phases. There the compute copy keeps one
+      layer's gathered weights, not every layer's: the recomputation gathers them again (`layer_weight_bytes`).
+      omni_moe with 8 LLM layers (1-layer encoders) compiled for 64 x H100: XLA's working memory 6.63 GiB, every
+      layer's recomputed values live at its peak (0.66 GiB a layer); the estimate 4.96 GiB without the term,
+      7.44 with it.
 
     The estimate before XLA's reports were compared counted 16 B/param of state (gradients included) and one
     [tokens x V] fp32 array, and nothing for the compute copy or the statistics: 29.4 GiB for the gpucheck 1B
@@ -145,14 +193,27 @@ def step_memory_terms(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq_le
     vocab = llm.vocab_size / layout.tp
     loss = 2 * rows * min(chunk, L) * vocab * 4 if chunk else 3 * rows * L * vocab * 4
     trained = params_per_device if trainable_per_device is None else trainable_per_device  # frozen: no moments
+    copy = params_per_device * layout.fsdp * dtype_bytes if dtype_bytes < 4 or layout.fsdp > 1 else 0.0
+    activations = llm_activation_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes, logits=False)
+    recomputed = 0.0
+    if remat_mode(remat) == "full" and layout.pp == 1:
+        # layers unrolled in one program: XLA:GPU runs every layer's recomputation ahead of the backward chain
+        # (jax's optimization barriers are gone by the time it schedules), so its peak holds every layer's
+        # recomputed values, and gathers each layer's weights again in the recomputation instead of keeping them
+        weights = [layer_weight_bytes(llm, layout, i, dtype_bytes) for i in range(llm.num_layers)]
+        if copy:
+            copy -= sum(weights) - max(weights, default=0.0)
+        held = sum(recomputed_layer_bytes(llm, layout, batch_size, seq_len, i, dtype_bytes)
+                   for i in range(llm.num_layers))
+        recomputed = max(0.0, held - activations - loss)  # the loss's phase (saved inputs, logits) is over by then
     return {"state": params_per_device * 4 + trained * (STATE_BYTES_PER_PARAM - 4),
             "gradients": trained * GRAD_BYTES_PER_PARAM,
-            "compute_copy": (params_per_device * layout.fsdp * dtype_bytes
-                             if dtype_bytes < 4 or layout.fsdp > 1 else 0.0),
-            "activations": llm_activation_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes, logits=False),
+            "compute_copy": copy,
+            "activations": activations,
             "loss": loss,
             "attention_stats": cudnn_stats_bytes(llm, layout, batch_size, seq_len, remat) if cudnn_packed else 0.0,
-            "moe_dispatch": moe_dispatch_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes)}
+            "moe_dispatch": moe_dispatch_bytes(llm, layout, batch_size, seq_len, remat, dtype_bytes),
+            "recomputed_layers": recomputed}
 
 
 def dry_run(cfg: Any, num_devices: int, device_memory_gib: float = 80.0) -> dict[str, Any]:
@@ -188,7 +249,7 @@ def dry_run(cfg: Any, num_devices: int, device_memory_gib: float = 80.0) -> dict
     remat = remat_mode(p.remat)
     terms = {r: step_memory_terms(m.llm, layout, B, L, r, dtype.itemsize, per_dev) for r in REMAT_MODES}
     state_gib = terms[remat]["state"] / GiB
-    act = {r: (t["activations"] + t["loss"]) / GiB for r, t in terms.items()}
+    act = {r: (t["activations"] + t["loss"] + t["recomputed_layers"]) / GiB for r, t in terms.items()}
     total_gib = sum(terms[remat].values()) / GiB
     if total_gib > device_memory_gib:
         raise ConfigError(f"training needs {total_gib:.1f} GiB per device (> {device_memory_gib} GiB): state "
@@ -471,7 +532,7 @@ def target_report(compiled: Any, calls: list[dict], dump_dir: str, *, target: An
 def estimate_check(analytic: dict, argument_bytes: int, working_bytes: int) -> list[str]:
     """Where the analytic estimate and XLA differ by more than 20%, which part: the state (XLA's arguments)
     or the working memory (everything else the step allocates: gradients, compute copy, activations, loss,
-    attention statistics), with the estimate's terms of that part."""
+    attention statistics, expert dispatch, recomputed layers), with the estimate's terms of that part."""
     terms = analytic["terms_gib"]
     out = []
     for part, names, xla in (("state", ["state"], argument_bytes),
