@@ -59,7 +59,8 @@ def llm_activation_bytes(llm: Any, layout: mesh_lib.Layout, batch_size: int, seq
       attention output; gate, up and their product; attention itself is blockwise, no L² term);
     - ``save_dots``: ``3D + ((H + 2K)·Dh + 2F) / tp`` (the layer input and the weight matmuls'
       outputs: q, k, v, attention and MLP output projections, gate and up);
-    - ``full``: ``D`` (the layer input), plus one layer's ``none`` set while it is recomputed.
+    - ``full``: ``D`` (the layer input), plus one layer's ``none`` set while it is recomputed (with the layers
+      unrolled, XLA:GPU holds every layer's recomputed set: `step_memory_terms`' ``recomputed_layers``).
 
     bytes = tokens_per_device x (per_layer x layers / pp [+ the recomputed layer]) x dtype_bytes
             + tokens_per_device x V / tp x 4 (the fp32 logits),
