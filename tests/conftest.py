@@ -11,12 +11,18 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMNIJAX_RUNS", os.path.join(os.path.dirname(__file__), "..", "runs", "tests"))
 # One persistent compilation cache for the run: both xdist workers and every process the tests start
-# (multi-host pairs, launch restarts, recipe subprocesses) read what another already compiled. The
-# size cap turns on jax's file lock, so concurrent writers never expose a half-written entry.
+# (multi-host pairs, launch restarts, recipe subprocesses) read what another already compiled.
+# No size cap (jax's default): with one, every write first lists the whole folder and reads each entry's
+# access time (jax's LRU eviction, under a file lock), so a run of N entries spends ~N^2/2 file reads on
+# it: test_lora.py alone (~760 entries) took 110.6 CPU-s with the 4 GiB cap and 83.3 without. Without the
+# lock a reader can meet an entry another process is still writing: jax then warns that it could not read
+# it and compiles instead (it never runs a partial program). `make clean` removes the folder.
+# Process 1 of a multi-process test compiles its programs again: jax writes the cache from process 0
+# only, and on CPU the key holds each process's topology (jax_share_binary_between_hosts waits for a key
+# process 0 never writes); no public option changes either.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["OMNIJAX_RUNS"], "jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 
 import pathlib  # noqa: E402
