@@ -10,13 +10,16 @@ adapters` (default; trainer.lora's adapters train and the reference is the model
 no second copy) or `precompute` (the initial weights' answer log-probabilities computed once before training,
 `omnijax/train/reference.py`; works without adapters: full fine-tuning). The model, tokenizer and init.* are
 finetune's (`omnijax.train.warmstart`), the data wiring the library's (`omnijax.train.multimodal`). On the
-built-in world the world's settings follow init.checkpoint's run and its held-out questions are decoded at the
-end (eval.json, per-modality accuracy). One process, plain data parallelism.
+built-in world the world's settings follow init.checkpoint's run, and at the end its held-out questions are decoded
+(eval.json: per-modality accuracy and its standard error) and scored as pairs before and after training
+(`held_out_pairs`: preference and reward accuracy, `omnijax/train/reference.py`). One process, plain data
+parallelism.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ class DPOSection:
     beta: float = 0.1
     reference: str = "adapters"  # adapters: trainer.lora's adapters off; precompute: log-probabilities computed once
     rpo_alpha: float = 0.0       # > 0: add this weight x the chosen answers' token NLL (TRL's rpo_alpha)
+    dpop_lambda: float = 0.0     # > 0: DPO-Positive, the margin less lambda x max(0, ref - policy) of the chosen answer
 
 
 @dataclass
@@ -53,8 +57,9 @@ def load(argv: list[str], name: str = "dpo") -> DPOConfig:
     if d.reference not in ("adapters", "precompute"):
         raise ConfigError(f"dpo.reference={d.reference!r}: adapters (the model with trainer.lora's adapters off) or "
                           "precompute (the initial weights' log-probabilities, computed once)")
-    if not d.beta > 0 or d.rpo_alpha < 0:
-        raise ConfigError(f"dpo.beta={d.beta}, dpo.rpo_alpha={d.rpo_alpha}: beta must be > 0, rpo_alpha >= 0")
+    if not d.beta > 0 or d.rpo_alpha < 0 or d.dpop_lambda < 0:
+        raise ConfigError(f"dpo.beta={d.beta}, dpo.rpo_alpha={d.rpo_alpha}, dpo.dpop_lambda={d.dpop_lambda}: beta "
+                          "must be > 0, rpo_alpha and dpop_lambda >= 0")
     if d.reference == "adapters" and t.lora.rank <= 0:
         raise ConfigError("dpo.reference=adapters is the model with its LoRA adapters off: set trainer.lora.rank > 0, "
                           "or dpo.reference=precompute to train the whole model")
@@ -111,13 +116,18 @@ def main(argv: list[str], name: str = "dpo") -> int:
     precompute = cfg.dpo.reference == "precompute"
     if precompute:
         loader = reference.WithReference(loader)
-    evaluate = items = None
+    evaluate = items = pairs = None
     if WORLD in cfg.data.sources:  # greedy-decoded answers to the world's held-out questions (plain, not pairs)
         items = world_eval.eval_items(World(dataclasses.replace(cfg.world, pairs=False), "eval"), cfg.eval.items)
         packer = eval_packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len, cfg.data.batch_size, cfg.capacity)
         abstract = nnx.eval_shape(adapters.attach(build_model, cfg.trainer.lora, cfg.trainer.seed))
         evaluate = WorldAccuracy(abstract, packer, items, cfg.eval.max_new_tokens, cfg.eval.ablation_items)
-    loss_fn = preference.dpo_loss(cfg.dpo.beta, rpo_alpha=cfg.dpo.rpo_alpha)
+        # the same held-out questions as preference pairs (the correct answer vs the world's wrong one)
+        pair_world = World(dataclasses.replace(cfg.world, pairs=True), "eval")
+        pair_packer = eval_packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len, cfg.data.batch_size, cfg.capacity)
+        pairs = {m: reference.pack_all(pair_packer, [pair_world.sample(it.sample.index) for it in its])
+                 for m, its in items.items()}
+    loss_fn = preference.dpo_loss(cfg.dpo.beta, rpo_alpha=cfg.dpo.rpo_alpha, dpop_lambda=cfg.dpo.dpop_lambda)
     trainer = Trainer(cfg, build_model, loss_fn, loader, eval_fn=evaluate, eval_data=held_out)
     params = warmstart.initial_params(cfg, trainer.state.params, name)  # the SFT model (and fresh adapters)
     resuming = trainer.checkpointer is not None and trainer.checkpointer.latest_step() is not None
@@ -131,6 +141,11 @@ def main(argv: list[str], name: str = "dpo") -> int:
             table = reference.precompute(iter(batches), len(batches), trainer.graphdef, params, trainer.rest, put,
                                          dtype, log=False)
             trainer.eval_data = lambda: list(reference.WithReference(iter(batches), table))
+    dtype = jnp.dtype(cfg.trainer.compute_dtype)
+    ref_pairs = {}
+    if pairs:  # the held-out pairs under the reference (the initial weights, adapters off)
+        ref_pairs = {m: reference.pair_logps(b, trainer.graphdef, params, trainer.rest, trainer.placement.put_batch,
+                                             dtype, adapters_off=True) for m, b in pairs.items()}
     if not resuming:
         trainer.state = trainer.state.replace(params=params)
     del params
@@ -146,7 +161,25 @@ def main(argv: list[str], name: str = "dpo") -> int:
     summary = ", ".join(f"{k} {v:.4f}" for k, v in dpo.items())
     if evaluate is not None:
         report.update({"chance": world_eval.chances(list(items)), **evaluate.report()})
+        report["accuracy_se"] = {f"{m}_accuracy": round(math.sqrt(max(a * (1 - a), 0.0) / len(items[m])), 4)
+                                 for m in items for a in [result.eval[f"{m}_accuracy"]]}
         summary = world_eval.accuracy_table(result.eval, report["chance"], evaluate.zeroed, list(items)) + "\n" + summary
+    if pairs:  # held-out preference pairs: before (the reference) and after training
+        held = {}
+        for m, b in pairs.items():
+            policy = reference.pair_logps(b, trainer.graphdef, trainer.state.params, trainer.rest,
+                                          trainer.placement.put_batch, dtype)
+            held[m] = {"start": reference.pair_report(ref_pairs[m], ref_pairs[m], cfg.dpo.beta),
+                       "end": reference.pair_report(policy, ref_pairs[m], cfg.dpo.beta)}
+        report["held_out_pairs"] = held
+        summary += "\nheld-out pairs (correct vs wrong answer): preference accuracy start -> end, reward accuracy, " \
+                   "log p(chosen) / log p(rejected) start -> end"
+        for m, h in held.items():
+            a, e = h["start"], h["end"]
+            summary += (f"\n  {m:<6} {a['preference_accuracy']:.3f} -> {e['preference_accuracy']:.3f} "
+                        f"(se {e['preference_accuracy_se']:.3f}), reward {e['reward_accuracy']:.3f}, "
+                        f"{a['logps_chosen']:.2f} / {a['logps_rejected']:.2f} -> "
+                        f"{e['logps_chosen']:.2f} / {e['logps_rejected']:.2f} ({e['pairs']} pairs)")
     elif result.eval and "eval_loss" in result.eval:
         summary += f"; held-out DPO loss {result.eval['eval_loss']:.4f}"
     (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))

@@ -47,12 +47,16 @@ def pair_sums(values: jax.Array, pref_index: jax.Array) -> tuple[jax.Array, jax.
 
 
 def dpo_terms(policy: tuple[jax.Array, jax.Array], reference: tuple[jax.Array, jax.Array], pair_mask: jax.Array,
-              beta: float) -> tuple[jax.Array, dict]:
-    """(sum of the real pairs' sigmoid DPO losses, per-pair rewards and orderings as sums, pairs)."""
+              beta: float, dpop_lambda: float = 0.0) -> tuple[jax.Array, dict]:
+    """(sum of the real pairs' sigmoid DPO losses, per-pair rewards and orderings as sums, pairs).
+
+    `dpop_lambda` > 0: DPO-Positive (Pal et al. 2024), the margin less λ·max(0, ρ_c − π_c), so lowering the
+    chosen answer below the reference costs what it would gain (rewards and accuracy stay plain DPO's)."""
     (pc, pr), (rc, rr) = policy, (jax.lax.stop_gradient(reference[0]), jax.lax.stop_gradient(reference[1]))
     m = pair_mask.astype(jnp.float32)
     chosen, rejected = beta * (pc - rc), beta * (pr - rr)
-    losses = -jax.nn.log_sigmoid(chosen - rejected)
+    penalty = dpop_lambda * jnp.maximum(rc - pc, 0.0) if dpop_lambda else 0.0
+    losses = -jax.nn.log_sigmoid(chosen - rejected - beta * penalty)
     stats = {"dpo_reward_chosen": jnp.sum(chosen * m), "dpo_reward_rejected": jnp.sum(rejected * m),
              "dpo_correct": jnp.sum((chosen > rejected) * m), "dpo_pairs": jnp.sum(m),
              "dpo_logps_chosen": jnp.sum(pc * m), "dpo_logps_rejected": jnp.sum(pr * m)}
@@ -83,12 +87,13 @@ def reference_logps(model: Any, batch: dict, logits_fn: Callable[[Any, dict], ja
         return token_logps(logits_fn(model, batch), batch["targets"], batch["loss_mask"])
 
 
-def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = _logits, rpo_alpha: float = 0.0):
+def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = _logits, rpo_alpha: float = 0.0,
+             dpop_lambda: float = 0.0):
     """A `LossFn` (model, batch) -> (loss_sum, token_count, aux) whose global mean is the mean pair loss.
 
     `rpo_alpha` > 0 adds that weight times the chosen answers' mean token negative log-likelihood (TRL's
     `rpo_alpha`, Pang et al. 2024), which keeps the chosen answers' own probability from falling with the
-    rejected ones'.
+    rejected ones'; `dpop_lambda` > 0 is DPO-Positive's penalty inside the sigmoid (`dpo_terms`).
 
     The trainer divides `loss_sum` by the batch's answer tokens; the pair losses are scaled by tokens / pairs
     so that quotient is the mean over pairs. That holds for a batch seen whole (trainer.grad_accum=1, the jitted
@@ -113,7 +118,7 @@ def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = _l
         reference = pair_sums(ref * mask, pref)
         counts = pair_sums(mask, pref)
         real = (counts[0] > 0) & (counts[1] > 0)
-        total, stats = dpo_terms(policy, reference, real, beta)
+        total, stats = dpo_terms(policy, reference, real, beta, dpop_lambda)
         objective = total / jnp.maximum(stats["dpo_pairs"], 1.0)
         aux = means(stats)
         if rpo_alpha:

@@ -8,6 +8,11 @@ positions, a few bytes a token); `WithReference` adds them to each training batc
 `models/preference.dpo_loss` reads instead of a second forward. So training holds no reference model (full
 fine-tuning needs no second copy of the weights), at one forward per step before training begins. A resumed run
 computes the table again from the initial weights (the batches after the checkpoint are the same ones).
+
+`pair_logps` / `pair_report` score held-out pairs: each pair's chosen and rejected sequence log-probabilities
+under given weights, then the share the policy itself ranks right (log π(chosen) > log π(rejected): what greedy
+decoding between the two sees) and the reward accuracy DPO optimises ((π_c − ρ_c) > (π_r − ρ_r)), with their
+standard errors.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.layers import lora
 from omnijax.models import preference
 from omnijax.models.objective import cast_floating
 
@@ -78,3 +84,59 @@ class WithReference:
 
     def __getattr__(self, name: str) -> Any:  # window, metrics, reserve: the wrapped loader's
         return getattr(self.loader, name)
+
+
+def pack_all(packer: Any, samples: list) -> list[dict]:
+    """`samples` in order through `packer` (a `data.packing.SamplePacker`) into as many host batches as they take;
+    one that can never fit is skipped and counted in `packer.skipped`."""
+    out, i = [], 0
+    while i < len(samples):
+        batch, consumed = packer.pack(samples[i:])
+        if not consumed:
+            raise RuntimeError("pack_all: the packer took nothing from a fresh batch")
+        if np.asarray(batch["loss_mask"]).any():  # not only skipped samples
+            out.append(batch)
+        i += len(consumed)
+    return out
+
+
+def pair_logps(batches: list[dict], graphdef: nnx.GraphDef, params: Any, rest: Any, put_batch: Callable,
+               compute_dtype: Any = jnp.float32, adapters_off: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(chosen, rejected) sequence log-probabilities of every real pair of `batches` (host batches with
+    `pref_index`) under `params`; `adapters_off`: the model with its LoRA adapters off (DPO's reference)."""
+    def fn(p, b):
+        model = nnx.merge(graphdef, cast_floating(p, compute_dtype), rest)
+        if adapters_off:
+            with lora.disabled():
+                logits = preference._logits(model, b)
+        else:
+            logits = preference._logits(model, b)
+        mask = b["loss_mask"].astype(jnp.float32)
+        chosen, rejected = preference.pair_sums(preference.token_logps(logits, b["targets"], mask), b["pref_index"])
+        nc, nr = preference.pair_sums(mask, b["pref_index"])
+        return chosen, rejected, (nc > 0) & (nr > 0)
+    step = jax.jit(fn)
+    out_c, out_r = [], []
+    for host in batches:
+        c, r, real = (np.asarray(x) for x in jax.device_get(step(params, put_batch(host))))
+        out_c.append(c[real])
+        out_r.append(r[real])
+    return np.concatenate(out_c).astype(np.float64), np.concatenate(out_r).astype(np.float64)
+
+
+def pair_report(policy: tuple[np.ndarray, np.ndarray], ref: tuple[np.ndarray, np.ndarray], beta: float) -> dict:
+    """Held-out pair metrics: `preference_accuracy` (log π(chosen) > log π(rejected)), `reward_accuracy`
+    ((π_c − ρ_c) > (π_r − ρ_r), TRL's rewards/accuracies), `_se` one standard error of each, the mean sequence
+    log-probabilities, reward margin and sigmoid DPO loss, and `pairs`."""
+    (pc, pr), (rc, rr) = policy, ref
+    n = len(pc)
+    if n == 0:
+        return {"pairs": 0}
+    margin = beta * ((pc - rc) - (pr - rr))
+    pref, reward = float(np.mean(pc > pr)), float(np.mean(margin > 0))
+    se = lambda p: round(float(np.sqrt(p * (1 - p) / n)), 4)  # noqa: E731
+    return {"pairs": n, "preference_accuracy": round(pref, 4), "preference_accuracy_se": se(pref),
+            "reward_accuracy": round(reward, 4), "reward_accuracy_se": se(reward),
+            "logps_chosen": round(float(np.mean(pc)), 4), "logps_rejected": round(float(np.mean(pr)), 4),
+            "reward_margin": round(float(np.mean(margin)), 4),
+            "dpo_loss": round(float(np.mean(np.logaddexp(0.0, -margin))), 4)}
