@@ -46,6 +46,15 @@ def pair_sums(values: jax.Array, pref_index: jax.Array) -> tuple[jax.Array, jax.
     return sums[:, 1::2].reshape(-1), sums[:, 2::2].reshape(-1)
 
 
+def pair_logps(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(chosen, rejected) sequence log-probabilities per pair slot of the batch's rows, and which slots hold a
+    real pair (both answers have loss tokens)."""
+    mask = batch["loss_mask"].astype(jnp.float32)
+    chosen, rejected = pair_sums(token_logps(logits, batch["targets"], mask), batch["pref_index"])
+    counts = pair_sums(mask, batch["pref_index"])
+    return chosen, rejected, (counts[0] > 0) & (counts[1] > 0)
+
+
 def dpo_terms(policy: tuple[jax.Array, jax.Array], reference: tuple[jax.Array, jax.Array], pair_mask: jax.Array,
               beta: float, dpop_lambda: float = 0.0) -> tuple[jax.Array, dict]:
     """(sum of the real pairs' sigmoid DPO losses, per-pair rewards and orderings as sums, pairs).
@@ -74,20 +83,21 @@ def means(stats: dict) -> dict:
             "dpo_logps_rejected": stats["dpo_logps_rejected"] / n, "dpo_pairs": stats["dpo_pairs"]}
 
 
-def _logits(model: Any, batch: dict) -> jax.Array:
+def model_logits(model: Any, batch: dict) -> jax.Array:
+    """Logits [B, L, V] of a plain LLM or of the multimodal assembly (which returns (logits, aux))."""
     if hasattr(model, "encoders"):  # the multimodal assembly: (logits, aux)
         return model(batch)[0]
     return model(batch["tokens"], batch["segment_ids"], batch["positions"])
 
 
-def reference_logps(model: Any, batch: dict, logits_fn: Callable[[Any, dict], jax.Array] = _logits) -> jax.Array:
+def reference_logps(model: Any, batch: dict, logits_fn: Callable[[Any, dict], jax.Array] = model_logits) -> jax.Array:
     """Per-token log-probabilities of the batch's targets [B, L] under `model` with its adapters off (0 off the
     loss tokens): what `dpo.reference=precompute` computes once and carries as `ref_logps`."""
     with lora.disabled():
         return token_logps(logits_fn(model, batch), batch["targets"], batch["loss_mask"])
 
 
-def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = _logits, rpo_alpha: float = 0.0,
+def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = model_logits, rpo_alpha: float = 0.0,
              dpop_lambda: float = 0.0):
     """A `LossFn` (model, batch) -> (loss_sum, token_count, aux) whose global mean is the mean pair loss.
 
@@ -107,7 +117,7 @@ def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = _l
             zero = jnp.zeros((), jnp.float32)
             return zero, tokens, means({k: zero for k in ("dpo_reward_chosen", "dpo_reward_rejected", "dpo_correct",
                                                          "dpo_pairs", "dpo_logps_chosen", "dpo_logps_rejected")})
-        policy = pair_sums(token_logps(logits_fn(model, batch), batch["targets"], mask), pref)
+        chosen, rejected, real = pair_logps(logits_fn(model, batch), batch)
         if "ref_logps" in batch:
             ref = batch["ref_logps"]
         else:
@@ -116,14 +126,12 @@ def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = _l
                                   "model with them off, or precompute its log-probabilities (dpo.reference=precompute)")
             ref = reference_logps(model, batch, logits_fn)
         reference = pair_sums(ref * mask, pref)
-        counts = pair_sums(mask, pref)
-        real = (counts[0] > 0) & (counts[1] > 0)
-        total, stats = dpo_terms(policy, reference, real, beta, dpop_lambda)
+        total, stats = dpo_terms((chosen, rejected), reference, real, beta, dpop_lambda)
         objective = total / jnp.maximum(stats["dpo_pairs"], 1.0)
         aux = means(stats)
         if rpo_alpha:
-            chosen_tokens = jnp.sum(counts[0] * real)
-            aux["dpo_nll_chosen"] = -jnp.sum(policy[0] * real) / jnp.maximum(chosen_tokens, 1.0)
+            chosen_tokens = jnp.sum(pair_sums(mask, pref)[0] * real)
+            aux["dpo_nll_chosen"] = -jnp.sum(chosen * real) / jnp.maximum(chosen_tokens, 1.0)
             objective = objective + rpo_alpha * aux["dpo_nll_chosen"]
         return objective * tokens, tokens, aux
     return loss_fn

@@ -108,13 +108,8 @@ def pair_logps(batches: list[dict], graphdef: nnx.GraphDef, params: Any, rest: A
         model = nnx.merge(graphdef, cast_floating(p, compute_dtype), rest)
         if adapters_off:
             with lora.disabled():
-                logits = preference._logits(model, b)
-        else:
-            logits = preference._logits(model, b)
-        mask = b["loss_mask"].astype(jnp.float32)
-        chosen, rejected = preference.pair_sums(preference.token_logps(logits, b["targets"], mask), b["pref_index"])
-        nc, nr = preference.pair_sums(mask, b["pref_index"])
-        return chosen, rejected, (nc > 0) & (nr > 0)
+                return preference.pair_logps(preference.model_logits(model, b), b)
+        return preference.pair_logps(preference.model_logits(model, b), b)
     step = jax.jit(fn)
     out_c, out_r = [], []
     for host in batches:
