@@ -115,23 +115,15 @@ def main(argv: list[str]) -> int:
 def _pipeline_schedule(saved: dict, model_cfg) -> "object | None":
     """The pipeline schedule a run trained under (its `parallel.*`), None without pp: its checkpoint holds the
     LLM's blocks stacked as that schedule stacks them."""
-    from omnijax.parallel import pipeline
-    from omnijax.parallel.engine import LLMParallel
+    from omnijax.parallel.engine import layout_schedule
     from omnijax.parallel.mesh import parse_layout
 
     par = saved.get("parallel") or {}
     text = str(par.get("llm") or "")
     if "pp" not in text.lower():
         return None
-    layout = parse_layout(text)
-    if layout.pp <= 1:
-        return None
-    import inspect
-
-    repeats = inspect.signature(LLMParallel).parameters["repeats"].default  # the trainer's (it passes none)
-    pp, kind = layout.pp, par.get("pipeline_schedule") or "gpipe"
-    return pipeline.make_schedule(kind, pp, int(par.get("microbatches") or 2 * pp), model_cfg.llm.num_layers,
-                                  repeats)
+    return layout_schedule(parse_layout(text), model_cfg.llm.num_layers, microbatches=int(par.get("microbatches") or 0),
+                           schedule=par.get("pipeline_schedule") or "gpipe")
 
 
 def _stacked(abstract, model_cfg, lora, schedule):

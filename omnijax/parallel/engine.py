@@ -124,6 +124,15 @@ def _stacked_var(v: nnx.Variable, value: jax.Array) -> nnx.Variable:
     return v.replace(value, out_sharding=("stage", None, "layers", *names))
 
 
+def layout_schedule(layout: Layout, num_layers: int, *, microbatches: int = 0, schedule: str = "gpipe",
+                    repeats: int = 2) -> "pipeline.Schedule | None":
+    """The pipeline schedule a layout trains under (None without pp); it is also how a pipelined run's
+    checkpoint stacks the LLM's blocks, so `export` rebuilds it from the run's `parallel.*`."""
+    if layout.pp <= 1:
+        return None
+    return pipeline.make_schedule(schedule, layout.pp, microbatches or 2 * layout.pp, num_layers, repeats)
+
+
 class PipelinedLLM(nnx.Module):
     """The LLM with its blocks stacked ``[stage, repeat, layer, ...]`` so ``pp`` can shard them.
 
@@ -202,10 +211,9 @@ class LLMParallel:
         # parallel.remat (none | full | save_dots): every layer, in every layout (pipeline stages included)
         self.remat = remat_mode(remat)
         self.cp_impl, self.ep_impl, self.skip_bubbles = cp_impl, ep_impl, skip_bubbles
-        self.schedule: pipeline.Schedule | None = None
-        if self.layout.pp > 1:
-            m = microbatches or 2 * self.layout.pp
-            self.schedule = pipeline.make_schedule(schedule, self.layout.pp, m, model_cfg.num_layers, repeats)
+        self.schedule: pipeline.Schedule | None = layout_schedule(self.layout, model_cfg.num_layers,
+                                                                  microbatches=microbatches, schedule=schedule,
+                                                                  repeats=repeats)
         if self.layout.ep > 1 and ep_impl == "alltoall" and self.layout.pp > 1:
             raise ConfigError(f"parallel.llm={self.layout}: expert all-to-all inside the pipeline is not supported; "
                               "use pp with dense layers or ep without pp")
