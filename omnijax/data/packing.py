@@ -34,7 +34,9 @@ from omnijax.data.sample import REJECTED, BadSample, Sample, SampleMeta
 
 ENCODER_ORDER = ("audio", "vision")
 # the per-token arrays of packed LLM rows: what moves with a row (row balance, placement, cp's order)
-ROW_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "rope_positions")
+# every per-token row array a batch may carry: rows move, concatenate and are placed with all of them
+# (preference pairs' `pref_index` and a precomputed reference's `ref_logps` included)
+ROW_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "rope_positions", "pref_index", "ref_logps")
 
 
 @dataclass(frozen=True)

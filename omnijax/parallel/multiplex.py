@@ -631,6 +631,13 @@ class Multiplexer:
         return fn, (state, arrays), specs
 
     def loss_fn(self, model: MultiplexedModel, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
+        h, aux = self.hidden_states(model, batch)
+        loss_sum, count = head_cross_entropy(model.llm, h, batch["targets"], batch["loss_mask"])
+        return loss_sum, count, aux
+
+    def hidden_states(self, model: MultiplexedModel, batch: dict) -> tuple[jax.Array, dict]:
+        """The LLM's final hidden states [B, L, D] (before the head) with every encoder output routed in,
+        and the aux losses: what an objective other than next-token CE (DPO) puts its own head on."""
         vocab = self.engine.model_cfg.vocab_size  # placeholder ids beyond a pretrained vocabulary: never looked up
         tokens = jnp.where((batch["tokens"] >= 0) & (batch["tokens"] < vocab), batch["tokens"], 0)
         x = self.engine.embed(model.llm, tokens)  # ids and rows move, never the table
@@ -644,5 +651,4 @@ class Multiplexer:
             x = self.inject(part, x, batch)
             h, aux = self.engine.forward_embeddings(model.llm, x, batch["segment_ids"], batch["positions"], head=False,
                                                     rope=batch.get("rope_positions"))
-        loss_sum, count = head_cross_entropy(model.llm, h, batch["targets"], batch["loss_mask"])
-        return loss_sum, count, aux
+        return h, aux
