@@ -52,25 +52,13 @@ def _load_multimodal(name: str, overrides: list[str]):
     from recipes.tiny_omni import load
 
     if name.startswith("finetune"):
-        cfg = _load_finetune(name, overrides)
+        from recipes import finetune
+
+        cfg = finetune.load(overrides, name, require_data=False)
     else:
         cfg = load(overrides, name)
     training_capacity(cfg)
     return cfg
-
-
-def _load_finetune(name: str, overrides: list[str]):
-    """finetune's config (model from init.* folders or model.* overrides) without its shards: a dryrun reads
-    no data when capacity.* is given, and plans from the built-in world's metadata otherwise."""
-    from omnijax.config import build
-    from omnijax.train import multimodal, warmstart
-    from recipes import finetune
-    from recipes.common import CONFIGS
-
-    named = any(o.startswith("trainer.run_name=") for o in overrides)
-    cfg = build(finetune.FinetuneConfig, CONFIGS / f"{name}.yaml", overrides,
-                defaults=None if named else {"trainer": {"run_name": name}}, check=None)
-    return multimodal.check(warmstart.resolve_init(cfg, overrides))
 
 
 def _llm_parts(cfg, devices):

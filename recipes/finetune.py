@@ -32,12 +32,14 @@ class FinetuneConfig(multimodal.MultimodalConfig):
     init: warmstart.InitConfig = field(default_factory=warmstart.InitConfig)
 
 
-def load(argv: list[str], name: str = "finetune") -> FinetuneConfig:
-    """recipes/configs/finetune.yaml <- key=value overrides, the model resolved from `init.*`, then checked."""
+def load(argv: list[str], name: str = "finetune", require_data: bool = True) -> FinetuneConfig:
+    """recipes/configs/finetune.yaml <- key=value overrides, the model resolved from `init.*`, then checked.
+    `require_data=False` (dryrun): no converted shards needed, a dryrun reads no data when capacity.* is given
+    and plans from the built-in world's metadata otherwise."""
     from recipes.common import load_config
 
     cfg = load_config(name, argv, FinetuneConfig, check=None)
-    if not cfg.data.sources or WORLD in cfg.data.sources:
+    if require_data and (not cfg.data.sources or WORLD in cfg.data.sources):
         raise ConfigError("finetune trains on your converted shards: data.sources=[DIR,...] (from `python -m recipes "
                           "convert input=FILE output=DIR tokenizer.path=LLM_DIR`); the built-in world is tiny_omni's")
     return multimodal.check(warmstart.resolve_init(cfg, argv))
