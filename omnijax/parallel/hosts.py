@@ -12,7 +12,7 @@ produce them in that order and :func:`put_host_rows` places them with explicit g
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -142,3 +142,30 @@ def put_local(sharding: NamedSharding, local: Any, global_rows: int | None = Non
 def take_rows(batch: dict, rows: np.ndarray) -> dict:
     """The given global rows of a whole host batch (every ``[B, ...]`` array)."""
     return {k: np.asarray(v)[rows] for k, v in batch.items()}
+
+
+def kv_exchange(prefix: str, timeout_s: float = 900.0, keep: int = 16) -> Callable[[int, bytes], list[bytes]]:
+    """`exchange(round, part) -> every process's part` (process order) over the coordination service's
+    key-value store: each process writes its part of a round under `prefix/round/process` and reads the
+    others'. Host memory only, no device collective, so a prefetch thread may call it while a step runs.
+    A process deletes its own part `keep` rounds later (processes run in step, at most a few rounds apart).
+    Every process reads every part: fine for parts of a few bytes (capacities) or tens of hosts."""
+    from omnijax.jax_private import distributed
+
+    client = distributed.global_state.client
+    me, n = jax.process_index(), jax.process_count()
+    if client is None or n == 1:
+        raise ConfigError("kv_exchange needs a multi-process job (jax.distributed initialized)")
+
+    def exchange(window: int, part: bytes) -> list[bytes]:
+        client.key_value_set_bytes(f"{prefix}/{window}/{me}", part, allow_overwrite=True)
+        out = [part if j == me else bytes(client.blocking_key_value_get_bytes(f"{prefix}/{window}/{j}",
+                                                                              int(timeout_s * 1000)))
+               for j in range(n)]
+        if window >= keep:
+            try:
+                client.key_value_delete(f"{prefix}/{window - keep}/{me}")
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        return out
+    return exchange

@@ -10,6 +10,7 @@ forward/backward is one XLA program that the compiler schedules.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import jax
@@ -148,12 +149,17 @@ class Multiplexer:
     hosts: int | None = None
     payload_band, reuse_slack, max_programs, route_growth, _resumed = 0.05, 0.05, 4, 1.25, False
     programs: list[dict] = []  # never mutated in place (a planning-only instance shares the empty one)
+    route_local: bool | None = False  # plan per host group (issue 47); None: on with several processes
+    exchange = None  # exchange(round, bytes) -> every process's bytes: agrees capacities between host groups
+    group_host_of: np.ndarray | None = None  # a host group's planner: the hosts of its sub-grid devices
+    in_group = False
 
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
                  encoder_rules: str = "encoder_dp", mode: routing.Mode = "balanced", long_short: bool = True,
                  balance_rows: bool | None = None, cost_fn=None, capacities: dict | None = None,
                  interleave: bool = False, growth: float = routing.BUCKET_GROWTH, hosts: int | None = None,
-                 payload_band: float = 0.05, reuse_slack: float = 0.05, max_programs: int = 4):
+                 payload_band: float = 0.05, reuse_slack: float = 0.05, max_programs: int = 4,
+                 route_local: bool | None = None, exchange=None):
         """growth: the capacity bucket step (`routing.BUCKET_GROWTH` in training; benches may vary it).
         hosts: split the devices into this many contiguous hosts for the payload check of `size_window`
         (None: the job's processes, where there are several). payload_band: every host decodes
@@ -171,6 +177,7 @@ class Multiplexer:
         if self.interleave and engine.schedule is None:
             raise ConfigError(f"parallel.interleave_encoders: layout {engine.layout} has no pipeline (pp=1); "
                               "encoder work can only be interleaved with pipeline iterations")
+        self.route_local, self.exchange = route_local, exchange
         self.encoder_rules = rules_lib.load_rules(encoder_rules)
         rows = self.encoder_rules.activations.get("rows", ())
         if tuple(rows) != ALL:
@@ -238,7 +245,10 @@ class Multiplexer:
         `fill=False` plans placement and capacities only: no buffer is built, no payload decoded.
 
         Interleaved: one plan per pipeline microbatch (shared capacities), stacked on axis 1 of every
-        array ([devices, microbatches, ...])."""
+        array ([devices, microbatches, ...]). Per host group (`route_local`): each group planned here
+        places and routes its own rows' segments on its own devices (`_plan_grouped`)."""
+        if self.host_groups() is not None:
+            return self._plan_grouped(host_batch, fill)
         parts = self.parts(host_batch)
         host_of = self.host_of() if self.mode == "balanced" else None
 
@@ -270,6 +280,8 @@ class Multiplexer:
     def host_of(self) -> np.ndarray | None:
         """The host of every plan device (None: one host). `hosts` given: contiguous runs of the device
         order; else the process of each device of the mesh (any device order)."""
+        if self.in_group:  # a host group's planner: the hosts of its own devices
+            return self.group_host_of
         D = self.grid.num_devices
         if self.hosts is not None:
             if self.hosts <= 1:
@@ -298,6 +310,173 @@ class Multiplexer:
             index = NamedSharding(self.mesh, P(ALL)).addressable_devices_indices_map((D,))
             self._local = sorted(int(idx[0].start or 0) for idx in index.values())
         return self._local
+
+    # ------------------------------------------------------------------ host groups (issue 47)
+    def _several(self) -> bool:
+        """Each process plans only its own host group (several processes, no simulated `hosts`)."""
+        return self.hosts is None and getattr(self, "mesh", None) is not None and jax.process_count() > 1
+
+    def host_groups(self) -> list[routing.HostGroup] | None:
+        """The host groups planned one by one (`route_local`), or None: the whole step as one plan."""
+        if self.in_group:
+            return None
+        on = self.route_local
+        if on is None:  # auto: several processes, on the path the data plane feeds
+            on = self._several() and self.mode == "balanced" and not self.interleave and not self.balance_rows
+        if not on:
+            return None
+        if self.mode != "balanced" or self.interleave or self.balance_rows:
+            raise ConfigError("route_local plans each host group's own rows on its own devices: it needs "
+                              "mode='balanced', interleave=False and balance_rows=False (rows placed by the data plane)")
+        host_of = self.host_of()
+        if host_of is None:
+            return None
+        key = (self.hosts, self.grid)
+        if getattr(self, "_groups_key", None) != key:
+            self._groups, self._groups_key, self._planners = routing.host_groups(self.grid, host_of), key, {}
+        return self._groups
+
+    def _own_groups(self) -> list[routing.HostGroup]:
+        """The host groups this process plans: its own (several processes), else every one (simulated hosts)."""
+        groups = self.host_groups()
+        if self._several():
+            me = jax.process_index()
+            return [g for g in groups if me in g.hosts]
+        return groups
+
+    def _group_planner(self, group: routing.HostGroup) -> "Multiplexer":
+        """A planning-only multiplexer on the group's sub-grid (its hosts' payload band inside the group)."""
+        sub = self._planners.get(group.index)
+        if sub is None:
+            sub = Multiplexer.__new__(Multiplexer)
+            sub.grid, sub.reductions, sub.dims, sub.cost_fn = group.grid, self.reductions, self.dims, self.cost_fn
+            sub.mode, sub.long_short, sub.growth = self.mode, self.long_short, self.growth
+            sub.interleave, sub.balance_rows, sub.capacities, sub.programs = False, False, None, []
+            sub.payload_band, sub.reuse_slack, sub.max_programs = self.payload_band, self.reuse_slack, self.max_programs
+            sub.in_group, sub.group_host_of, sub.hosts = True, group.host_of, None
+            self._planners[group.index] = sub
+        return sub
+
+    def _views(self, batch: dict) -> list[tuple[routing.HostGroup, dict]]:
+        """(group, its part of `batch`: `routing.group_view`) for every group planned here (kept for the
+        last few batches: a window's sizing and its steps' plans read the same views)."""
+        cache = self.__dict__.setdefault("_view_cache", {})
+        hit = cache.get(id(batch))
+        if hit is None or hit[0] is not batch:
+            while len(cache) >= 16:
+                cache.pop(next(iter(cache)))
+            hit = cache[id(batch)] = (batch, [(g, routing.group_view(batch, g, self.reductions, self.grid.batch_shards))
+                                              for g in self._own_groups()])
+        return hit[1]
+
+    def _agree(self, value) -> list:
+        """Every process's `value` (JSON-able), in process order, through `exchange`; [value] where this
+        process plans every group."""
+        if not self._several():
+            return [value]
+        if self.exchange is None:
+            self.exchange = hosts.kv_exchange("omnijax_route_local")
+        self._round = getattr(self, "_round", 0) + 1
+        return [json.loads(b) for b in self.exchange(self._round, json.dumps(value).encode())]
+
+    def _agree_max(self, caps: dict) -> dict:
+        """The elementwise max of every process's capacities: one SPMD program for every group."""
+        out: dict[str, int] = {}
+        for c in self._agree({k: int(v) for k, v in caps.items()}):
+            for k, v in c.items():
+                out[k] = max(int(v), out.get(k, 0))
+        return out
+
+    def _group_plans(self, batch: dict, caps: dict | None, fill: bool) -> list[routing.Plan]:
+        """Each group's plan (on its sub-grid, inside `caps`), widened to the global device numbering: the
+        group's devices of this process filled (`fill`), or none."""
+        local = set(self.local_devices) if fill and self.local_devices is not None else None
+        out = []
+        for g, view in self._views(batch):
+            fd = () if not fill else None if local is None else [k for k, d in enumerate(g.devices.tolist()) if d in local]
+            p = routing.build_plan(view, g.grid, self.reductions, self.dims, self.cost_fn, order=context.balanced_order,
+                                   mode=self.mode, long_short=self.long_short, capacities=caps, growth=self.growth,
+                                   fill_devices=fd, host_of=g.host_of)
+            p.stats["group_imbalance"] = self._group_planner(g)._imbalance([p])
+            p.stats["devices"] = g.grid.num_devices
+            out.append(routing.widen_plan(p, g, self.grid.num_devices))
+        return out
+
+    @staticmethod
+    def _caps_of(plans: list[routing.Plan]) -> dict:
+        out: dict[str, int] = {}
+        for p in plans:
+            for k, v in p.capacities:
+                out[k] = max(int(v), out.get(k, 0))
+        return out
+
+    def _join(self, plans: list[routing.Plan]) -> routing.Plan:
+        """The groups' widened plans as one: arrays by global device, counts summed, maxima kept;
+        `enc_cost_max_over_mean` over every planned device (across groups), `..._in_group` the worst group's."""
+        devices = np.array([d for p in plans for d in p.devices], np.int64)
+        order = np.argsort(devices, kind="stable")
+        arrays = {k: np.concatenate([p.arrays[k] for p in plans])[order] for k in plans[0].arrays}
+        stats: dict[str, float] = {}
+        for k in plans[0].stats:
+            vals = [p.stats[k] for p in plans]
+            keep_max = k.endswith(("capacity", "imbalance", "max_over_mean", "_max")) or k in ("pad_row", "drop_index")
+            stats[k] = max(vals) if keep_max else sum(vals)
+        stats["enc_cost_max_over_mean_in_group"] = stats["enc_cost_max_over_mean"]
+        mean = stats["enc_cost_total"] / max(stats["devices"], 1)
+        stats["enc_cost_max_over_mean"] = stats["enc_cost_max"] / mean if mean > 0 else 1.0
+        real = stats["enc_rows_real"] + stats["llm_tokens_real"]
+        stats["padded_fraction"] = 1.0 - real / max(stats["enc_rows_computed"] + stats["llm_tokens_computed"], 1)
+        payload = None if plans[0].device_payload is None else sum(p.device_payload for p in plans)
+        return routing.Plan(arrays, stats, tuple(sorted(self._caps_of(plans).items())),
+                            tuple(int(d) for d in devices[order]), payload)
+
+    def _plan_grouped(self, batch: dict, fill: bool) -> routing.Plan:
+        """`plan` per host group: each group inside the current capacities, grown (to the maxima of every
+        group's needs, agreed between processes) where one outgrows them."""
+        current = dict(self.capacities or {})
+        try:
+            plans = self._group_plans(batch, self.capacities, fill)
+            need = self._caps_of(plans)
+        except ConfigError:  # this batch needs more than the current capacities: grow them
+            plans, need = None, self._caps_of(self._group_plans(batch, None, False))
+        grown = self._agree_max({k: max(v, current.get(k, 0)) for k, v in {**current, **need}.items()})
+        if plans is None or any(dict(p.capacities) != grown for p in plans):
+            plans = self._group_plans(batch, grown, fill)
+        self.capacities = grown
+        plan = self._join(plans)
+        host_of = self.host_of()
+        if plan.device_payload is not None:
+            shares = routing.host_payload_shares(plan.device_payload, host_of)
+            plan.stats["host_payload_share_min"] = float(shares.min())
+            plan.stats["host_payload_share_max"] = float(shares.max())
+        return plan
+
+    def _fit_groups(self, parts: list[list[dict]]) -> dict:
+        """The window's fit per host group (each its own joint fit, payload band inside the group), then
+        the maxima over the groups (agreed between processes) with the route capacity each group needs
+        inside those encoder buffers."""
+        fits = []
+        for g in self._own_groups():
+            sub = self._group_planner(g)
+            views = [[next(v for h, v in self._views(p) if h is g) for p in ps]
+                     for ps in parts]
+            fits.append(sub._fit_window(views))
+        merged: dict[str, int] = {}
+        for f in fits:
+            merged = {k: max(int(v), merged.get(k, 0)) for k, v in {**merged, **f}.items()}
+        enc = {k: v for k, v in self._agree_max(merged).items() if k != "route"}
+        need = dict(enc)
+        for g in self._own_groups():
+            sub = self._group_planner(g)
+            for ps in parts:
+                for p in ps:
+                    view = next(v for h, v in self._views(p) if h is g)
+                    try:
+                        plan = sub._build(view, enc)
+                    except ConfigError:
+                        plan = sub._build(view, None)
+                    need = {k: max(int(v), need.get(k, 0)) for k, v in {**need, **dict(plan.capacities)}.items()}
+        return self._agree_max(need)
 
     def host_rows(self, global_rows: int) -> np.ndarray:
         """The global LLM rows this process's devices hold: the only token rows it needs to read."""
@@ -364,6 +543,8 @@ class Multiplexer:
         return dict(caps)
 
     def _build(self, part: dict, caps: dict | None) -> routing.Plan:
+        if self.host_groups() is not None:  # every group planned here, joined (placement only)
+            return self._join(self._group_plans(part, caps, False))
         return routing.build_plan(part, self.grid, self.reductions, self.dims, self.cost_fn,
                                   order=context.balanced_order, mode=self.mode, long_short=self.long_short,
                                   capacities=caps, first_stage_only=self.interleave, growth=self.growth,
@@ -371,6 +552,8 @@ class Multiplexer:
 
     def _imbalance(self, plans: list[routing.Plan]) -> float:
         """How far the host furthest from an even share of the step's payload is from it (0: one host)."""
+        if self.host_groups() is not None:  # each group's hosts against their group's payload
+            return max(float(p.stats.get("group_imbalance", 0.0)) for p in plans)
         host_of = self.host_of()
         if host_of is None:
             return 0.0
@@ -378,7 +561,12 @@ class Multiplexer:
         return float(np.abs(shares - 1.0 / len(shares)).max())
 
     def _holds(self, caps: dict | None, parts: list[list[dict]]) -> bool:
-        """Every batch plans inside `caps` (none grows) with every host inside the payload band."""
+        """Every batch plans inside `caps` (none grows) with every host inside the payload band (per host
+        group: on every process)."""
+        ok = self._holds_here(caps, parts)
+        return all(self._agree(ok)) if self.host_groups() is not None else ok
+
+    def _holds_here(self, caps: dict | None, parts: list[list[dict]]) -> bool:
         if not caps:
             return False
         for ps in parts:
@@ -392,6 +580,8 @@ class Multiplexer:
 
     def _fit_window(self, parts: list[list[dict]]) -> dict:
         """The window's joint fit, grown a bucket at a time where a batch's hosts are out of balance."""
+        if self.host_groups() is not None:
+            return self._fit_groups(parts)
         flat = [p for ps in parts for p in ps]
         caps = routing.fit_capacities(flat, self.grid, self.reductions, self.dims, self.cost_fn,
                                       order=context.balanced_order, mode=self.mode, long_short=self.long_short,
@@ -477,6 +667,7 @@ class Multiplexer:
                 except ConfigError:  # the placement inside these pins is a heuristic: the part's own fit
                     plan = self._build(p, None)
                 grown = {k: max(v, grown.get(k, 0)) for k, v in plan.capacities}
+            grown = self._agree_max(grown)  # per host group: the same on every process
             if self._holds(grown, parts):
                 return grown
         return None

@@ -31,7 +31,7 @@ from typing import Callable, Collection, Literal
 
 import numpy as np
 
-from omnijax.data.payload import step_rows
+from omnijax.data.payload import Runs, step_rows
 from omnijax.errors import ConfigError
 from omnijax.parallel import placement_meta
 # the planner's parts, re-exported: callers name them as routing.X
@@ -291,6 +291,7 @@ def _materialize(batch, grid, reductions, dims, segments, names, assignment, sou
     pairs = pair_keys
 
     stats = _stats(segments, assignment, grid, caps, names, reductions, batch, pairs)
+    stats.update(pad_row=pad_row, drop_index=drop)  # the tables' fill values (a host group's plan widens with them)
     payload = np.zeros(D)
     for n in names:
         for d in range(D):
@@ -347,6 +348,8 @@ def _stats(segments, assignment, grid, caps, names, reductions, batch, pairs) ->
         "long_segments": sum(len(g) for g in assignment.long),
         "short_in_long_segments": sum(len(d) for d in (assignment.long_whole or [])),
         "enc_cost_max_over_mean": float(cost.max() / mean) if mean > 0 else 1.0,
+        "enc_cost_max": float(cost.max()) if cost.size else 0.0,  # with enc_cost_total: balance across host groups
+        "enc_cost_total": float(cost.sum()),
         "enc_rows_real": real_rows,
         "enc_rows_computed": computed,
         **per_encoder,
@@ -561,3 +564,155 @@ def fit_segment_capacities(parts: list[list[Segment]], grid: DeviceGrid, reducti
     names = sorted({s.encoder for p in parts for s in p})
     _, caps = _place_balanced(parts, grid, names, long_short, long_factor, {}, min_rows, growth, reductions)
     return caps
+
+
+# ---------------------------------------------------------------------------- host groups (issue 47)
+# The hosts whose devices hold the same LLM batch shards (pipeline stages, tp/cp replicas on different
+# hosts) form a host group. Every receiver of a segment's encoder output (the devices of its LLM block,
+# `DeviceGrid.receivers`) lies inside the group holding its row, so a group can place the segments of
+# its own rows on its own devices and route them there: a plan per group, on the group's sub-grid, with
+# no other host's samples or devices looked at. The global all-to-all tables are the group's with pad
+# entries towards every other group's devices.
+@dataclass(frozen=True)
+class HostGroup:
+    """One host group: its hosts, the batch shards it holds (sorted), its devices in the order of its
+    sub-grid (`devices[k]`: the global device of sub-grid device k) and its hosts' index per sub-grid
+    device (renumbered 0.., None for a group of one host)."""
+
+    index: int
+    hosts: tuple[int, ...]
+    shards: np.ndarray
+    grid: DeviceGrid
+    devices: np.ndarray
+    host_of: np.ndarray | None
+
+    def rows(self, batch_rows: int, batch_shards: int) -> np.ndarray:
+        """The global LLM rows of the group's shards (each shard `batch_rows / batch_shards` rows), in order."""
+        per = batch_rows // batch_shards
+        return (self.shards[:, None] * per + np.arange(per)[None, :]).reshape(-1)
+
+
+def host_groups(grid: DeviceGrid, host_of: np.ndarray) -> list[HostGroup]:
+    """The host groups of `grid` whose device d sits on host `host_of[d]`: hosts linked by a batch shard
+    they both hold, ordered by their first shard. Each group's sub-grid is the LLM grid over its shards
+    (pp x shards x cp x tp, the batch shards on the fsdp axis), whose flattened order maps onto the
+    global device order; its esp groups must be global esp groups (whole inside the group), else a
+    ConfigError says so."""
+    host_of = np.asarray(host_of, np.int64)
+    D = grid.num_devices
+    if host_of.shape != (D,):
+        raise ConfigError(f"host_of has {host_of.shape} entries for {D} devices")
+    shard = grid.batch_shard()
+    S, P_, C, T = grid.batch_shards, grid.size("pp"), grid.size("cp"), grid.size("tp")
+    parent = list(range(int(host_of.max()) + 1))
+
+    def find(h: int) -> int:
+        while parent[h] != h:
+            parent[h] = parent[parent[h]]
+            h = parent[h]
+        return h
+
+    first: dict[int, int] = {}
+    for s, h in {(int(a), int(b)) for a, b in zip(shard.tolist(), host_of.tolist())}:
+        if s in first:
+            parent[find(h)] = find(first[s])
+        else:
+            first[s] = h
+    members: dict[int, list[int]] = {}
+    for h in sorted(set(host_of.tolist())):
+        members.setdefault(find(h), []).append(h)
+    shards_of = {root: np.unique(shard[np.isin(host_of, hs)]) for root, hs in members.items()}
+    out = []
+    for k, root in enumerate(sorted(members, key=lambda r: int(shards_of[r][0]))):
+        shards = shards_of[root]
+        sub = DeviceGrid((P_, 1, len(shards), 1, C, T), grid.esp)
+        pp, j, cp, tp = np.unravel_index(np.arange(sub.num_devices), (P_, len(shards), C, T))
+        devices = np.ravel_multi_index((pp, shards[j], cp, tp), (P_, S, C, T)).astype(np.int64)
+        first_dev = devices[::grid.esp]
+        if np.any(first_dev % grid.esp) or np.any(devices.reshape(-1, grid.esp) - first_dev[:, None]
+                                                 != np.arange(grid.esp)):
+            raise ConfigError(f"parallel.encoder: esp={grid.esp} groups cross host group {k} (hosts "
+                              f"{members[root][:4]}...): a host group must hold whole esp groups")
+        hosts = tuple(members[root])
+        local = None
+        if len(hosts) > 1:
+            local = np.searchsorted(np.asarray(hosts), host_of[devices])
+        out.append(HostGroup(k, hosts, shards, sub, devices, local))
+    return out
+
+
+def group_view(batch: dict, group: HostGroup, reductions: dict[str, int], batch_shards: int) -> dict:
+    """The part of a step that host group `group` plans, as a batch `build_plan` reads: the group's rows
+    (`row_docs`, or `segment_ids` of a whole batch) and only the encoder segments whose outputs land in
+    them, their destinations renumbered into the group's rows. Encoder inputs and positions are the
+    step's own buffers (segments keep their global starts), so a plan slices only its group's
+    segments' payloads. Each segment's destinations must be consecutive positions (one packed row)."""
+    B, L = step_rows(batch), int(np.shape(batch["tokens"])[1])
+    if B % batch_shards:
+        raise ConfigError(f"{B} LLM rows do not split over {batch_shards} batch shards")
+    per = B // batch_shards
+    rows = group.rows(B, batch_shards)
+    local_shard = np.full(batch_shards, -1, np.int64)
+    local_shard[group.shards] = np.arange(len(group.shards))
+    view: dict = {"tokens": _Shape((len(rows), L))}
+    if "row_docs" in batch:
+        view["row_docs"] = np.asarray(batch["row_docs"])[rows]
+    else:
+        view["segment_ids"] = np.asarray(batch["segment_ids"])[rows]
+    for seg_name in sorted(reductions):
+        if f"{seg_name}_segment_ids" not in batch:
+            continue
+        segs = segments_of(batch, {seg_name: reductions[seg_name]}, lambda *_: 0.0)
+        r = reductions[seg_name]
+        keep = []
+        for s in segs:
+            d = s.dests
+            if d.size == 0 or d[0] < 0 or local_shard[d[0] // L // per] < 0:
+                continue
+            if np.any(d != d[0] + np.arange(d.size)):
+                raise ConfigError(f"a {seg_name} segment's output positions are not consecutive: "
+                                  "route_local needs each segment inside one packed row")
+            f = int(d[0])
+            keep.append((s.start, s.rows, (int(local_shard[f // L // per]) * per + f // L % per) * L + f % L))
+        n = int(np.shape(batch[f"{seg_name}_segment_ids"])[0])
+        starts = np.array([k[0] for k in keep], np.int64)
+        lengths = np.array([k[1] for k in keep], np.int64)
+        view[f"{seg_name}_segment_ids"] = Runs(n, starts, lengths, np.arange(1, len(keep) + 1))
+        view[f"{seg_name}_dest"] = Runs(n // r, starts // r, lengths // r, [k[2] for k in keep], step=1, fill=-1)
+        view[f"{seg_name}_inputs"] = batch[f"{seg_name}_inputs"]
+        view[f"{seg_name}_positions"] = batch[f"{seg_name}_positions"]
+    return view
+
+
+class _Shape:
+    """Stands in for an array of which only the shape is read (a group's token rows: never built)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = tuple(shape)
+
+
+def widen_plan(plan: Plan, group: HostGroup, num_devices: int) -> Plan:
+    """A host group's plan (on its sub-grid) in the global device numbering: the arrays' rows are the
+    group's filled devices (global indices in `Plan.devices`), the routing tables [rows, D, C] with pad
+    entries (send: the pad output row; receive: the drop index) towards every device outside the group,
+    the device payload over all D devices (zero outside)."""
+    D, dev = num_devices, group.devices
+    rows = dev if plan.devices is None else dev[np.asarray(plan.devices, np.int64)]
+    arrays = dict(plan.arrays)
+    for key in ("route_send", "route_recv"):
+        t = plan.arrays[key]
+        pad = _pad_value(plan, key)
+        wide = np.full((t.shape[0], D, t.shape[2]), pad, t.dtype)
+        wide[:, dev] = t
+        arrays[key] = wide
+    payload = None
+    if plan.device_payload is not None:
+        payload = np.zeros(D)
+        payload[dev] = plan.device_payload
+    return Plan(arrays, dict(plan.stats), plan.capacities, tuple(int(d) for d in rows), payload)
+
+
+def _pad_value(plan: Plan, key: str) -> int:
+    """The send table's pad row (after every output row) / the receive table's drop index (one past the
+    local block), as `_materialize` fills them."""
+    return int(plan.stats["pad_row" if key == "route_send" else "drop_index"])

@@ -193,30 +193,13 @@ def open_plane(key: str, paths: list[str], split: str, *, data: MMDataConfig, mm
 
 def kv_exchange(prefix: str, timeout_s: float = 900.0, keep: int = 16) -> Callable[[int, bytes], list[bytes]]:
     """`exchange(window, part) -> every process's part` over the coordination service's key-value store
-    (`Loader(exchange=...)`): each process writes its part of a window under `prefix/window/process` and
-    reads the others'. Host memory only, no device collective, so the loader's prefetch threads may call it
-    while a step runs. A process deletes its own part `keep` windows later (hosts run in step with each
-    other, at most a few windows apart). Every process reads every part, so the traffic through the
-    coordinator grows with processes squared: fine for tens of hosts, not for thousands."""
-    from omnijax.jax_private import distributed
+    (`Loader(exchange=...)`; `parallel.hosts.kv_exchange`, which the multiplexer's host groups also use to
+    agree capacities). Every process reads every part: fine for tens of hosts and small parts."""
+    from omnijax.parallel import hosts
 
-    client = distributed.global_state.client
-    me, n = jax.process_index(), jax.process_count()
-    if client is None or n == 1:
+    if jax.process_count() == 1:
         raise ConfigError("data_plane.kv_exchange needs a multi-process job (jax.distributed initialized)")
-
-    def exchange(window: int, part: bytes) -> list[bytes]:
-        client.key_value_set_bytes(f"{prefix}/{window}/{me}", part, allow_overwrite=True)
-        out = [part if j == me else bytes(client.blocking_key_value_get_bytes(f"{prefix}/{window}/{j}",
-                                                                              int(timeout_s * 1000)))
-               for j in range(n)]
-        if window >= keep:
-            try:
-                client.key_value_delete(f"{prefix}/{window - keep}/{me}")
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        return out
-    return exchange
+    return hosts.kv_exchange(prefix, timeout_s, keep)
 
 
 def cached_batches(loader: Loader, batches: int) -> Callable[[], list[dict]]:
