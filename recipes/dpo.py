@@ -12,8 +12,13 @@ no second copy) or `precompute` (the initial weights' answer log-probabilities c
 finetune's (`omnijax.train.warmstart`), the data wiring the library's (`omnijax.train.multimodal`). On the
 built-in world the world's settings follow init.checkpoint's run, and at the end its held-out questions are decoded
 (eval.json: per-modality accuracy and its standard error) and scored as pairs before and after training
-(`held_out_pairs`: preference and reward accuracy, `omnijax/train/reference.py`). One process, plain data
-parallelism.
+(`held_out_pairs`: preference and reward accuracy, `omnijax/train/reference.py`).
+
+Every layout finetune runs on: plain data parallelism on one process, else (`parallel.llm` / `parallel.encoder`,
+and every multi-process run) the trainer's joint step (`omnijax.parallel.multiplex`), whose hidden states
+(`Multiplexer.hidden_states`: encoder outputs routed in, the LLM in its layout) go through the LLM head a chunk at
+a time (`preference.hidden_logps`). Pairs stay whole in one row whatever the layout, and the loss is the mean over
+the step's pairs under any trainer.grad_accum (`preference.global_counts`).
 """
 from __future__ import annotations
 
@@ -63,12 +68,13 @@ def load(argv: list[str], name: str = "dpo") -> DPOConfig:
     if d.reference == "adapters" and t.lora.rank <= 0:
         raise ConfigError("dpo.reference=adapters is the model with its LoRA adapters off: set trainer.lora.rank > 0, "
                           "or dpo.reference=precompute to train the whole model")
-    if t.grad_accum != 1 or t.staleness != "sync":
-        raise ConfigError(f"trainer.grad_accum={t.grad_accum}, trainer.staleness={t.staleness}: DPO averages over the "
-                          "step's pairs as one batch; use trainer.grad_accum=1 and trainer.staleness=sync")
-    if cfg.parallel.llm or cfg.parallel.encoder:
-        raise ConfigError(f"parallel.llm={cfg.parallel.llm!r} parallel.encoder={cfg.parallel.encoder!r}: DPO runs "
-                          "with plain data parallelism over one process's devices for now; drop parallel.*")
+    if t.staleness != "sync":
+        raise ConfigError(f"trainer.staleness={t.staleness}: DPO averages over the step's pairs; use "
+                          "trainer.staleness=sync")
+    if t.grad_accum > 1 and (cfg.parallel.llm or cfg.parallel.encoder):
+        raise ConfigError(f"trainer.grad_accum={t.grad_accum} with parallel.llm/parallel.encoder: the joint step plans "
+                          "its encoder routing per step, not per microbatch; use trainer.grad_accum=1 (or plain data "
+                          "parallelism on one process)")
     if not cfg.data.sources:
         raise ConfigError("data.sources=[...]: shards of preference pairs (`python -m recipes convert`), or [world]")
     if WORLD in cfg.data.sources:  # the world's pairs, in the world the SFT run trained on
@@ -93,10 +99,13 @@ def main(argv: list[str], name: str = "dpo") -> int:
 
     import jax
     import jax.numpy as jnp
-
-    if jax.process_count() > 1:
-        raise ConfigError("DPO runs in one process for now (plain data parallelism over its devices)")
     from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if jax.process_count() > 1 and cfg.trainer.grad_accum > 1:
+        raise ConfigError(f"trainer.grad_accum={cfg.trainer.grad_accum} on {jax.process_count()} processes: several "
+                          "processes take the joint step, which plans its encoder routing per step; use "
+                          "trainer.grad_accum=1")
 
     from omnijax.data import world_eval
     from omnijax.data.sources import WORLD
@@ -110,9 +119,15 @@ def main(argv: list[str], name: str = "dpo") -> int:
 
     tok = load_tokenizer(cfg.tokenizer.path)
     warmstart.check_tokenizer(cfg, tok)
-    loader = multimodal.train_loader(cfg, tok)  # opens (and checks) the data before the model is built
+    placement = multimodal.placement(cfg)  # None: plain data parallelism on one process; else the joint step
+    warmstart.check_placement(cfg, placement)
+    loader = multimodal.train_loader(cfg, tok, placement)  # opens (and checks) the data before the model is built
     held_out = multimodal.held_out_batches(cfg, tok)
     build_model = lambda: MultimodalModel(cfg.model, rngs=nnx.Rngs(cfg.trainer.seed))  # noqa: E731
+    logps_fn, replicated = preference.model_logps, None
+    if placement is not None:  # the joint step's hidden states through its LLM's head
+        logps_fn = preference.hidden_logps(lambda m, b: (placement.hidden_states(m, b)[0], m.llm))
+        replicated = NamedSharding(placement.mesh, PartitionSpec())  # scores every process reads whole
     precompute = cfg.dpo.reference == "precompute"
     if precompute:
         loader = reference.WithReference(loader)
@@ -121,31 +136,36 @@ def main(argv: list[str], name: str = "dpo") -> int:
         items = world_eval.eval_items(World(dataclasses.replace(cfg.world, pairs=False), "eval"), cfg.eval.items)
         packer = eval_packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len, cfg.data.batch_size, cfg.capacity)
         abstract = nnx.eval_shape(adapters.attach(build_model, cfg.trainer.lora, cfg.trainer.seed))
-        evaluate = WorldAccuracy(abstract, packer, items, cfg.eval.max_new_tokens, cfg.eval.ablation_items)
+        evaluate = WorldAccuracy(abstract, packer, items, cfg.eval.max_new_tokens, cfg.eval.ablation_items,
+                                 placement)
         # the same held-out questions as preference pairs (the correct answer vs the world's wrong one)
         pair_world = World(dataclasses.replace(cfg.world, pairs=True), "eval")
         pair_packer = eval_packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len, cfg.data.batch_size, cfg.capacity)
         pairs = {m: reference.pack_all(pair_packer, [pair_world.sample(it.sample.index) for it in its])
                  for m, its in items.items()}
-    loss_fn = preference.dpo_loss(cfg.dpo.beta, rpo_alpha=cfg.dpo.rpo_alpha, dpop_lambda=cfg.dpo.dpop_lambda)
-    trainer = Trainer(cfg, build_model, loss_fn, loader, eval_fn=evaluate, eval_data=held_out)
+    loss_fn = preference.dpo_loss(cfg.dpo.beta, rpo_alpha=cfg.dpo.rpo_alpha, dpop_lambda=cfg.dpo.dpop_lambda,
+                                  logps_fn=logps_fn)
+    train_model = build_model if placement is None else (lambda: placement.prepare(build_model()))
+    trainer = Trainer(cfg, train_model, loss_fn, loader, placement=placement, eval_fn=evaluate, eval_data=held_out)
     params = warmstart.initial_params(cfg, trainer.state.params, name)  # the SFT model (and fresh adapters)
     resuming = trainer.checkpointer is not None and trainer.checkpointer.latest_step() is not None
     if precompute:  # from the initial weights, also when resuming (the same batches come again)
         dtype = jnp.dtype(cfg.trainer.compute_dtype)
         put = trainer.placement.put_batch
-        loader.table = reference.precompute(multimodal.train_loader(cfg, tok), cfg.trainer.steps, trainer.graphdef,
-                                            params, trainer.rest, put, dtype)
+        loader.table = reference.precompute(multimodal.train_loader(cfg, tok, placement), cfg.trainer.steps,
+                                            trainer.graphdef, params, trainer.rest, put, dtype, logps_fn=logps_fn,
+                                            out_sharding=replicated)
         if held_out is not None:
             batches = held_out()
             table = reference.precompute(iter(batches), len(batches), trainer.graphdef, params, trainer.rest, put,
-                                         dtype, log=False)
+                                         dtype, log=False, logps_fn=logps_fn, out_sharding=replicated)
             trainer.eval_data = lambda: list(reference.WithReference(iter(batches), table))
     dtype = jnp.dtype(cfg.trainer.compute_dtype)
     ref_pairs = {}
     if pairs:  # the held-out pairs under the reference (the initial weights, adapters off)
         ref_pairs = {m: reference.pair_logps(b, trainer.graphdef, params, trainer.rest, trainer.placement.put_batch,
-                                             dtype, adapters_off=True) for m, b in pairs.items()}
+                                             dtype, adapters_off=True, logps_fn=logps_fn, out_sharding=replicated)
+                     for m, b in pairs.items()}
     if not resuming:
         trainer.state = trainer.state.replace(params=params)
     del params
@@ -159,7 +179,7 @@ def main(argv: list[str], name: str = "dpo") -> int:
     report = {"metrics": result.eval or {}, "dpo_last_logged": dpo, "data": data, "steps": cfg.trainer.steps,
               "beta": cfg.dpo.beta, "reference": cfg.dpo.reference, "wall_s": round(time.perf_counter() - t0, 1)}
     summary = ", ".join(f"{k} {v:.4f}" for k, v in dpo.items())
-    if evaluate is not None:
+    if evaluate is not None and jax.process_index() == 0:  # decoding runs on process 0 (the others get no figures)
         report.update({"chance": world_eval.chances(list(items)), **evaluate.report()})
         report["accuracy_se"] = {f"{m}_accuracy": round(math.sqrt(max(a * (1 - a), 0.0) / len(items[m])), 4)
                                  for m in items for a in [result.eval[f"{m}_accuracy"]]}
@@ -168,7 +188,8 @@ def main(argv: list[str], name: str = "dpo") -> int:
         held = {}
         for m, b in pairs.items():
             policy = reference.pair_logps(b, trainer.graphdef, trainer.state.params, trainer.rest,
-                                          trainer.placement.put_batch, dtype)
+                                          trainer.placement.put_batch, dtype, logps_fn=logps_fn,
+                                          out_sharding=replicated)
             held[m] = {"start": reference.pair_report(ref_pairs[m], ref_pairs[m], cfg.dpo.beta),
                        "end": reference.pair_report(policy, ref_pairs[m], cfg.dpo.beta)}
         report["held_out_pairs"] = held
@@ -182,7 +203,8 @@ def main(argv: list[str], name: str = "dpo") -> int:
                         f"{e['logps_chosen']:.2f} / {e['logps_rejected']:.2f} ({e['pairs']} pairs)")
     elif result.eval and "eval_loss" in result.eval:
         summary += f"; held-out DPO loss {result.eval['eval_loss']:.4f}"
-    (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    if jax.process_index() == 0:
+        (trainer.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
     print(f"{summary} ({cfg.trainer.steps} steps, {report['wall_s']:.0f} s) -> {trainer.run_dir}/eval.json",
           file=sys.stderr)
     return 0

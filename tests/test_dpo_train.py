@@ -35,7 +35,8 @@ def test_dpo_recipe_on_a_fixed_pair(one_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIJAX_RUNS", str(tmp_path))
     common = [f"data.sources=[{one_pair}]"]
     for bad, why in ((["dpo.reference=adapters", "trainer.lora.rank=0"], "trainer.lora.rank > 0"),
-                     (["trainer.grad_accum=2"], "grad_accum=1"), (["parallel.llm=fsdp2"], "drop parallel"),
+                     (["trainer.grad_accum=2", "parallel.llm=fsdp2"], "per step, not per microbatch"),
+                     (["trainer.staleness=stale1"], "staleness=sync"),
                      (["dpo.beta=0"], "beta must be > 0"), (["dpo.reference=frozen"], "adapters .* or precompute")):
         with pytest.raises(ConfigError, match=why):
             dpo.load(common + bad)

@@ -4,6 +4,11 @@ Loss is the token-weighted mean over the *global* batch: each microbatch contrib
 sum(ce)/total_tokens, so gradient accumulation and any sharding of the batch give the same
 update as one big batch (up to float reassociation). Model-level (not a trainer internal), so
 parallel placements that run their own forward/backward (e.g. inside shard_map) use the same one.
+
+A loss whose mean is over something else than tokens (DPO: pairs) says so with an attribute
+`loss_fn.global_counts(batch) -> dict` of scalars over a whole batch, `count` its denominator: it is
+computed once over the step's batch, divides every microbatch's loss_sum, and reaches each microbatch
+call as `batch[GLOBAL_COUNTS]` (a loss normalising a term by another global count reads it there).
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from flax import nnx
 
 # loss_fn(model, microbatch) -> (loss_sum, token_count, aux) with aux a dict of scalars.
 LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array, dict]]
+GLOBAL_COUNTS = "global_counts"  # the batch key of a loss's `global_counts` over the whole step (see above)
 
 
 def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
@@ -24,12 +30,36 @@ def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
 
 def split_microbatches(batch: dict, count: int) -> dict:
     """[B, ...] -> [count, B/count, ...], interleaved (row j*count + a goes to microbatch a) so a
-    batch sharded over its leading axis stays local to each device."""
+    batch sharded over its leading axis stays local to each device.
+
+    A multimodal batch's encoder buffers (`NAME_inputs` / `_segment_ids` / `_positions`, whose rows are
+    not LLM rows) go whole to every microbatch, and `NAME_dest` (flat LLM positions row * L + column)
+    is renumbered into each microbatch's rows, -1 (dropped) for the positions of the others: each
+    microbatch encodes the step's segments and keeps the outputs its own rows take, so the gradients
+    add up to the whole batch's."""
+    dests = [k for k in batch if k.endswith("_dest") and f"{k[:-5]}_inputs" in batch]
+    media = {f"{k[:-5]}_{s}" for k in dests for s in ("inputs", "segment_ids", "positions")}
+    L = batch["tokens"].shape[1] if "tokens" in batch else None
+
     def split(x):
         if x.shape[0] % count:
             raise ValueError(f"batch leading dim {x.shape[0]} is not divisible by grad_accum={count}")
         return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
-    return jax.tree.map(split, batch)
+
+    def renumber(dest):
+        rows = dest // L
+        return jnp.stack([jnp.where((dest >= 0) & (rows % count == a), rows // count * L + dest % L, -1).astype(dest.dtype)
+                          for a in range(count)])
+
+    out = {}
+    for k, v in batch.items():
+        if k in dests:
+            out[k] = renumber(v)
+        elif k in media:
+            out[k] = jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), v)
+        else:
+            out[k] = jax.tree.map(split, v)
+    return out
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, params: Any, batch: dict, *,
@@ -40,21 +70,26 @@ def loss_and_grads(graphdef: nnx.GraphDef, rest: Any, loss_fn: LossFn, params: A
                    trainable: list[bool] | None = None) -> tuple[jax.Array, Any, dict]:
     """Global-mean loss, its gradient w.r.t. `params`, and summed aux metrics.
 
-    `total` is the loss denominator (default: this batch's target tokens); code that sees only its
-    own rows of the global batch (inside shard_map) passes the global count so the parts sum up.
+    `total` is the loss denominator (default: this batch's target tokens, or `loss_fn.global_counts`'s
+    `count` where the loss has one); code that sees only its own rows of the global batch (inside
+    shard_map) passes the global count so the parts sum up.
     `params_fn` maps the (compute-dtype) params before the model sees them, inside the differentiated
     function: e.g. gathering FSDP shards, whose transpose then reduce-scatters the gradients.
     `trainable` (one bool per leaf of `params`, in `jax.tree.leaves` order) differentiates with respect to
     the trainable leaves only: no backward pass runs into a frozen part that nothing trainable feeds
     (a frozen encoder), and the frozen leaves' gradients are zeros (never read by a partitioned optimizer)."""
     aux_weights = aux_weights or {}
-    if total is None:
+    counts_fn, extra = getattr(loss_fn, "global_counts", None), {}
+    if total is None and counts_fn is not None:  # the loss's own denominator, over the whole step's batch
+        counts = counts_fn(batch)
+        total, extra = jnp.maximum(counts["count"], 1.0), {GLOBAL_COUNTS: counts}
+    elif total is None:
         total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
 
     def objective(p, mb):
         p = cast_floating(p, compute_dtype)
         model = nnx.merge(graphdef, params_fn(p) if params_fn else p, rest)
-        loss_sum, _, aux = loss_fn(model, mb)
+        loss_sum, _, aux = loss_fn(model, {**mb, **extra})
         obj = loss_sum / total
         for name, weight in aux_weights.items():
             if name in aux and weight:

@@ -12,6 +12,12 @@ with π the policy's and ρ the reference's sequence log-probabilities. The refe
 adapters switched off (`omnijax.layers.lora.disabled`: no second copy of the model), or per-token reference
 log-probabilities computed once before training and carried in the batch (`ref_logps` [B, L]).
 A pair slot is real when both of its answers have loss tokens, so no pair count travels with the batch.
+
+The objective is the mean over the step's pairs, whatever splits the step: the loss declares its global
+denominator (`global_counts`: real pairs, chosen answer tokens) and `objective.loss_and_grads` computes it once
+over the whole batch and hands it to every microbatch (trainer.grad_accum > 1), so the microbatches' sums add up
+to the global mean. The per-token log-probabilities come from the final hidden states through the LLM head a row
+chunk at a time (`head_logps`, `model.loss_chunk`): no [B, L, V] logits buffer at a real vocabulary.
 """
 from __future__ import annotations
 
@@ -25,6 +31,15 @@ from flax import nnx
 from omnijax.errors import ConfigError
 from omnijax.layers import lora
 from omnijax.models import adapters
+from omnijax.models.losses import _chunk_logits, _picked, head_weight, loss_chunk_of
+from omnijax.models.objective import GLOBAL_COUNTS
+
+# (model, batch) -> log p(target) per position [B, L] (0 off the loss tokens)
+LogpsFn = Callable[[Any, dict], jax.Array]
+# (model, batch) -> (final-normed hidden states [B, L, D], the LLM whose head turns them into logits)
+HiddenFn = Callable[[Any, dict], tuple[jax.Array, Any]]
+STAT_KEYS = ("dpo_reward_chosen", "dpo_reward_rejected", "dpo_correct", "dpo_pairs", "dpo_logps_chosen",
+             "dpo_logps_rejected")
 
 
 def token_logps(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
@@ -35,24 +50,103 @@ def token_logps(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.A
     return (picked - jax.nn.logsumexp(logits, axis=-1)) * mask.astype(jnp.float32)
 
 
+def head_logps(llm: Any, h: jax.Array, targets: jax.Array, mask: jax.Array, chunk: int | None = None) -> jax.Array:
+    """`token_logps(llm.logits(h), targets, mask)` holding one [B, chunk, V] block of logits at a time.
+
+    `chunk` (default the LLM's `model.loss_chunk`; 0 or ≥ L: the full logits). As `losses.head_cross_entropy`
+    does, each row's loss positions are moved to its front first and a chunk past every row's count is skipped;
+    each chunk is rematerialised in the backward pass (`jax.checkpoint`), so only [B, L] values are kept."""
+    chunk = loss_chunk_of(llm) if chunk is None else chunk
+    b, l = targets.shape
+    if chunk <= 0 or chunk >= l:
+        return token_logps(llm.logits(h), targets, mask)
+    w, tied = head_weight(llm, h.dtype)
+    mask = mask.astype(jnp.float32)
+    targets = jnp.where(mask > 0, targets, 0).astype(jnp.int32)
+    order = jnp.argsort((mask <= 0).astype(jnp.int32), axis=1, stable=True)  # loss positions first, in order
+    hs = jnp.take_along_axis(h, order[..., None], axis=1)
+    ts, ms = jnp.take_along_axis(targets, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
+    nc = -(-l // chunk)
+    pad = nc * chunk - l
+    if pad:
+        hs = jnp.pad(hs, ((0, 0), (0, pad), (0, 0)))
+        ts, ms = jnp.pad(ts, ((0, 0), (0, pad))), jnp.pad(ms, ((0, 0), (0, pad)))
+    split = lambda x: jnp.moveaxis(x.reshape(b, nc, chunk, *x.shape[2:]), 1, 0)  # noqa: E731  [nc, B, C, ...]
+    per_chunk = jnp.sum(split(ms), axis=(1, 2))
+    needed = jnp.sum((per_chunk > 0).astype(jnp.int32))  # compacted rows: the chunks with loss are a prefix
+
+    @jax.checkpoint
+    def one(w, hc, tc, mc):
+        logits = _chunk_logits(hc, w, tied)
+        return (_picked(logits, tc) - jax.nn.logsumexp(logits, axis=-1)) * mc
+
+    def body(_, xs):
+        hc, tc, mc, k = xs
+        return None, jax.lax.cond(k < needed, lambda: one(w, hc, tc, mc), lambda: jnp.zeros(mc.shape, jnp.float32))
+
+    _, out = jax.lax.scan(body, None, (split(hs), split(ts), split(ms), jnp.arange(nc)))
+    out = jnp.moveaxis(out, 0, 1).reshape(b, nc * chunk)[:, :l]
+    return jnp.take_along_axis(out, jnp.argsort(order, axis=1), axis=1)  # back to the positions' order
+
+
+def model_hidden(model: Any, batch: dict) -> tuple[jax.Array, Any]:
+    """(final-normed hidden states [B, L, D], the LLM) of a plain LLM or of the multimodal assembly."""
+    if hasattr(model, "encoders"):  # the multimodal assembly
+        h, _ = model.llm.forward_embeddings(model.embed(batch), batch["segment_ids"], batch["positions"], head=False,
+                                            rope_positions=batch.get("rope_positions"))
+        return h, model.llm
+    h, _ = model.forward_embeddings(model.embed(batch["tokens"]), batch["segment_ids"], batch["positions"],
+                                    head=False)
+    return h, model
+
+
+def hidden_logps(hidden_fn: HiddenFn = model_hidden, chunk: int | None = None) -> LogpsFn:
+    """A `LogpsFn` from `hidden_fn` through the LLM head (`head_logps`): e.g. the joint step's
+    `Multiplexer.hidden_states` (encoder outputs routed in, the LLM in its layout) with the prepared LLM's head."""
+    def fn(model: Any, batch: dict) -> jax.Array:
+        h, llm = hidden_fn(model, batch)
+        return head_logps(llm, h, batch["targets"], batch["loss_mask"], chunk)
+    return fn
+
+
+model_logps = hidden_logps()  # the single-device model's (plain LLM or multimodal assembly)
+
+
+def logits_logps(logits_fn: Callable[[Any, dict], jax.Array]) -> LogpsFn:
+    """A `LogpsFn` from a full-logits function (model, batch) -> [B, L, V]."""
+    return lambda model, batch: token_logps(logits_fn(model, batch), batch["targets"], batch["loss_mask"])
+
+
 def pair_sums(values: jax.Array, pref_index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(chosen, rejected) sums of `values` [B, L] per pair slot of each row: two [B * S] arrays, S = L // 2 + 1
-    slots a row (a pair takes at least two tokens)."""
-    b, l = pref_index.shape
+    slots a row (a pair takes at least two tokens). Summed row by row (a batched segment sum), so rows sharded
+    over devices stay where they are."""
+    l = pref_index.shape[1]
     width = 2 * (l // 2 + 1) + 1
-    ids = (jnp.arange(b, dtype=jnp.int32)[:, None] * width + pref_index.astype(jnp.int32)).reshape(-1)
-    sums = jax.ops.segment_sum(values.reshape(-1).astype(jnp.float32), ids, num_segments=b * width)
-    sums = sums.reshape(b, width)
+    sums = jax.vmap(lambda v, i: jax.ops.segment_sum(v, i, num_segments=width))(
+        values.astype(jnp.float32), pref_index.astype(jnp.int32))
     return sums[:, 1::2].reshape(-1), sums[:, 2::2].reshape(-1)
 
 
-def pair_logps(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(chosen, rejected) sequence log-probabilities per pair slot of the batch's rows, and which slots hold a
-    real pair (both answers have loss tokens)."""
+def pair_logps(logps: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(chosen, rejected) sequence log-probabilities per pair slot of the batch's rows from per-token
+    log-probabilities `logps` [B, L], and which slots hold a real pair (both answers have loss tokens)."""
     mask = batch["loss_mask"].astype(jnp.float32)
-    chosen, rejected = pair_sums(token_logps(logits, batch["targets"], mask), batch["pref_index"])
+    chosen, rejected = pair_sums(logps * mask, batch["pref_index"])
     counts = pair_sums(mask, batch["pref_index"])
     return chosen, rejected, (counts[0] > 0) & (counts[1] > 0)
+
+
+def global_counts(batch: dict) -> dict[str, jax.Array]:
+    """The step's denominators over a whole batch: `count` (real pairs, what the trainer divides the summed loss
+    by) and `chosen_tokens` (the real pairs' chosen answer tokens, the RPO term's)."""
+    if "pref_index" not in batch:
+        zero = jnp.zeros((), jnp.float32)
+        return {"count": zero, "chosen_tokens": zero}
+    mask = batch["loss_mask"].astype(jnp.float32)
+    c, r = pair_sums(mask, batch["pref_index"])
+    real = ((c > 0) & (r > 0)).astype(jnp.float32)
+    return {"count": jnp.sum(real), "chosen_tokens": jnp.sum(c * real)}
 
 
 def dpo_terms(policy: tuple[jax.Array, jax.Array], reference: tuple[jax.Array, jax.Array], pair_mask: jax.Array,
@@ -72,11 +166,12 @@ def dpo_terms(policy: tuple[jax.Array, jax.Array], reference: tuple[jax.Array, j
     return jnp.sum(losses * m), stats
 
 
-def means(stats: dict) -> dict:
-    """The metrics a DPO step reports (means over the batch's pairs): rewards (β·(π−ρ)) of the chosen and the
-    rejected answers, their margin, the share of pairs ordered right (accuracy), the policy's sequence
-    log-probabilities, and the pair count."""
-    n = jnp.maximum(stats["dpo_pairs"], 1.0)
+def means(stats: dict, pairs: jax.Array | None = None) -> dict:
+    """The metrics a DPO step reports: rewards (β·(π−ρ)) of the chosen and the rejected answers, their margin,
+    the share of pairs ordered right (accuracy), the policy's sequence log-probabilities, each as the sums of
+    `stats` over `pairs` (default: the batch's own, `stats["dpo_pairs"]`; the step's global count under
+    gradient accumulation, so the microbatches' metrics add up to the step's means), and the pair count."""
+    n = jnp.maximum(stats["dpo_pairs"] if pairs is None else pairs, 1.0)
     return {"dpo_reward_chosen": stats["dpo_reward_chosen"] / n, "dpo_reward_rejected": stats["dpo_reward_rejected"] / n,
             "dpo_reward_margin": (stats["dpo_reward_chosen"] - stats["dpo_reward_rejected"]) / n,
             "dpo_accuracy": stats["dpo_correct"] / n, "dpo_logps_chosen": stats["dpo_logps_chosen"] / n,
@@ -90,48 +185,54 @@ def model_logits(model: Any, batch: dict) -> jax.Array:
     return model(batch["tokens"], batch["segment_ids"], batch["positions"])
 
 
-def reference_logps(model: Any, batch: dict, logits_fn: Callable[[Any, dict], jax.Array] = model_logits) -> jax.Array:
+def reference_logps(model: Any, batch: dict, logps_fn: LogpsFn = model_logps) -> jax.Array:
     """Per-token log-probabilities of the batch's targets [B, L] under `model` with its adapters off (0 off the
     loss tokens): what `dpo.reference=precompute` computes once and carries as `ref_logps`."""
     with lora.disabled():
-        return token_logps(logits_fn(model, batch), batch["targets"], batch["loss_mask"])
+        return logps_fn(model, batch) * batch["loss_mask"].astype(jnp.float32)
 
 
-def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] = model_logits, rpo_alpha: float = 0.0,
-             dpop_lambda: float = 0.0):
-    """A `LossFn` (model, batch) -> (loss_sum, token_count, aux) whose global mean is the mean pair loss.
+def dpo_loss(beta: float = 0.1, logits_fn: Callable[[Any, dict], jax.Array] | None = None, rpo_alpha: float = 0.0,
+             dpop_lambda: float = 0.0, logps_fn: LogpsFn | None = None):
+    """A `LossFn` (model, batch) -> (loss_sum, pairs, aux) whose global mean is the mean pair loss.
 
+    The per-token log-probabilities: `logps_fn` (e.g. `hidden_logps` of the joint step's hidden states), else
+    `logits_fn`'s full logits, else `model_logps` (the single-device model through the chunked head).
     `rpo_alpha` > 0 adds that weight times the chosen answers' mean token negative log-likelihood (TRL's
     `rpo_alpha`, Pang et al. 2024), which keeps the chosen answers' own probability from falling with the
     rejected ones'; `dpop_lambda` > 0 is DPO-Positive's penalty inside the sigmoid (`dpo_terms`).
 
-    The trainer divides `loss_sum` by the batch's answer tokens; the pair losses are scaled by tokens / pairs
-    so that quotient is the mean over pairs. That holds for a batch seen whole (trainer.grad_accum=1, the jitted
-    step over the global batch); `aux` carries the means of `means`. The reference: `ref_logps` in the batch,
-    else the model with its adapters off."""
+    `loss_sum` is the sum of the batch's pair losses (plus the RPO term scaled to the same denominator) and the
+    trainer divides it by the step's real pairs (`global_counts`, computed once over the whole step's batch and
+    given to each microbatch as `batch[GLOBAL_COUNTS]`; a call without them, e.g. an evaluation, uses the batch's
+    own): so any split into microbatches or shards gives the mean over all pairs, and `aux`'s metrics add up to
+    the step's means. The reference: `ref_logps` in the batch, else the model with its adapters off."""
+    if logps_fn is None:
+        logps_fn = logits_logps(logits_fn) if logits_fn is not None else model_logps
+
     def loss_fn(model: Any, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
-        mask = batch["loss_mask"].astype(jnp.float32)
-        tokens = jnp.sum(mask)
+        totals = batch.get(GLOBAL_COUNTS) or global_counts(batch)
+        pairs = jnp.maximum(totals["count"], 1.0)
         pref = batch.get("pref_index")
         if pref is None:  # a batch without pairs (nothing packed): no loss
             zero = jnp.zeros((), jnp.float32)
-            return zero, tokens, means({k: zero for k in ("dpo_reward_chosen", "dpo_reward_rejected", "dpo_correct",
-                                                         "dpo_pairs", "dpo_logps_chosen", "dpo_logps_rejected")})
-        chosen, rejected, real = pair_logps(logits_fn(model, batch), batch)
+            return zero, zero, means({k: zero for k in STAT_KEYS})
+        mask = batch["loss_mask"].astype(jnp.float32)
+        chosen, rejected, real = pair_logps(logps_fn(model, batch), batch)
         if "ref_logps" in batch:
             ref = batch["ref_logps"]
         else:
             if not adapters.has_adapters(nnx.state(model, nnx.Param)):
                 raise ConfigError("DPO needs a reference: train adapters (trainer.lora) so the reference is the "
                                   "model with them off, or precompute its log-probabilities (dpo.reference=precompute)")
-            ref = reference_logps(model, batch, logits_fn)
+            ref = reference_logps(model, batch, logps_fn)
         reference = pair_sums(ref * mask, pref)
         total, stats = dpo_terms((chosen, rejected), reference, real, beta, dpop_lambda)
-        objective = total / jnp.maximum(stats["dpo_pairs"], 1.0)
-        aux = means(stats)
+        aux = means(stats, pairs)
         if rpo_alpha:
-            chosen_tokens = jnp.sum(pair_sums(mask, pref)[0] * real)
-            aux["dpo_nll_chosen"] = -jnp.sum(chosen * real) / jnp.maximum(chosen_tokens, 1.0)
-            objective = objective + rpo_alpha * aux["dpo_nll_chosen"]
-        return objective * tokens, tokens, aux
+            aux["dpo_nll_chosen"] = -jnp.sum(chosen * real) / jnp.maximum(totals["chosen_tokens"], 1.0)
+            total = total + rpo_alpha * aux["dpo_nll_chosen"] * pairs
+        return total, stats["dpo_pairs"], aux
+
+    loss_fn.global_counts = global_counts
     return loss_fn

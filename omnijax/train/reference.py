@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.data.payload import local_rows
 from omnijax.layers import lora
 from omnijax.models import preference
 from omnijax.models.objective import cast_floating
@@ -33,20 +34,35 @@ STATE_KEY = "reference_step"
 
 
 def precompute(loader: Any, steps: int, graphdef: nnx.GraphDef, params: Any, rest: Any, put_batch: Callable,
-               compute_dtype: Any = jnp.float32, log: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per step 1..`steps` of `loader` (a fresh loader of the run's data): (flat indices, log-probabilities) of
-    the answer tokens under `params` with the adapters off."""
-    fn = jax.jit(lambda p, b: preference.reference_logps(nnx.merge(graphdef, cast_floating(p, compute_dtype), rest), b))
+               compute_dtype: Any = jnp.float32, log: bool = True, logps_fn: preference.LogpsFn = preference.model_logps,
+               out_sharding: Any = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per step 1..`steps` of `loader` (a fresh loader of the run's data, built as the training one is): (flat
+    indices, log-probabilities) of this host's answer tokens under `params` with the adapters off.
+
+    `logps_fn`: the training step's per-token log-probabilities (the joint step's, under a placement), with
+    `put_batch` the placement's; `out_sharding` (a replicated sharding of the placement's mesh) brings the
+    step's [B, L] values to every process, each keeping the rows of its own host batch (`rows`)."""
+    fn = jax.jit(lambda p, b: preference.reference_logps(nnx.merge(graphdef, cast_floating(p, compute_dtype), rest), b,
+                                                         logps_fn), **_out(out_sharding))
     t0, table = time.perf_counter(), []
     for _ in range(steps):
         host = next(loader)
-        logps = np.asarray(jax.device_get(fn(params, put_batch(host))), np.float32).reshape(-1)
+        logps = np.asarray(jax.device_get(fn(params, put_batch(host))), np.float32)
+        rows = local_rows(host)
+        if rows is not None and len(rows) != len(logps):  # this host's rows of the step
+            logps = logps[rows]
+        logps = logps.reshape(-1)
         where = np.flatnonzero(np.asarray(host["loss_mask"]).reshape(-1) > 0).astype(np.int64)
         table.append((where, logps[where]))
     if log and jax.process_index() == 0:
         print(f"dpo: reference log-probabilities of {sum(len(w) for w, _ in table)} answer tokens over {steps} steps "
               f"precomputed in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return table
+
+
+def _out(sharding: Any) -> dict:
+    """jit's keyword for an output sharding, where one is given."""
+    return {} if sharding is None else {"out_shardings": sharding}
 
 
 class WithReference:
@@ -101,16 +117,19 @@ def pack_all(packer: Any, samples: list) -> list[dict]:
 
 
 def pair_logps(batches: list[dict], graphdef: nnx.GraphDef, params: Any, rest: Any, put_batch: Callable,
-               compute_dtype: Any = jnp.float32, adapters_off: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(chosen, rejected) sequence log-probabilities of every real pair of `batches` (host batches with
-    `pref_index`) under `params`; `adapters_off`: the model with its LoRA adapters off (DPO's reference)."""
+               compute_dtype: Any = jnp.float32, adapters_off: bool = False,
+               logps_fn: preference.LogpsFn = preference.model_logps,
+               out_sharding: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """(chosen, rejected) sequence log-probabilities of every real pair of `batches` (whole host batches with
+    `pref_index`) under `params`; `adapters_off`: the model with its LoRA adapters off (DPO's reference).
+    `logps_fn`, `put_batch`, `out_sharding`: as `precompute`'s (the joint step's, under a placement)."""
     def fn(p, b):
         model = nnx.merge(graphdef, cast_floating(p, compute_dtype), rest)
         if adapters_off:
             with lora.disabled():
-                return preference.pair_logps(preference.model_logits(model, b), b)
-        return preference.pair_logps(preference.model_logits(model, b), b)
-    step = jax.jit(fn)
+                return preference.pair_logps(logps_fn(model, b), b)
+        return preference.pair_logps(logps_fn(model, b), b)
+    step = jax.jit(fn, **_out(out_sharding))
     out_c, out_r = [], []
     for host in batches:
         c, r, real = (np.asarray(x) for x in jax.device_get(step(params, put_batch(host))))
