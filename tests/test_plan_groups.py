@@ -134,13 +134,14 @@ def _on_hosts(loaders, fn):
         return list(pool.map(fn, loaders))
 
 
-def _hosts(world, ranks, plan_rows, state=None):
+def _hosts(world, ranks, plan_rows, state=None, layout_local=False):
     """A loader per host (its text ranks `ranks[h]`), exchanging through one Rendezvous."""
     meet = Rendezvous(len(ranks))
     out = []
     for h, own in enumerate(ranks):
         lo = Loader(LoaderConfig(dp=8, max_rows=2, **{**BASE, "plan_rows": plan_rows}), mm_cfg=world[0],
-                    world_cfg=world[1], lazy_media=True, text_ranks=list(own), plan_local=True, exchange=meet.of(h))
+                    world_cfg=world[1], lazy_media=True, text_ranks=list(own), plan_local=True, exchange=meet.of(h),
+                    layout_local=layout_local)
         if state is not None:
             lo.restore(state)
         out.append(lo)
@@ -202,6 +203,52 @@ def test_hosts_plan_their_own_groups_and_merge_the_whole_step(world, hosts, plan
     resumed = _on_hosts(again, lambda lo: lo.window_plan(2))
     assert all(r.layouts == plans[0][2].layouts and _starts(r) == _starts(plans[0][2]) for r in resumed)
     assert all(_bins(r) == _bins(plans[0][2]) for r in resumed)
+
+
+@pytest.mark.parametrize("hosts,plan_rows", [("2 hosts", 4), ("4 hosts", 8), ("pp across hosts", 4)])
+def test_hosts_lay_out_only_their_own_rows(world, hosts, plan_rows):
+    """`layout_local` (what routing per host group needs): each host lays out only its own rows and their
+    encoder segments; the exchanged parts carry no samples, only what every host agrees on (next starts,
+    layouts, per-rank totals), so the merge is O(groups + ranks). Its rows, segments, layouts and next
+    starts equal the whole plan's on its ranks; `row_docs` sums to the step's (samples, tokens, FLOPs);
+    process 0's state resumes every host exactly."""
+    ranks = HOSTS[hosts]
+    whole = Loader(LoaderConfig(dp=8, max_rows=2, **{**BASE, "plan_rows": plan_rows}), mm_cfg=world[0],
+                   world_cfg=world[1], lazy_media=True, text_ranks=list(range(8)))
+    loaders = _hosts(world, ranks, plan_rows, layout_local=True)
+    plans = _on_hosts(loaders, lambda lo: [lo.window_plan(w) for w in range(3)])
+    full_parts = _hosts(world, ranks, plan_rows)
+    for w in range(3):
+        full = whole.window_plan(w)
+        for own, wp in zip(ranks, (p[w] for p in plans)):
+            assert wp.layouts == full.layouts and _starts(wp) == _starts(full)
+            mine, ref = _bins(wp), _bins(full)
+            assert all(mine[g * 8 + r] == ref[g * 8 + r] for g in range(4) for r in own)
+    old_plans = _on_hosts(full_parts, lambda lo: lo.window_plan(1))
+    part, old = loaders[0].own_part(plans[0][1]), full_parts[0].own_part(old_plans[0])
+    head = lambda b: 8 + int.from_bytes(b[:8], "little")  # noqa: E731 - the JSON header's end
+    assert len(part) - head(part) == 8 * 3 * 4 * len(ranks[0]) < len(old) - head(old)  # no samples: rank totals
+    batches = _on_hosts(loaders, lambda lo: lo.host_batch(5)["microbatches"][0])
+    ref = whole.host_batch(5)["microbatches"][0]
+    L = ref["tokens"].shape[1]
+    for own, got in zip(ranks, batches):
+        rows = np.arange(2 * own[0], 2 * own[-1] + 2)
+        assert np.array_equal(got["rows"], rows) and np.array_equal(got["tokens"], ref["tokens"][rows])
+        assert np.array_equal(got["row_docs"][rows], ref["row_docs"][rows])
+        assert np.array_equal(got["row_docs"].sum(axis=0), ref["row_docs"].sum(axis=0))  # the step's totals
+        for name in ("vision", "audio"):
+            dest = np.asarray(ref[f"{name}_dest"])
+            mine = dest[(dest >= 0) & np.isin(dest // L, rows)]
+            got_dest = np.asarray(got[f"{name}_dest"])
+            assert np.array_equal(np.sort(got_dest[got_dest >= 0]), np.sort(mine))  # only its own rows' segments
+    for lo in loaders:
+        lo.step = 8
+    state = loaders[0].state()
+    whole.step = 8
+    assert state == whole.state()
+    again = _hosts(world, ranks, plan_rows, state, layout_local=True)
+    resumed = _on_hosts(again, lambda lo: lo.window_plan(2))
+    assert all(r.layouts == plans[0][2].layouts and _starts(r) == _starts(plans[0][2]) for r in resumed)
 
 
 def test_kv_exchange_needs_a_multi_process_job():

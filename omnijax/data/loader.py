@@ -43,7 +43,7 @@ import logging
 import math
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -134,6 +134,7 @@ class WindowPlan:
     starts: tuple = ()                      # per planning group: this window's WindowStart (`start`: the first planned's)
     groups: tuple[int, ...] = (0,)          # the planning groups this plan holds (bins of other ranks empty)
     group_drops: tuple = ()                 # per planning group planned: (group, its dropped, its split)
+    rank_docs: Any = None                   # layout_local: [window, dp, 3] documents, tokens, squared lengths per rank
 
 
 class Loader:
@@ -142,7 +143,8 @@ class Loader:
     def __init__(self, cfg: LoaderConfig, mm_cfg: Any = None, ranks: list[int] | None = None,
                  cost_model: CostModel | None = None, world_cfg: Any = None, sources: list[Source] | None = None,
                  tokenizer: Any = None, lazy_media: bool = False, text_ranks: list[int] | None = None,
-                 plan_local: bool = False, exchange: Callable[[int, bytes], list[bytes]] | None = None):
+                 plan_local: bool = False, exchange: Callable[[int, bytes], list[bytes]] | None = None,
+                 layout_local: bool = False):
         """lazy_media: encoder inputs come as `payload.LazyRows`, decoded only where a slice asks (the
         multiplexer slices the segments this host's devices encode), with the step's geometry as a few
         integers per segment (`packing.pack`'s step geometry). text_ranks: the ranks whose token rows
@@ -155,12 +157,24 @@ class Loader:
         part` (an all-gather of bytes, e.g. `train.data_plane.kv_exchange`); each host then plans its own
         groups and the window's plan is merged from every host's part (`merge_parts`): the whole step's
         samples, rows, layouts and next window starts, identical on every host and equal to the plan of a
-        loader that plans every group."""
+        loader that plans every group.
+        layout_local (with `text_ranks`): a host lays out only its own ranks' rows and their encoder
+        segments (`packing.pack(sparse=True)`), not the whole step's geometry: what a multiplexer that
+        routes per host group (`Multiplexer(route_local=...)`) needs, where every host of a group holds the
+        same rows. With an exchange, the hosts' parts then carry only what every host must agree on (each
+        group's next start, drops and splits, the step layouts, the own rows' documents, tokens and squared
+        lengths per step): a merge of O(groups), no other host's samples. `row_docs` then gives the own
+        rows exactly and the rest of the step's totals in the first row not held here, so sums over it
+        (samples, tokens, FLOPs) stay the step's; the encoder segments are this host's own."""
         self.cfg = cfg.check()
         self.lazy_media = bool(lazy_media)
         self.text_ranks = None if text_ranks is None else {int(r) for r in text_ranks}
         if self.text_ranks is not None and not self.lazy_media:
             raise ConfigError("Loader(text_ranks=...) lays rows out from metadata and needs lazy_media=True")
+        self.layout_local = bool(layout_local)
+        if self.layout_local and (self.text_ranks is None or cfg.microbatches != 1):
+            raise ConfigError("Loader(layout_local=True) lays out only the host's own rows: give text_ranks, "
+                              "with data.microbatches=1 (the trainer's data plane)")
         self.tokenizer = tokenizer  # None: byte-level ids (the built-in world); else placeholders/pad/vocab from it
         self.mm_cfg = mm_cfg if mm_cfg is not None else default_mm_config()
         self.ranks = list(range(cfg.dp)) if ranks is None else sorted(int(r) for r in ranks)
@@ -389,8 +403,12 @@ class Loader:
         array of (bin, source, record, piece, row) (5 integers a sample)."""
         cfg, M = self.cfg, self.cfg.microbatches
         own = set(self.own_ranks)
-        rows = [(b, e.source, e.record, e.piece, row) for b, bin_ in enumerate(wp.plan.bins) if (b // M) % cfg.dp in own
-                for e, row in ((wp.entries[k], row) for k, row in bin_)]
+        if self.layout_local:  # no samples: each host lays out its own rows; its ranks' totals for the metrics
+            rows = []
+            docs = self._rank_docs(wp)[:, sorted(own)]
+        else:
+            rows = [(b, e.source, e.record, e.piece, row) for b, bin_ in enumerate(wp.plan.bins)
+                    if (b // M) % cfg.dp in own for e, row in ((wp.entries[k], row) for k, row in bin_)]
         src = {n: i for i, n in enumerate(self.names)}
         nxt = dict(zip(self.plan_groups, (wp.next_start[j] for j in self.plan_groups)))
         drops = {j: ([[src[name], int(rec), why] for name, rec, why in d], n) for j, d, n in wp.group_drops}
@@ -399,7 +417,7 @@ class Loader:
                               *drops[j]] for j in self.plan_groups if self.groups.ranks(j)[0] in own],
                   "layouts": [[lay.rows, lay.row_len, [c for _, c in lay.enc]] for lay in wp.layouts]}
         head = json.dumps(header, separators=(",", ":")).encode()
-        body = np.asarray(rows, np.int64).reshape(-1, 5).tobytes()
+        body = (docs if self.layout_local else np.asarray(rows, np.int64).reshape(-1, 5)).astype(np.int64).tobytes()
         return len(head).to_bytes(8, "little") + head + body
 
     def merge(self, local: WindowPlan, parts: list[bytes]) -> WindowPlan:
@@ -413,7 +431,8 @@ class Loader:
         for part in parts:
             n = int.from_bytes(part[:8], "little")
             heads.append(json.loads(part[8:8 + n]))
-            bodies.append(np.frombuffer(part[8 + n:], np.int64).reshape(-1, 5))
+            width = 5 if not self.layout_local else 3 * cfg.window
+            bodies.append(np.frombuffer(part[8 + n:], np.int64).reshape(-1, width))
         order = sorted(range(len(parts)), key=lambda h: heads[h]["ranks"])
         owner = np.full(cfg.dp, -1, np.int64)  # a rank several hosts hold (pp across hosts): the first one's part
         for h in reversed(order):
@@ -421,6 +440,8 @@ class Loader:
         if (owner < 0).any():
             raise ConfigError(f"window plan parts miss dp ranks {np.flatnonzero(owner < 0)[:8].tolist()} of "
                               f"{cfg.dp}: every rank must be some host's own (the hosts' text_ranks)")
+        if self.layout_local:
+            return self._merge_local(local, heads, bodies, order, owner)
         rows = np.concatenate([bodies[h][owner[bodies[h][:, 0] // M % cfg.dp] == h] for h in order])
         rows = rows[np.argsort(rows[:, 0], kind="stable")]  # bin order; a bin's samples keep their order
         known = {(e.source, e.record): m for e, m in zip(local.entries, local.metas)}
@@ -453,6 +474,59 @@ class Loader:
                           next_start=nxt, starts=local.starts, groups=tuple(range(self.groups.count)),
                           group_drops=tuple((j, tuple((self.names[d[0]], int(d[1]), str(d[2])) for d in groups[j][3]),
                                              int(groups[j][4])) for j in sorted(groups)))
+
+    def _merge_local(self, local: WindowPlan, heads: list, bodies: list, order: list, owner: np.ndarray) -> WindowPlan:
+        """`merge` where each host lays out only its own rows (`layout_local`): this host's own plan (its
+        samples, rows, entries) with what every host must agree on from the parts: every group's next
+        start, drops and splits, the step layouts (per step the largest), every rank's documents, tokens and
+        squared lengths per step. O(groups + ranks) integers, no other host's samples."""
+        cfg = self.cfg
+        groups: dict[int, list] = {}
+        for h in order:
+            for g in heads[h]["groups"]:
+                groups.setdefault(int(g[0]), g)
+        if sorted(groups) != list(range(self.groups.count)):
+            raise ConfigError(f"window plan parts hold planning groups {sorted(groups)[:8]}... of {self.groups.count}")
+        nxt = tuple(WindowStart(tuple(int(x) for x in groups[j][1]), tuple(Entry(*map(int, e)) for e in groups[j][2]))
+                    for j in range(self.groups.count))
+        dropped = tuple((self.names[d[0]], int(d[1]), str(d[2])) for j in sorted(groups) for d in groups[j][3])
+        layouts = []
+        for g in range(cfg.window):
+            ls = [heads[h]["layouts"][g] for h in order]
+            caps = [max(x[2][i] for x in ls) for i in range(len(self.enc_names))]
+            layouts.append(packing.Layout(max(x[0] for x in ls), max(x[1] for x in ls), tuple(zip(self.enc_names, caps))))
+        docs = np.zeros((cfg.window, cfg.dp, 3), np.int64)
+        for h in order:
+            mine = np.asarray(heads[h]["ranks"], np.int64)
+            if mine.size:
+                got = bodies[h].reshape(cfg.window, len(mine), 3)
+                take = owner[mine] == h
+                docs[:, mine[take]] = got[:, take]
+        return replace(local, layouts=tuple(layouts), dropped=dropped, split=sum(int(groups[j][4]) for j in groups),
+                       deferred=tuple(e for st in nxt for e in st.deferred), next_prefix=nxt[0].prefix,
+                       next_start=nxt, groups=tuple(range(self.groups.count)), rank_docs=docs,
+                       group_drops=tuple((j, tuple((self.names[d[0]], int(d[1]), str(d[2])) for d in groups[j][3]),
+                                          int(groups[j][4])) for j in sorted(groups)))
+
+    def _rank_docs(self, wp: WindowPlan) -> np.ndarray:
+        """[window, dp, 3]: documents, LLM tokens and sum of squared document lengths of every rank's
+        samples in `wp` (the ranks it plans; `packing.pack`'s `row_docs`, summed per rank): one document
+        per sample, a preference pair's two answers two."""
+        cfg, M = self.cfg, self.cfg.microbatches
+        out = np.zeros((cfg.window, cfg.dp, 3), np.int64)
+        for b, bin_ in enumerate(wp.plan.bins):
+            if not bin_:
+                continue
+            g, r = b // (cfg.dp * M), b // M % cfg.dp
+            for k, _ in bin_:
+                meta = wp.metas[k]
+                if getattr(meta, "is_pair", False):
+                    flat = self._load_lazy(wp.entries[k], meta, False)
+                    docs = flat.docs or (flat.size,)
+                else:
+                    docs = (wp.items[k].tokens,)
+                out[g, r] += (len(docs), sum(docs), sum(m * m for m in docs))
+        return out
 
     def _select(self, items: list[balance.Item], entries: list[Entry], cap: balance.Capacity) -> balance.Plan:
         """Which samples form each step of the window: a function of the items and the capacity only (no ranks)."""
@@ -572,7 +646,9 @@ class Loader:
         micro = []
         for m in range(cfg.microbatches):
             def bins(m=m):  # one rank at a time: a remote rank's geometry is consumed, never kept
-                for r in self.ranks:
+                for i, r in enumerate(self.ranks):
+                    if self.layout_local and r not in self.text_ranks:
+                        continue  # another host's rows: not laid out here (sparse)
                     b = (g * cfg.dp + r) * cfg.microbatches + m
                     entries = []
                     read_text = self.text_ranks is None or r in self.text_ranks
@@ -581,15 +657,34 @@ class Loader:
                                 else self._load(wp.entries[key]))
                         if flat is not None:
                             entries.append((flat, row))
-                    yield entries
+                    yield (i, entries) if self.layout_local else entries
             if self.lazy_media:
-                batch = packing.pack(bins(), layout, self.specs, *pad, local=local, lazy=True, n_bins=len(self.ranks))
+                batch = packing.pack(bins(), layout, self.specs, *pad, local=local, lazy=True, n_bins=len(self.ranks),
+                                     sparse=self.layout_local)
+                if self.layout_local:
+                    self._step_docs(batch, wp, g)
             else:
                 batch = packing.pack(list(bins()), layout, self.specs, *pad)
             with self._lock:
                 self.shapes.add(layout, batch)
             micro.append(batch)
         return {"step": step, "microbatches": micro, "layout": layout, "ranks": tuple(self.ranks)}
+
+    def _step_docs(self, batch: dict, wp: WindowPlan, g: int) -> None:
+        """A layout-local batch's `row_docs`: its own rows as laid out, the rest of the step's documents,
+        tokens and squared lengths (every rank's, from the parts, or the ranks planned here) summed into
+        the first row not held here, so a sum over `row_docs` is the step's."""
+        docs = wp.rank_docs if wp.rank_docs is not None else self._rank_docs(wp)
+        rows = batch["row_docs"]
+        R = len(rows) // len(self.ranks)
+        held = np.zeros(len(rows), bool)
+        for i, r in enumerate(self.ranks):
+            if r in self.text_ranks:
+                held[i * R:(i + 1) * R] = True
+        if held.all():
+            return
+        rest = docs[g][self.ranks].sum(axis=0) - rows[held].sum(axis=0)
+        rows[int(np.flatnonzero(~held)[0])] += rest
 
     # ------------------------------------------------------------------------------ iteration
     def dataset(self, start_step: int = 0):

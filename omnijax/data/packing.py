@@ -277,7 +277,7 @@ def pack_bin(entries: list[tuple[Flat, int]], layout: Layout, specs: dict[str, E
 
 def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokenizer.PAD, *,
          local: list[int] | None = None, lazy: bool | None = None, n_bins: int | None = None,
-         rope: bool | None = None) -> dict[str, Any]:
+         rope: bool | None = None, sparse: bool = False) -> dict[str, Any]:
     """Buffers of several bins (e.g. a host's ranks) written in place, bin b at rows [b*rows, (b+1)*rows)
     and encoder rows [b*N_E, (b+1)*N_E); dest indices are flat into the concatenated rows and encoder
     segment ids are numbered across bins. Equal to `concat` of `pack_bin` per bin, without the copies.
@@ -288,17 +288,22 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
     document lengths; `rows` the global index of each LLM row built. `local`: the bins whose LLM rows
     are built (a host's own; the others' entries may be `Flat`s without tokens, laid out from metadata
     only), in that order; their rows alone make the token arrays, so they grow with the host's bins,
-    not the step's. `bins` may be any iterable (read once) when `n_bins` is given.
+    not the step's. `bins` may be any iterable (read once) when `n_bins` is given. `sparse` (with
+    `n_bins`): `bins` yields (bin index, entries) for the bins laid out, in increasing order; every other
+    bin is empty (a host that lays out only its own rows: the step's geometry holds its segments only).
 
     `rope_positions` [rows, L, 3] (M-RoPE): with `rope` True, or when None as soon as an entry is an
     M-RoPE model's (`Flat.mrope`); each sample's own positions in its tokens' places, a text entry without
     them (a padding prompt) at 0..n-1 on all three, padding 0."""
     R, L = layout.rows, layout.row_len
+    if sparse and n_bins is None:
+        raise ValueError("pack(sparse=True) needs n_bins (the step's bins)")
     if lazy is None or n_bins is None:
         bins = list(bins)
     nb = len(bins) if n_bins is None else int(n_bins)
     if lazy is None:
-        lazy = any(isinstance(e[1], Payload) for entries in bins for flat, _ in entries for e in flat.enc)
+        lazy = any(isinstance(e[1], Payload) for entries in (bins if not sparse else (x for _, x in bins))
+                   for flat, _ in entries for e in flat.enc)
     lazy = bool(lazy) or local is not None
     built = list(range(nb)) if local is None else [int(b) for b in local]
     slot = {b: k for k, b in enumerate(built)}
@@ -324,7 +329,7 @@ def pack(bins, layout: Layout, specs: dict[str, EncoderSpec], pad: int = tokeniz
             enc_out[name] = (np.zeros((nb * cap, spec.dim), np.float32), np.zeros(nb * cap, np.int32),
                              np.zeros((nb * cap, 3), np.int32), np.full(nb * cap // spec.group, -1, np.int32))
     enc_seg = {name: 0 for name in caps}
-    for b, entries in enumerate(bins):
+    for b, entries in (bins if sparse else enumerate(bins)):
         k = slot.get(b)
         fill = np.zeros(R, np.int64)
         nseg = np.zeros(R, np.int32)
