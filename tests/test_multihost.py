@@ -168,28 +168,35 @@ def _host_rows(run_dir: Path, process: int) -> list[dict]:
 
 @pytest.mark.slow
 def test_tiny_omni_two_processes_match_one_device(tmp_path):
-    """The decentralized data path: every host plans the whole step from metadata, reads the token rows
-    of its own devices and decodes only the media its devices encode, then places its own blocks.
-    Losses and gradient norms equal one device at every step (so the sample stream does not depend on
-    the layout: the bug was 8 devices dropping samples with more than a device's share of the encoder
-    rows), nothing is dropped; each host decodes at most 60% of the step's payload bytes (counted by the
-    loader's lazy buffers), together at least all of them. The one-device run starts beside the pair.
-    (The slowest test: the multiplexed step compiles per capacity growth.)"""
+    """The decentralized data path: every host plans its own planning groups from metadata, reads the token
+    rows of its own devices and decodes only the media its devices encode, then places its own blocks; the
+    multiplexer routes per host group (issue 47: on by default with several processes, capacities agreed
+    through the coordination service). Two layouts: pp2 x dp2 x tp2 (a stage per process: one host group of
+    both) and dp2 x fsdp2 x tp2 (a dp rank per process: two host groups, each placing and routing only its
+    own rows' segments). Losses and gradient norms equal one device at every step (so the sample stream
+    does not depend on the layout: the bug was 8 devices dropping samples with more than a device's share
+    of the encoder rows), nothing is dropped; each host decodes at most 60% of the step's payload bytes
+    (counted by the loader's lazy buffers), together at least all of them. The one-device run starts beside
+    the first pair. (The slowest test: the multiplexed step compiles per capacity growth.)"""
     two = _two_processes("tiny_omni", TINY_OMNI + OMNI_LAYOUT, tmp_path, "omni_two")
     _one_device("tiny_omni", TINY_OMNI + ["parallel.llm=dp1", "parallel.encoder=edp1", "parallel.microbatches=1"],
                 tmp_path, "omni_one", timeout=1800)
     _wait_two(two, timeout=1800)
-    one, two = _metrics(tmp_path / "omni_one"), _metrics(tmp_path / "omni_two")
-    _assert_same(one, two)
-    assert all(r["dropped_total"] == 0 for r in one + two)
-    for r in one:  # one process holds every device: it decodes the whole step
-        assert r["payload_bytes_decoded"] == r["payload_bytes_step"] > 0
-    per_host = [_host_rows(tmp_path / "omni_two", p) for p in range(2)]
-    for step, (a, b) in enumerate(zip(*per_host), start=1):
-        total = one[step - 1]["payload_bytes_step"]
-        assert a["payload_bytes_step"] == b["payload_bytes_step"] == total
-        assert 0 < a["payload_bytes_decoded"] <= 0.6 * total and 0 < b["payload_bytes_decoded"] <= 0.6 * total
-        assert a["payload_bytes_decoded"] + b["payload_bytes_decoded"] >= total
+    _wait_two(_two_processes("tiny_omni", TINY_OMNI + ["parallel.llm=dp2xfsdp2xtp2", "parallel.encoder=edp4xesp2"],
+                             tmp_path, "omni_groups"), timeout=1800)
+    one = _metrics(tmp_path / "omni_one")
+    for name in ("omni_two", "omni_groups"):
+        two = _metrics(tmp_path / name)
+        _assert_same(one, two)
+        assert all(r["dropped_total"] == 0 for r in one + two)
+        for r in one:  # one process holds every device: it decodes the whole step
+            assert r["payload_bytes_decoded"] == r["payload_bytes_step"] > 0
+        per_host = [_host_rows(tmp_path / name, p) for p in range(2)]
+        for step, (a, b) in enumerate(zip(*per_host), start=1):
+            total = one[step - 1]["payload_bytes_step"]
+            assert a["payload_bytes_step"] == b["payload_bytes_step"] == total
+            assert 0 < a["payload_bytes_decoded"] <= 0.6 * total and 0 < b["payload_bytes_decoded"] <= 0.6 * total, name
+            assert a["payload_bytes_decoded"] + b["payload_bytes_decoded"] >= total
 
 
 # ------------------------------------------------------------------- finishing together (issue 46, bug 1)

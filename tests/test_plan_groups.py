@@ -251,6 +251,35 @@ def test_hosts_lay_out_only_their_own_rows(world, hosts, plan_rows):
     assert all(r.layouts == plans[0][2].layouts and _starts(r) == _starts(plans[0][2]) for r in resumed)
 
 
+def test_host_ranks_even_out_each_host_groups_encoder_work(world):
+    """`host_ranks` (set by the data plane when the multiplexer routes per host group): a step's samples go
+    first to groups of 4 consecutive ranks by encoder cost, then to the ranks. The steps' samples stay
+    those of the plain spread (layout-free), a host's own plan still equals the whole plan on its ranks,
+    and each group's encoder cost is closer to the mean than under the plain spread (by cost, not time)."""
+    base = {**BASE, "samples_per_step": 128, "encoder_rows": {"vision": 640, "audio": 512}, "plan_rows": 32}
+    make = lambda k, **kw: Loader(LoaderConfig(dp=16, max_rows=2, host_ranks=k, **base), mm_cfg=world[0],  # noqa: E731
+                                  world_cfg=world[1], **kw)
+    plain, grouped = make(0), make(4)
+    assert _steps(plain, 3) == _steps(grouped, 3)
+
+    def spread(lo):
+        out = []
+        for w in range(3):
+            wp = lo.window_plan(w)
+            for g in range(4):
+                enc = np.array([sum(wp.items[k].cost - lo.cost_model.llm(wp.items[k].tokens)
+                                    for r in range(4 * h, 4 * h + 4) for k, _ in wp.plan.bins[g * 16 + r])
+                                for h in range(4)])
+                out.append(enc.max() / enc.mean())
+        return float(np.mean(out))
+    assert spread(grouped) < spread(plain) - 0.1
+    host = make(4, ranks=range(4, 8), plan_local=True)
+    for w in range(2):
+        mine, full = host.window_plan(w), grouped.window_plan(w)
+        for b in (g * 16 + r for g in range(4) for r in range(4, 8)):
+            assert [mine.entries[k] for k, _ in mine.plan.bins[b]] == [full.entries[k] for k, _ in full.plan.bins[b]]
+
+
 def test_kv_exchange_needs_a_multi_process_job():
     from omnijax.train.data_plane import kv_exchange
 

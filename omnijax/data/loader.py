@@ -78,6 +78,7 @@ class LoaderConfig:
     reorder: bool = True            # False: arrival order (baseline)
     fixed_shapes: bool = False      # every step at the largest buckets: one compiled training program
     plan_rows: int = 0              # rows per planning group (groups.Groups; 0: groups.PLAN_ROWS)
+    host_ranks: int = 0             # ranks per host group (the multiplexer routes per group): spread by encoder cost first
     threads: int = 2                # grain prefetch threads
     prefetch: int = 2               # batches prefetched
 
@@ -348,7 +349,7 @@ class Loader:
                             loads[b] += by_key[k].cost
                     continue
                 if G.rows >= G.rank_rows:  # the group holds whole ranks
-                    p = balance.spread_step(sel, by_key, len(ranks), M, self.capacity)
+                    p = self._spread(sel, by_key, len(ranks))
                 else:  # a rank holds several groups: this one at its rows' offset
                     p = balance.spread_step(sel, by_key, 1, M, balance.Capacity(G.rows, cfg.row_len))
                     p = balance.Plan(tuple(tuple((k, r + off) for k, r in b) for b in p.bins), p.loads)
@@ -474,6 +475,28 @@ class Loader:
                           next_start=nxt, starts=local.starts, groups=tuple(range(self.groups.count)),
                           group_drops=tuple((j, tuple((self.names[d[0]], int(d[1]), str(d[2])) for d in groups[j][3]),
                                              int(groups[j][4])) for j in sorted(groups)))
+
+    def _spread(self, sel, by_key: dict, ranks: int) -> balance.Plan:
+        """A step's selected samples over a planning group's `ranks` (`balance.spread_step`: LPT on cost).
+        With `host_ranks` (k ranks a host group, whose encoder work the multiplexer places and routes
+        inside the group: `Multiplexer(route_local=...)`): first over the groups of k consecutive ranks by
+        encoder cost alone, so every host group encodes about its share of the step, then each group's
+        samples over its k ranks by cost. Only where samples run changes, never which (layout-free)."""
+        k, M = self.cfg.host_ranks, self.cfg.microbatches
+        if k <= 0 or k >= ranks or ranks % k or M != 1:
+            return balance.spread_step(sel, by_key, ranks, M, self.capacity)
+        keys = {key for b in sel for key, _ in b}
+        enc = {key: replace(by_key[key], cost=max(0.0, by_key[key].cost - float(self.cost_model.llm(by_key[key].tokens))))
+               for key in keys}
+        cap = self.capacity
+        top = balance.spread_step(sel, enc, ranks // k, M, balance.Capacity(k * cap.rows, cap.row_len,
+                                                                           tuple(k * e for e in cap.enc)))
+        bins, loads = [], []
+        for q in range(ranks // k):
+            sub = balance.spread_step((top.bins[q],), by_key, k, M, cap)
+            bins += sub.bins
+            loads += sub.loads
+        return balance.Plan(tuple(bins), tuple(loads), ())
 
     def _merge_local(self, local: WindowPlan, heads: list, bodies: list, order: list, owner: np.ndarray) -> WindowPlan:
         """`merge` where each host lays out only its own rows (`layout_local`): this host's own plan (its

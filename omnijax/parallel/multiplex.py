@@ -152,6 +152,7 @@ class Multiplexer:
     route_local: bool | None = False  # plan per host group (issue 47); None: on with several processes
     exchange = None  # exchange(round, bytes) -> every process's bytes: agrees capacities between host groups
     group_host_of: np.ndarray | None = None  # a host group's planner: the hosts of its sub-grid devices
+    own_host: int | None = None  # plan only this host's group (simulated hosts, e.g. `bench plan`); None: see _me
     in_group = False
 
     def __init__(self, engine: LLMParallel, mm_cfg: Any, *, encoder_layout: str = "",
@@ -336,13 +337,16 @@ class Multiplexer:
             self._groups, self._groups_key, self._planners = routing.host_groups(self.grid, host_of), key, {}
         return self._groups
 
+    def _me(self) -> int | None:
+        """The host whose group this multiplexer plans (None: every group, all hosts simulated here)."""
+        if self.own_host is not None:
+            return int(self.own_host)
+        return jax.process_index() if self._several() else None
+
     def _own_groups(self) -> list[routing.HostGroup]:
-        """The host groups this process plans: its own (several processes), else every one (simulated hosts)."""
-        groups = self.host_groups()
-        if self._several():
-            me = jax.process_index()
-            return [g for g in groups if me in g.hosts]
-        return groups
+        """The host groups planned here: this host's own (several processes, or `own_host`), else every one."""
+        groups, me = self.host_groups(), self._me()
+        return groups if me is None else [g for g in groups if me in g.hosts]
 
     def _group_planner(self, group: routing.HostGroup) -> "Multiplexer":
         """A planning-only multiplexer on the group's sub-grid (its hosts' payload band inside the group)."""
@@ -372,12 +376,20 @@ class Multiplexer:
     def _agree(self, value) -> list:
         """Every process's `value` (JSON-able), in process order, through `exchange`; [value] where this
         process plans every group."""
-        if not self._several():
+        if self._me() is None or (self.exchange is None and not self._several()):
             return [value]
         if self.exchange is None:
             self.exchange = hosts.kv_exchange("omnijax_route_local")
-        self._round = getattr(self, "_round", 0) + 1
-        return [json.loads(b) for b in self.exchange(self._round, json.dumps(value).encode())]
+        # one sequence of rounds per calling thread (the prefetch thread's windows and steps, the main
+        # thread's held-out batches), numbered in the order threads first agree: the same on every process
+        import threading
+
+        with self.__dict__.setdefault("_agree_lock", threading.Lock()):
+            channels = self.__dict__.setdefault("_channels", {})
+            ch = channels.setdefault(threading.get_ident(), [len(channels), 0])
+            ch[1] += 1
+            key = ch[0] * 10**9 + ch[1]
+        return [json.loads(b) for b in self.exchange(key, json.dumps(value).encode())]
 
     def _agree_max(self, caps: dict) -> dict:
         """The elementwise max of every process's capacities: one SPMD program for every group."""
@@ -439,7 +451,10 @@ class Multiplexer:
             need = self._caps_of(plans)
         except ConfigError:  # this batch needs more than the current capacities: grow them
             plans, need = None, self._caps_of(self._group_plans(batch, None, False))
-        grown = self._agree_max({k: max(v, current.get(k, 0)) for k, v in {**current, **need}.items()})
+        grown = {k: max(v, current.get(k, 0)) for k, v in {**current, **need}.items()}
+        reserved = id(batch) in self.__dict__.get("_reserved", {}) and self._reserved[id(batch)] is batch
+        if not (reserved and grown == current):  # a batch its window's sizing held needs no agreement: it
+            grown = self._agree_max(grown)        # fits on every group (`size_window` checked them all)
         if plans is None or any(dict(p.capacities) != grown for p in plans):
             plans = self._group_plans(batch, grown, fill)
         self.capacities = grown
@@ -538,6 +553,8 @@ class Multiplexer:
                 return dict(self.capacities)
         caps = self._reuse(self._fit_window(parts), parts)
         self.capacities = dict(caps)
+        if self.host_groups() is not None:  # these batches plan inside `caps` on every group: no agreement per step
+            self._reserved = {id(b): b for b in host_batches}
         if caps not in self.programs:
             self.programs = [*self.programs, dict(caps)]
         return dict(caps)

@@ -186,6 +186,10 @@ def open_plane(key: str, paths: list[str], split: str, *, data: MMDataConfig, mm
     # several processes: each plans only the planning groups of its own rows, and the window's plan is merged
     # from every process's part (the same on all; the state holds every group, so process 0's resumes all)
     several = jax.process_count() > 1
+    if several and text_ranks == list(range(text_ranks[0], text_ranks[0] + len(text_ranks))):
+        # the multiplexer routes per host group (issue 47): spread each step's encoder cost over the hosts'
+        # ranks first, so every group encodes about its share (where the samples run, never which)
+        plane.host_ranks = len(text_ranks)
     return Loader(plane, mm_cfg=mm_cfg, world_cfg=world_cfg, sources=sources, tokenizer=tok, lazy_media=True,
                   text_ranks=text_ranks, plan_local=several,
                   exchange=kv_exchange(f"omnijax_plan/{key}") if several else None), capacity

@@ -43,7 +43,8 @@ def _options(overrides: list[str]) -> dict:
     at_scale = scale_options([])  # the devices and mixes of `bench scale`, planned here by the loader itself
     opts = {"devices": at_scale["devices"], "mixes": at_scale["mixes"], "rows_per_device": 2, "row_len": 4096,
             "window": 4, "windows": 1, "samples_per_row": 4, "seed": 0, "devices_per_host": 8, "plan_rows": 0,
-            "whole_up_to": 0, "trainer": 1, "route_up_to": 0, "memory": 1}
+            "whole_up_to": 0, "trainer": 1, "route_up_to": 0, "memory": 1, "local": 1, "balance_up_to": 1024,
+            "host_ranks": 1}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.")
@@ -184,7 +185,7 @@ def plan_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[Meta
                          else "the whole step (every group)")}
 
 
-def _tiled_parts(loader, host: int, hosts: int, per: int):
+def _tiled_parts(loader, host: int, hosts: int, per: int, local: bool = False):
     """exchange(window, part) for `loader` (host `host`): every host's part, each host's made from this
     host's own by moving its ranks and planning groups to that host's (the same samples at every host's
     rows: the sizes of a real step, parts of the real size, without planning every group here)."""
@@ -192,9 +193,12 @@ def _tiled_parts(loader, host: int, hosts: int, per: int):
 
     G, M, dp = loader.groups, loader.cfg.microbatches, loader.cfg.dp
 
+    # local: layout-local parts (rank totals, no samples): nothing in the body to move
+
     def exchange(window: int, part: bytes) -> list[bytes]:
         n = int.from_bytes(part[:8], "little")
-        head, body = json.loads(part[8:8 + n]), np.frombuffer(part[8 + n:], np.int64).reshape(-1, 5)
+        head, body = json.loads(part[8:8 + n]), np.frombuffer(part[8 + n:], np.int64)
+        body = body if local else body.reshape(-1, 5)
         out = []
         for h in range(hosts):
             shift = (h - host) * per
@@ -203,7 +207,8 @@ def _tiled_parts(loader, host: int, hosts: int, per: int):
             moved = {**head, "ranks": ranks, "groups": [[j, *g[1:]] for j, g in zip(groups, head["groups"])
                                                         if G.ranks(j)[0] in ranks]}
             b = body.copy()
-            b[:, 0] += shift * M
+            if not local:
+                b[:, 0] += shift * M
             h_head = json.dumps(moved, separators=(",", ":")).encode()
             out.append(len(h_head).to_bytes(8, "little") + h_head + b.tobytes())
         exchange.parts_s = time.process_time()  # noqa: B023 - when the parts were in: the merge starts
@@ -280,10 +285,127 @@ def trainer_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[M
     return row
 
 
+def _planner(mm_cfg, devices: int, per: int, own_host: int | None, route_local: bool = True):
+    """The planning half of the trainer's `Multiplexer` on a fsdp x ep4 grid with esp4 groups (hosts of `per`
+    devices, contiguous): routing per host group (`route_local`), planning only `own_host`'s group (None:
+    every group), capacities agreed through an exchange that hands back this host's need once per host
+    (the other hosts' needs are its own: the max is what a real exchange of a few ints per host costs)."""
+    from omnijax.data import packing
+    from omnijax.data.cost import CostModel
+    from omnijax.parallel import routing
+    from omnijax.parallel.multiplex import Multiplexer
+
+    specs = packing.encoder_specs(mm_cfg)
+    flops = CostModel.from_flops(mm_cfg)
+    mx = Multiplexer.__new__(Multiplexer)  # no mesh or model: the host side the trainer runs
+    mx.grid = routing.DeviceGrid((1, 1, devices // 4, 4, 1, 1), 4)
+    mx.reductions, mx.dims = {n: s.group for n, s in specs.items()}, {n: s.dim for n, s in specs.items()}
+    red = mx.reductions
+    mx.cost_fn = lambda n, rows: float(flops.encoders[n](rows // red[n] if n == "audio" else rows))
+    mx.mode, mx.long_short, mx.capacities, mx.interleave, mx.balance_rows = "balanced", True, None, False, False
+    mx.hosts, mx.programs, mx.route_local, mx.own_host = devices // per, [], route_local, own_host
+    hosts = devices // per
+    mx.exchange = lambda r, b: [b] * hosts
+    return mx
+
+
+def local_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[MetaSource], host: int,
+              balance: bool = False) -> dict:
+    """The per-host path (issue 47) for one host, the functions the trainer calls: its own planning groups
+    (`Loader(plan_local=True, layout_local=True)`), the exchange of parts that carry no samples and their
+    merge (`Loader._merge_local`: every group's next start, the layouts, per-rank totals), its own rows laid
+    out (`host_batch`: its rows and their segments only), the window's capacities for its host group
+    (`Multiplexer.size_window` with `route_local`: the group's own fit, maxima agreed through the exchange)
+    and each step's routing plan for its group (`Multiplexer.plan(fill=False)`: placement and routing
+    tables; no payload decoded, no buffer built, as `bench plan` decodes nothing anywhere). CPU s per step
+    of each part; memory the peak of Python's allocations over a fresh window of all of it. `balance`: also
+    the encoder cost max/mean over every device when every host group plans its own rows (all groups
+    simulated here, the whole step laid out) beside the one global plan's, on the same step."""
+    from omnijax.data.loader import Loader
+
+    from dataclasses import replace
+
+    per, W = opts["devices_per_host"], opts["window"]
+    base = _loader(devices, sources, opts, mm_cfg, None)
+    if opts["host_ranks"]:  # as data_plane.open_plane sets it with several processes: encoder cost over hosts first
+        base = Loader(replace(base.cfg, host_ranks=per), mm_cfg=mm_cfg, sources=sources)
+    own = list(range(host * per, (host + 1) * per))
+    exchange = _tiled_parts(base, host, devices // per, per, local=True)
+
+    def make():
+        lo = Loader(base.cfg, mm_cfg=mm_cfg, sources=sources, lazy_media=True, text_ranks=own, plan_local=True,
+                    exchange=lambda w, part: exchange(w, part), layout_local=True)
+        return lo, _planner(mm_cfg, devices, per, host)
+
+    loader, mx = make()
+    t0 = time.process_time()
+    mx.host_groups()  # once per run: the job's host groups and their sub-grids
+    setup_s = time.process_time() - t0
+    c0 = time.process_time()
+    loader.window_plan(0)
+    c1 = time.process_time()
+    batches = [loader.host_batch(g)["microbatches"][0] for g in range(W)]
+    c2 = time.process_time()
+    mx.size_window(batches)
+    c3 = time.process_time()
+    plans = [mx.plan(b, fill=False) for b in batches]
+    c4 = time.process_time()
+    own_s, merge_s = exchange.parts_s - c0, c1 - exchange.parts_s
+    total = c4 - c0
+    wp = loader.window_plan(0)
+    row = {"variant": "trainer_local_host", "devices": devices, "mix": mix_name, "host": host,
+           "hosts": devices // per, "global_rows": devices * opts["rows_per_device"],
+           "own_samples_per_step": round(sum(len(wp.plan.bins[g * base.cfg.dp + r]) for g in range(W) for r in own) / W, 1),
+           "group_segments_per_step": round(sum(p.stats["segments"] for p in plans) / W, 1),
+           "own_groups_cpu_s_per_step": round(own_s / W, 3), "merge_cpu_s_per_step": round(merge_s / W, 3),
+           "layout_cpu_s_per_step": round((c2 - c1) / W, 3), "size_window_cpu_s_per_step": round((c3 - c2) / W, 3),
+           "route_cpu_s_per_step": round((c4 - c3) / W, 3), "cpu_s_per_step": round(total / W, 3),
+           "host_groups_setup_cpu_s": round(setup_s, 3),
+           "parts_mb_per_window": round(sum(len(p) for p in exchange(0, loader.own_part(wp))) / 2**20, 3),
+           "capacities": dict(mx.capacities), "peak_mb": None}
+    if opts["memory"]:
+        import tracemalloc
+
+        loader, mx = make()
+        mx.host_groups()
+        tracemalloc.start()
+        loader.window_plan(0)
+        bs = [loader.host_batch(g)["microbatches"][0] for g in range(W)]
+        mx.size_window(bs)
+        [mx.plan(b, fill=False) for b in bs]
+        row["peak_mb"] = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
+        tracemalloc.stop()
+    if balance:
+        from omnijax.parallel import routing
+        from omnijax.parallel.context import balanced_order
+
+        whole = Loader(base.cfg, mm_cfg=mm_cfg, sources=sources, lazy_media=True, text_ranks=own)
+        batch = whole.host_batch(0)["microbatches"][0]
+        groups = _planner(mm_cfg, devices, per, None)
+        grouped = groups.plan(batch, fill=False)
+        if opts["host_ranks"]:  # the same step spread over the ranks without host_ranks: the groups' balance before
+            plain = Loader(replace(base.cfg, host_ranks=0), mm_cfg=mm_cfg, sources=sources, lazy_media=True,
+                           text_ranks=own)
+            before = _planner(mm_cfg, devices, per, None).plan(plain.host_batch(0)["microbatches"][0], fill=False)
+            row["enc_max_over_mean_groups_plain_spread"] = round(before.stats["enc_cost_max_over_mean"], 3)
+        one = _planner(mm_cfg, devices, per, None, route_local=False)
+        c0 = time.process_time()
+        glob = routing.build_plan(batch, one.grid, one.reductions, one.dims, one.cost_fn,
+                                  order=balanced_order,
+                                  capacities=dict(groups.capacities), fill_devices=(), host_of=one.host_of())
+        row.update({"enc_max_over_mean_groups": round(grouped.stats["enc_cost_max_over_mean"], 3),
+                    "enc_max_over_mean_worst_group": round(grouped.stats["enc_cost_max_over_mean_in_group"], 3),
+                    "enc_max_over_mean_global": round(glob.stats["enc_cost_max_over_mean"], 3),
+                    "padded_fraction_groups": round(grouped.stats["padded_fraction"], 4),
+                    "padded_fraction_global": round(glob.stats["padded_fraction"], 4),
+                    "global_plan_cpu_s": round(time.process_time() - c0, 3)})
+    return row
+
+
 def run(overrides: list[str]) -> Iterator[dict]:
     opts = _options(overrides)
     mm_cfg = _mm_config()
-    rows = []
+    rows, local_rows = [], []
     for mix in [m for m in opts["mixes"].split(",") if m]:
         sources = _sources(mix, opts)
         for devices in [int(d) for d in opts["devices"].split(",") if d]:
@@ -291,6 +413,10 @@ def run(overrides: list[str]) -> Iterator[dict]:
             for host in sorted({0, hosts - 1}):
                 row = plan_row(devices, mix, opts, mm_cfg, sources, host)
                 rows.append(row)
+                yield row
+            if opts["local"]:
+                row = local_row(devices, mix, opts, mm_cfg, sources, 0, balance=devices <= opts["balance_up_to"])
+                local_rows.append(row)
                 yield row
             if opts["trainer"]:
                 yield trainer_row(devices, mix, opts, mm_cfg, sources, 0, route=devices <= opts["route_up_to"])
@@ -306,3 +432,11 @@ def run(overrides: list[str]) -> Iterator[dict]:
             yield {"variant": "loader_plan_growth", "mix": mix, "devices": f"{rs[0]['devices']}->{rs[-1]['devices']}",
                    "plan_cpu_s_growth": round(top / max(low, 1e-9), 2),
                    "plan_mem_growth": round(mem[0] / max(mem[1], 1e-9), 2)}
+    for mix in dict.fromkeys(r["mix"] for r in local_rows):
+        rs = sorted((r for r in local_rows if r["mix"] == mix), key=lambda r: r["devices"])
+        if rs[-1]["devices"] > rs[0]["devices"]:
+            lo, hi = rs[0], rs[-1]
+            yield {"variant": "trainer_local_growth", "mix": mix, "devices": f"{lo['devices']}->{hi['devices']}",
+                   "cpu_s_growth": round(hi["cpu_s_per_step"] / max(lo["cpu_s_per_step"], 1e-9), 2),
+                   "mem_growth": (round(hi["peak_mb"] / max(lo["peak_mb"], 1e-9), 2)
+                                  if hi["peak_mb"] and lo["peak_mb"] else None)}
