@@ -152,7 +152,11 @@ def main(argv: list[str], name: str = "dpo") -> int:
     if precompute:  # from the initial weights, also when resuming (the same batches come again)
         dtype = jnp.dtype(cfg.trainer.compute_dtype)
         put = trainer.placement.put_batch
-        loader.table = reference.precompute(multimodal.train_loader(cfg, tok, placement), cfg.trainer.steps,
+        # the joint step's prefetcher reads whole data-plane windows ahead (to size their encoder buffers
+        # together): the table covers the run's steps rounded up to a window
+        window = max(int(getattr(loader, "window", 1) or 1), 1) if placement is not None else 1
+        loader.table = reference.precompute(multimodal.train_loader(cfg, tok, placement),
+                                            -(-cfg.trainer.steps // window) * window,
                                             trainer.graphdef, params, trainer.rest, put, dtype, logps_fn=logps_fn,
                                             out_sharding=replicated)
         if held_out is not None:

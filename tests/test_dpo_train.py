@@ -58,3 +58,43 @@ def test_dpo_recipe_on_a_fixed_pair(one_pair, tmp_path, monkeypatch):
     assert (tmp_path / "dpo_t" / "tb").is_dir()
     report = json.loads((tmp_path / "dpo_t" / "eval.json").read_text())
     assert report["reference"] == "precompute" and report["data"]["skipped_bad_records"] == 0
+
+
+@pytest.fixture(scope="module")
+def arithmetic_pairs(tmp_path_factory):
+    """18 distinct pairs: a different batch each step, so a misplaced row or pair shows in the losses."""
+    from recipes import convert
+    d = tmp_path_factory.mktemp("dpo18")
+    recs = [{"text": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)} for a in range(1, 7)
+            for b in range(2, 5)]
+    (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert convert.main([f"input={d / 'pairs.jsonl'}", f"output={d / 'shards'}"]) == 0
+    return d / "shards"
+
+
+@pytest.mark.slow
+def test_dpo_recipe_on_the_joint_step_and_with_grad_accum(arithmetic_pairs, tmp_path, monkeypatch):
+    """`recipes dpo` on the joint step (fsdp2 x dp2 x tp2, encoders edp4 x esp2) with either reference, and plain
+    data parallelism with trainer.grad_accum=2, give plain data parallelism's losses, gradient norms and DPO
+    metrics at every step (the joint step's prefetcher reads a data-plane window ahead: the precomputed table
+    covers it)."""
+    from recipes import dpo
+
+    monkeypatch.setenv("OMNIJAX_RUNS", str(tmp_path))
+    base = [f"data.sources=[{arithmetic_pairs}]", "data.seq_len=64", "data.batch_size=8", "trainer.steps=3",
+            "trainer.log_every=1", "trainer.lora.rank=8", "optimizer.lr=1e-2", "optimizer.warmup_steps=0",
+            "dpo.beta=0.5", "trainer.progress=false", "trainer.checkpoint_every=0"]
+    joint = ["parallel.llm=fsdp2xdp2xtp2", "parallel.encoder=edp4xesp2"]
+    runs = {"plain": [], "joint": joint, "joint_pre": joint + ["dpo.reference=precompute"],
+            "accum2": ["trainer.grad_accum=2"]}
+    got = {}
+    for name, extra in runs.items():
+        assert dpo.main(base + extra + [f"trainer.run_name={name}"]) == 0
+        got[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    ref = got.pop("plain")
+    assert len({r["loss"] for r in ref}) == 3 and ref[0]["dpo_pairs"] > 0
+    for name, rows in got.items():
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        for a, b in zip(ref, rows):
+            for k in ("loss", "grad_norm", *DPO_KEYS):
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (name, k, a["step"], a[k], b[k])
