@@ -140,6 +140,24 @@ def test_step_is_the_slowest_device_and_cpu_mode_sums():
     assert scale.Phases(enc, route, llm, 0.5, overlapped=True).step_s() == pytest.approx(5.0 + 0.2 + 0.5)
 
 
+def test_shared_cores_runs_between_the_sum_and_the_slowest_device():
+    """8 fake devices on 2 cores: waiting devices that sleep give the sum over the cores when at least
+    2 work, spinning ones give the slowest device times 8/2; the wait cost moves it monotonically."""
+    balanced, half, one = [1.0] * 8, [2.0] * 4 + [0.0] * 4, [8.0] + [0.0] * 7
+    for w in (balanced, half):
+        assert scale.shared_cores_s(w, 2, 0.0) == pytest.approx(sum(w) / 2)
+    assert scale.shared_cores_s(one, 2, 0.0) == pytest.approx(8.0)            # one device: one core
+    for w in (balanced, half, one):
+        assert scale.shared_cores_s(w, 2, 1.0) == pytest.approx(max(w) * 8 / 2)
+    walls = [scale.shared_cores_s(half, 2, c) for c in (0.0, 0.25, 0.5, 1.0)]
+    assert walls == sorted(walls) and walls[0] < walls[-1]
+    assert scale.shared_cores_s(balanced, 2, 0.7) == pytest.approx(4.0)       # nobody waits: no wait cost
+    assert scale.shared_cores_s([], 2) == 0.0
+    ph = scale.Phases(np.array(half), np.zeros(8), np.array(balanced), fixed=0.5)
+    assert ph.step_s(cpu_mode=True, cores=2, wait_cost=0.0) == pytest.approx(4.0 + 4.0 + 0.5)
+    assert ph.step_s(cpu_mode=True) == pytest.approx(8.0 + 8.0 + 0.5)      # the plain sum stays as it was
+
+
 def _meta(devices: int, mix: str = "video", seed: int = 0) -> scale.StepMeta:
     return scale.sample_step(scale.MIXES[mix], 0, 2 * devices * 4096 * 9 // 10, np.random.default_rng(seed))
 
@@ -181,6 +199,9 @@ def test_scaling_row_keys_and_weak_scaling():
         assert key in row
     assert row["llm_tokens_per_device"] == pytest.approx(2 * 4096 * 0.95, rel=0.02)
     assert 0 <= row["padded_fraction"] < 1 and row["enc_cost_max_over_mean"] >= row["enc_cost_bound"] >= 1
+    # the ideal step (encoders spread evenly, no padding or all-to-all, balanced rows) bounds omnijax's gain
+    assert row["speedup_vs_coupled_bound"] >= row["speedup_vs_coupled"] - 1e-3
+    assert 0 < row["coupled_encoder_share"] < 1
 
 
 def test_bad_input_is_one_line_config_error():

@@ -398,6 +398,33 @@ def hosts_to_plan(host_load: np.ndarray, groups: int, group_load: np.ndarray, to
 
 
 # ---------------------------------------------------------------------------- step-time model
+def shared_cores_s(work, cores: float, wait_cost: float = 0.0) -> float:
+    """Wall seconds of one barrier-separated phase on fake devices that share `cores` CPU cores:
+    device d must do `work[d]` seconds of single-core work, then waits at the phase's collective.
+
+    How XLA:CPU runs a multi-device step: every device's program is a thread; the operating system
+    shares the cores among the runnable threads (processor sharing), and a device that has finished
+    waits at the collective's rendezvous, costing `wait_cost` of a runnable thread (0: it sleeps and
+    frees its share; 1: it spins as hard as a working thread). While `a` devices work and `w` wait,
+    each working one progresses at min(1, cores / (a + wait_cost·w)); the phase ends when the last
+    one finishes. `wait_cost` = 0 gives max(Σ work / cores, max work) for equal works, 1 gives
+    max work × devices / cores: the sum and the slowest-device aggregation are its two ends."""
+    w = np.sort(np.atleast_1d(np.asarray(work, np.float64)))
+    n = w.size
+    if n == 0 or cores <= 0:
+        return 0.0
+    t, done = 0.0, 0.0
+    for k in range(n):                       # devices finish in order of their work
+        step = w[k] - done
+        if step <= 0:
+            continue
+        active, waiting = n - k, k
+        rate = min(1.0, cores / (active + wait_cost * waiting))
+        t += step / rate
+        done = w[k]
+    return float(t)
+
+
 @dataclass
 class Phases:
     """Seconds per device of each phase of one step. The routing all-to-all is a collective over all
@@ -411,10 +438,14 @@ class Phases:
     fixed: float = 0.0            # collectives and other per-step time every device spends
     overlapped: bool = False
 
-    def step_s(self, cpu_mode: bool = False) -> float:
-        """GPU mode: the slowest device of each phase. CPU mode (fake devices sharing cores): the sum
-        of the work of every device, which is what a CPU run's wall time follows."""
+    def step_s(self, cpu_mode: bool = False, cores: float | None = None, wait_cost: float = 0.0) -> float:
+        """GPU mode: the slowest device of each phase. CPU mode (fake devices sharing cores): without
+        `cores`, the sum of every device's work (what a CPU run's wall time follows when no device
+        waits); with `cores`, each phase as `shared_cores_s` runs it on that many cores, a waiting
+        device costing `wait_cost` of a working one (the calibration measures it, `mesh_probe`)."""
         enc, route, llm = (np.atleast_1d(np.asarray(x, np.float64)) for x in (self.enc, self.route, self.llm))
+        if cpu_mode and cores is not None:
+            return float(sum(shared_cores_s(x, cores, wait_cost) for x in (enc, route, llm)) + self.fixed)
         if cpu_mode:
             return float(enc.sum() + route.sum() + llm.sum() + self.fixed)
         if self.overlapped:
@@ -604,7 +635,13 @@ def evaluate(meta: StepMeta, hp: HostPlan, layout: Layout, devices: int, costs: 
     disagg, n_enc = disaggregated_phases(meta, layout, devices, costs, model, enc_fraction, llm_imb)
     glpt, gather_s, greedy_s = global_lpt_phases(meta, layout, devices, costs, model, fixed)
 
+    # the best any placement of these samples can do on these devices: every encoder's work spread evenly
+    # (no padding, no straggler, no all-to-all) and the LLM rows perfectly balanced; against coupled this is
+    # the Amdahl bound of decoupling on the mix (coupled's LLM phase and collectives stay)
+    ideal = Phases(np.atleast_1d(model.compute_s(enc_c[hp.segment_sample].sum() / devices)), np.zeros(1),
+                   model.llm_device_s(np.atleast_1d(llm_mean)), fixed)
     steps = {"omnijax": omni.step_s(), "coupled": coupled.step_s(), "replicated": replicated.step_s(),
+             "ideal": ideal.step_s(),
              "disaggregated": disagg.step_s(), "global_lpt": glpt.step_s(),
              "global_lpt_without_greedy": glpt.step_s() - greedy_s}
     # no placement does better: the costliest segment whole on one device, or over one esp group
@@ -624,7 +661,8 @@ def evaluate(meta: StepMeta, hp: HostPlan, layout: Layout, devices: int, costs: 
         "step_s": steps,
         "omnijax_phases_s": {"encoder": float(omni.enc.max()), "route": float(np.max(omni.route)),
                              "llm": float(omni.llm.max()), "collectives": fixed},
-        "coupled_phases_s": {"encoder": float(coupled.enc.max()), "llm": float(coupled.llm.max())},
+        "coupled_phases_s": {"encoder": float(coupled.enc.max()), "llm": float(coupled.llm.max()),
+                             "collectives": fixed},
         "global_lpt_critical_s": gather_s + greedy_s,
     }
 
@@ -703,6 +741,11 @@ def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: Ste
            "modeled_step_s": round(step["omnijax"], 3)}
     for v in ("coupled", "replicated", "disaggregated", "global_lpt", "global_lpt_without_greedy"):
         out[f"speedup_vs_{v}"] = round(step[v] / step["omnijax"], 3)
+    # what no placement can beat: coupled's step over the ideal one (encoders spread evenly, nothing padded,
+    # no all-to-all, LLM rows balanced), and the share of coupled's step its encoder phase takes
+    out["speedup_vs_coupled_bound"] = round(step["coupled"] / step["ideal"], 3)
+    out["coupled_encoder_share"] = round(float(np.mean([r["coupled_phases_s"]["encoder"] / r["step_s"]["coupled"]
+                                                         for r in rows])), 4)
     out["global_lpt_critical_s"] = round(float(np.mean([r["global_lpt_critical_s"] for r in rows])), 3)
     out["coupled_phases_s"] = {k: round(float(np.mean([r["coupled_phases_s"][k] for r in rows])), 4)
                                for k in rows[0]["coupled_phases_s"]}
@@ -712,7 +755,8 @@ def scaling_row(layout: Layout, devices: int, mix: Mix, costs: Costs, model: Ste
                 "enc_rows_per_device": round(mean("enc_rows_per_device")),
                 "llm_tokens_per_device": round(mean("llm_tokens_per_device")),
                 "disaggregated_enc_devices": rows[0]["enc_devices_disaggregated"],
-                "modeled_step_s_baselines": {v: round(t, 3) for v, t in step.items() if v != "omnijax"},
+                "modeled_step_s_baselines": {v: round(t, 3) for v, t in step.items() if v not in ("omnijax", "ideal")},
+                "modeled_step_s_ideal": round(step["ideal"], 3),
                 "omnijax_phases_s": {k: round(float(np.mean([r["omnijax_phases_s"][k] for r in rows])), 4)
                                      for k in rows[0]["omnijax_phases_s"]},
                 "planned_hosts": len(pick), "hosts": hosts,
@@ -730,6 +774,9 @@ class CpuConstants:
     encoders: dict[str, tuple[float, float, float]]
     llm: tuple[float, float, float]
     copy_Bps: float
+    # per encoder (a, b, const) of a buffer that holds nothing in a step: its `lax.cond` skips the encoder,
+    # but forward + backward still write outputs and zero residuals of the buffer's capacity; {}: free
+    empty: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
 
 def visited_blocks(seg: np.ndarray, block: int = 128) -> int:
@@ -748,11 +795,14 @@ def visited_blocks(seg: np.ndarray, block: int = 128) -> int:
 
 
 def plan_phases_cpu(plan: routing.Plan, batch: dict, esp: int, llm_width: int, cpu: CpuConstants,
-                    block: int = 128) -> Phases:
+                    block: int = 128, shards: int = 0) -> Phases:
     """Per-device work of a real plan (the arrays `build_plan` made) in seconds on this CPU: every
     non-empty encoder buffer costs const + a·capacity + b·block²·(block pairs blockwise attention
     visits; long buffers attend over the esp group's gathered rows with 1/esp of the heads), the
-    all-to-all copies its fixed-capacity buffers, the LLM costs Σ documents (a·n + b·n²) once."""
+    all-to-all copies its fixed-capacity buffers, the LLM costs Σ documents (a·n + b·n²) once.
+    `shards` > 0: the LLM per device instead (the rows are `shards` equal runs of batch shards, each
+    shard's work split evenly over its D / shards devices, the call's const spread over all), so a
+    per-phase aggregation (`Phases.step_s(cores=...)`) sees every device's share; the sum is unchanged."""
     arr = plan.arrays
     D = arr["route_send"].shape[0]
     enc = np.zeros(D)
@@ -766,23 +816,38 @@ def plan_phases_cpu(plan: routing.Plan, batch: dict, esp: int, llm_width: int, c
         a, b, const = cpu.encoders[name]
         seg = arr[key].reshape(D, -1)
         cap = seg.shape[1]
+        idle = 0.0
+        if name in cpu.empty and cap > 0:
+            ea, eb, ec = cpu.empty[name]
+            idle = ec + ea * cap + eb * cap * cap
         if kind == "long" and esp > 1:
+            # the long buffers' branch is taken on every device or on none (a psum decides: collectives inside)
             grp = seg.reshape(D // esp, esp * cap)
+            if not (grp > 0).any():
+                enc += idle
+                continue
             for g in range(D // esp):
                 if (grp[g] > 0).any():
                     attn = b * block * block * visited_blocks(grp[g], block) / esp
                     enc[g * esp:(g + 1) * esp] += const + a * cap + attn
+                elif cpu.empty:     # a group with nothing runs the branch too (on empty rows)
+                    enc[g * esp:(g + 1) * esp] += const + a * cap
             continue
         for d in range(D):
             if (seg[d] > 0).any():
                 enc[d] += const + a * cap + b * block * block * visited_blocks(seg[d], block)
+            else:
+                enc[d] += idle
     route = np.full(D, 2.0 * arr["route_send"][0].size * llm_width * 4 / cpu.copy_Bps)
     a, b, const = cpu.llm
-    docs = 0.0
+    per_row = []
     for row in np.asarray(batch["segment_ids"]):
         n = np.bincount(row[row > 0]).astype(np.float64)
-        docs += float((a * n + b * n * n).sum())
-    return Phases(enc, route, np.array([const + docs]))
+        per_row.append(float((a * n + b * n * n).sum()))
+    if shards > 0:
+        shard = np.asarray(per_row).reshape(shards, -1).sum(1)
+        return Phases(enc, route, np.repeat(shard / (D // shards), D // shards) + const / D)
+    return Phases(enc, route, np.array([const + sum(per_row)]))
 
 
 def fit_balanced_capacities(parts: list[list[Segment]], grid: DeviceGrid, reductions: dict[str, int],

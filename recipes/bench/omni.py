@@ -20,7 +20,12 @@ the *total* work of all devices and cannot show a straggler, so a placement that
 devices looks as fast as one that spreads it; `critical_path_s` is the planned time of the busiest
 device per phase (encoders, all-to-all, LLM; `scale.plan_phases_cpu`'s per-device work with the FLOP cost
 model on an H100 table entry, each phase lasting as long as its slowest device), what a GPU step follows.
-`*_speedup` compare with `coupled`.
+`*_speedup` compare with `coupled`. For the calibration of that model on this mesh (`bench scale`'s
+`calibration_cpu8`) every row also has `cpu_s` (process CPU seconds per timed step: all threads, so a
+device that spins while it waits at a collective shows there) with `cpu_cores_busy` (cpu_s / step_s), and,
+timed in a second pass with every encoder segment removed (same program), `step_s_without_encoder_work` /
+`cpu_s_without_encoder_work` and `encoder_share_of_step`: the encoder part and the rest measured apart
+(`phases=0`: that pass for omnijax and omnijax_interleaved only, as before).
 
 Then a host-work pair (`host_pair=1`): the omnijax steps fed by the trainer's prefetcher
 (`train/prefetch.py`: loader + plan + transfer running ahead in a thread) vs the same steps with their
@@ -77,7 +82,7 @@ def _options(overrides: list[str]) -> dict:
     opts = {"steps": 6, "llm": "pp2xdp2xtp2", "encoder": "edp4xesp2", "batch_size": 32, "seq_len": 128,
             "cpu_devices": 8, "variants": ",".join(VARIANTS), "lookahead": 128, "window": 3,
             "bucket_growth": 0.0, "interleave": "0", "hosts": 2, "host_pair": "1", "host_repeats": 5, "host_cores": 1, "hardware": "h100",
-            "model": ""}
+            "model": "", "phases": "1"}
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.removeprefix("bench.").removeprefix("parallel.")
@@ -260,7 +265,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
         step = jax.jit(make_train_step(g, rest, mx.loss_fn, opt), donate_argnums=0)
         runs[name] = {"mx": mx, "step": step, "state": mx.put_state(init_state(params, opt)), "caps": caps,
                       "fit_s": fit_s, "time": 0.0, "plan_s": 0.0, "tokens": 0, "stats": [], "losses": [],
-                      "compile_s": 0.0, "grew": 0, "critical": []}
+                      "compile_s": 0.0, "grew": 0, "critical": [], "cpu": 0.0}
     # Warm-up: compile every window's program once, on a throwaway copy of the state (steady-state timing).
     for name in names:
         r = runs[name]
@@ -282,9 +287,11 @@ def run(overrides: list[str]) -> Iterator[dict]:
             dev = mx.put_batch(host[i])
             t1 = time.perf_counter()
             r["grew"] += int(mx.capacities != r["caps"][window_of[i]])  # a plan outgrew its window's capacities
+            c1 = time.process_time()
             r["state"], m = r["step"](r["state"], dev)
             jax.block_until_ready(m["loss"])
             t2 = time.perf_counter()
+            r["cpu"] += time.process_time() - c1
             r["plan_s"] += t1 - t0
             r["time"] += t2 - t1
             r["tokens"] += int((np.asarray(host[i]["segment_ids"]) > 0).sum())
@@ -293,29 +300,37 @@ def run(overrides: list[str]) -> Iterator[dict]:
             r["stats"].append({**plan.stats, **traffic})
             r["losses"].append(float(m["loss"]))
             r["critical"].append(critical_path(mx, host[i], plan, hw))
-    # Encoder share of the omnijax step: the same program on the same batches with every encoder
-    # segment removed (lax.cond skips empty buffers; capacities are unchanged, so no recompile).
+    # Encoder share of every variant's step: the same program on the same batches with every encoder
+    # segment removed (lax.cond skips empty buffers; capacities are unchanged, so no recompile), the
+    # variants interleaved step by step as above. Wall and process CPU seconds of what remains (the LLM,
+    # the all-to-all of empty buffers, the step's fixed work) let bench scale's calibration check its
+    # encoder and LLM phases apart. `phases=0` keeps it to omnijax and omnijax_interleaved.
     shares = {}
-    for name in ("omnijax", "omnijax_interleaved"):
-        if name not in runs:
-            continue
-        r = runs[name]
-        programs = int(r["step"]._cache_size())
-        t_bare = 0.0
-        for i, b in enumerate(host):
-            b = dict(b)
-            for enc in cfg.encoders:
-                b[f"{enc}_segment_ids"] = np.zeros_like(b[f"{enc}_segment_ids"])
-                b[f"{enc}_dest"] = np.full_like(b[f"{enc}_dest"], -1)
+    share_names = [n for n in names if opts["phases"] in ("1", "true") or n in ("omnijax", "omnijax_interleaved")]
+    bare = {n: {"time": 0.0, "cpu": 0.0, "programs": int(runs[n]["step"]._cache_size())} for n in share_names}
+    stripped = []
+    for b in host:
+        b = dict(b)
+        for enc in cfg.encoders:
+            b[f"{enc}_segment_ids"] = np.zeros_like(b[f"{enc}_segment_ids"])
+            b[f"{enc}_dest"] = np.full_like(b[f"{enc}_dest"], -1)
+        stripped.append(b)
+    for i, b in enumerate(stripped):
+        for name in share_names:
+            r = runs[name]
             r["mx"].capacities = dict(r["caps"][window_of[i]])
             dev = r["mx"].put_batch(b)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             r["state"], m = r["step"](r["state"], dev)
             jax.block_until_ready(m["loss"])
-            t_bare += time.perf_counter() - t0
-        shares[name] = {"encoder_share_of_step": round(1.0 - t_bare / r["time"], 3),
-                        "step_s_without_encoder_work": round(t_bare / len(host), 3),
-                        "recompiled_for_text_only": int(r["step"]._cache_size()) - programs}
+            bare[name]["time"] += time.perf_counter() - t0
+            bare[name]["cpu"] += time.process_time() - c0
+    for name in share_names:
+        r, t = runs[name], bare[name]
+        shares[name] = {"encoder_share_of_step": round(1.0 - t["time"] / r["time"], 3),
+                        "step_s_without_encoder_work": round(t["time"] / len(host), 3),
+                        "cpu_s_without_encoder_work": round(t["cpu"] / len(host), 3),
+                        "recompiled_for_text_only": int(r["step"]._cache_size()) - t["programs"]}
     host_rows = host_pair(runs["omnijax"], host, windows, window_of, opts, cfg) \
         if opts["host_pair"] in ("1", "true") and "omnijax" in runs else []
     rows = {}
@@ -332,6 +347,9 @@ def run(overrides: list[str]) -> Iterator[dict]:
                       "compiled_programs": int(r["step"]._cache_size()), "windows": len(windows),
                       "capacities_grew": r["grew"],
                       "step_s": round(r["time"] / steps, 3), "plan_ms": round(1e3 * r["plan_s"] / steps, 1),
+                      # process CPU seconds per timed step (every thread: the 8 fake devices, XLA's pools) and
+                      # the cores it kept busy on average: what the calibration's CPU aggregation is checked on
+                      "cpu_s": round(r["cpu"] / steps, 3), "cpu_cores_busy": round(r["cpu"] / r["time"], 3),
                       "critical_path_s": float(f"{crit['total']:.4g}"),
                       "critical_path_parts_s": {k: float(f"{v:.4g}") for k, v in crit.items() if k != "total"},
                       "critical_path_hardware": hw.name,

@@ -29,7 +29,7 @@ def _options(overrides: list[str]) -> dict:
     opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_edp64",
             "mixes": "image,video,audio_text",
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 0, "cal_batch_size": 0,
-            "cal_rounds": 5, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
+            "cal_rounds": 5, "cal_cores": 0.0, "cal_empty": "1", "probe_units": 400, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
             "plot": "1", "long_factor": 0.25, "refine": "1",
             "balance_target": 1.05, "bucket_growth": 0.0,
             "host_devices": 16384, "host_tokens": 16777216, "host_layout": "omni_8b", "host_process": "0,1000",
@@ -126,6 +126,110 @@ def fit_bounded(ns, ts, f_scale: float = 0.05) -> tuple[float, float, float]:
     return float(a), float(b), float(c)
 
 
+def empty_encoder_step(mm_cfg, name: str):
+    """`step(n) -> run()`: what a device pays for an encoder buffer of n rows that holds nothing in a step:
+    the multiplexed step runs every buffer under `lax.cond(has work, encoder, zeros)` (one program for
+    every device), and its forward + backward with the branch skipped still writes the buffer's outputs,
+    cotangents and the residuals the taken branch would have saved (zeros of the same shapes)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from omnijax.data.packing import encoder_specs
+    from omnijax.mm_config import encoder_configs
+    from omnijax.models.mllm import ENCODERS
+
+    enc_cfg, spec = encoder_configs(mm_cfg)[name], encoder_specs(mm_cfg)[name]
+    module = ENCODERS[enc_cfg.kind](enc_cfg, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def step(n: int):
+        n = max(spec.group, n // spec.group * spec.group)
+        side = max(1, int(round(n ** 0.5)))
+        x, seg = jnp.ones((n, spec.dim), jnp.float32) * 0.1, jnp.zeros(n, jnp.int32)
+        pos = jnp.stack([jnp.zeros(n, jnp.int32), jnp.arange(n) // side, jnp.arange(n) % side], -1).astype(jnp.int32)
+
+        @jax.jit
+        def run(p, x, seg, pos):
+            def loss(p):
+                m = nnx.merge(graphdef, p, rest)
+                shape = jax.eval_shape(lambda: m(x, seg, pos)).shape
+                out = jax.lax.cond(jnp.any(seg > 0), lambda: m(x, seg, pos), lambda: jnp.zeros(shape, jnp.float32))
+                return jnp.sum(out ** 2) * 1e-6
+            return jax.grad(loss)(p)
+        return lambda: run(params, x, seg, pos)
+    return step
+
+
+# The probe's work patterns: seconds of single-core work per device (in units of `probe_units` loop
+# iterations), all with the same total; `one` fits the wait cost, the others check it.
+PROBE_PATTERNS = {"all8": [1.0] * 8, "half4": [2.0] * 4 + [0.0] * 4, "two": [4.0] * 2 + [0.0] * 6,
+                  "one": [8.0] + [0.0] * 7, "ramp": [2.0 * k / 9 for k in range(1, 9)]}
+
+
+def mesh_probe(units: int, rounds: int, cores: float, fit_on: str = "one") -> dict:
+    """How XLA:CPU runs an imbalanced phase on this mesh: one program over the 8 fake devices in which
+    device d runs `pattern[d] · units` iterations of a small matmul loop (the scale of bench omni's
+    kernels: [128, 64] @ [64, 64]), then all of them meet at a psum (the phase's collective). Every
+    pattern has the same total work; only its spread differs. Wall and process CPU seconds per call
+    are medians of `rounds` interleaved rounds.
+
+    `all8` (every device busy) gives the single-core seconds of one unit: wall × cores / 8. The wait
+    cost of an idle device (`scale.shared_cores_s`' `wait_cost`) is solved from the `fit_on` pattern's
+    wall time, then `shared_cores_s` predicts every other pattern: their errors check the law, not the fit.
+    The CPU column says the same directly: a waiting device that spins burns process CPU time."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from scipy.optimize import brentq
+
+    from omnijax.perfmodel import scale
+
+    devs = jax.devices()[:8]
+    mesh = Mesh(np.array(devs), ("d",))
+
+    def body(n, x, w):
+        y = jax.lax.fori_loop(0, n[0], lambda _, y: jnp.tanh(y @ w[0]) + y * 0.5, x[0])
+        return jax.lax.psum(y.sum(), "d")[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P("d"), P("d")), out_specs=P("d")))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))  # noqa: E731
+    x = put(np.ones((8, 128, 64), np.float32) * 0.01)
+    w = put(np.ones((8, 64, 64), np.float32) * 0.01)
+    counts = {k: put(np.round(np.asarray(v) * units).astype(np.int32)) for k, v in PROBE_PATTERNS.items()}
+    for n in counts.values():
+        jax.block_until_ready(f(n, x, w))
+    wall = {k: [] for k in counts}
+    cpu = {k: [] for k in counts}
+    rng = np.random.default_rng(1)
+    for _ in range(rounds):
+        for k in rng.permutation(sorted(counts)).tolist():
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(f(counts[k], x, w))
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+    med = {k: float(np.median(v)) for k, v in wall.items()}
+    med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}
+    unit = med["all8"] * cores / (8 * units)              # single-core seconds of one iteration
+    work = {k: np.asarray(v) * units * unit for k, v in PROBE_PATTERNS.items()}
+    lo, hi = scale.shared_cores_s(work[fit_on], cores, 0.0), scale.shared_cores_s(work[fit_on], cores, 1.0)
+    target = min(max(med[fit_on], lo), hi)
+    wait_cost = 0.0 if target <= lo else 1.0 if target >= hi else float(
+        brentq(lambda c: scale.shared_cores_s(work[fit_on], cores, c) - target, 0.0, 1.0))
+    rows = {}
+    for k in PROBE_PATTERNS:
+        pred = scale.shared_cores_s(work[k], cores, wait_cost)
+        rows[k] = {"wall_s": round(med[k], 4), "cpu_s": round(med_cpu[k], 4),
+                   "cores_busy": round(med_cpu[k] / med[k], 2),
+                   "wall_over_all8": round(med[k] / med["all8"], 3),
+                   "predicted_over_all8": round(pred / med["all8"], 3),
+                   "if_waiting_is_free": round(scale.shared_cores_s(work[k], cores, 0.0) / med["all8"], 3),
+                   "if_waiting_spins": round(scale.shared_cores_s(work[k], cores, 1.0) / med["all8"], 3),
+                   "relative_error": None if k in ("all8", fit_on) else round(pred / med[k] - 1, 3)}
+    return {"wait_cost": round(wait_cost, 3), "fitted_on": fit_on, "cores": cores, "units": units,
+            "rounds": rounds, "unit_s": float(f"{unit:.3g}"), "patterns": rows}
+
+
 def calibration(opts: dict) -> dict:
     """CPU mode of the model vs `bench omni` (omnijax and coupled, its default layout and batches).
 
@@ -152,7 +256,7 @@ def calibration(opts: dict) -> dict:
     t0 = time.perf_counter()
     host = omni.batches(cfg, steps, bs, o["seq_len"], o["lookahead"], omni._ranks(o), w)
     plans = {}
-    for name in ("omnijax", "coupled"):
+    for name in [v for v in omni.VARIANTS if not omni.VARIANTS[v][2]]:  # every variant with encoders before the LLM
         mode, long_short, _ = omni.VARIANTS[name]
         mx = Multiplexer(LLMParallel(o["llm"], cfg.llm), cfg, encoder_layout=o["encoder"], mode=mode,
                          long_short=long_short, balance_rows=False, growth=routing.BUCKET_GROWTH, hosts=o["hosts"])
@@ -160,13 +264,14 @@ def calibration(opts: dict) -> dict:
         for i in range(0, steps, w):  # the trainer's window sizing, window after window, as bench omni runs it
             mx.size_window(host[i:i + w])
             hp += [mx.host_plan(b) for b in host[i:i + w]]
-        plans[name] = (mx.grid.esp, hp)
+        plans[name] = (mx.grid.esp, mx.grid.batch_shards, hp)
     # CPU constants timed here, interleaved: encoders over the span lengths of bench omni's buffers and
     # beyond (the quadratic term needs long spans), the LLM over its row lengths
     enc_sizes = [int(x) for x in opts["cal_enc_sizes"].split(",")]
     llm_sizes = [int(x) for x in opts["cal_llm_sizes"].split(",")]
     names = sorted(cfg.encoders)
-    fns = {"llm": time_fn_from(llm_step(cfg)), **{n: time_fn_from(encoder_step(cfg, n)) for n in names}}
+    fns = {"llm": time_fn_from(llm_step(cfg)), **{n: time_fn_from(encoder_step(cfg, n)) for n in names},
+           **{f"{n}_empty": time_fn_from(empty_encoder_step(cfg, n)) for n in names}}
     sizes = {c: (llm_sizes if c == "llm" else enc_sizes) for c in fns}
     x = np.ones(1 << 24, np.float32)
 
@@ -180,12 +285,27 @@ def calibration(opts: dict) -> dict:
 
     def constants(t: dict[str, np.ndarray]) -> scale.CpuConstants:
         fit = {c: fit_bounded(sizes[c], t[c]) for c in fns if c != "copy"}
-        return scale.CpuConstants({n: fit[n] for n in names}, fit["llm"], 2 * x.nbytes / float(t["copy"][0]))
+        return scale.CpuConstants({n: fit[n] for n in names}, fit["llm"], 2 * x.nbytes / float(t["copy"][0]),
+                                  {n: fit[f"{n}_empty"] for n in names} if opts["cal_empty"] in ("1", "true") else {})
 
-    def predict(cpu: scale.CpuConstants) -> dict[str, float]:
-        step = lambda b, plan, esp: scale.plan_phases_cpu(plan, b, esp, cfg.llm.embed_dim, cpu)  # noqa: E731
-        return {name: float(np.mean([step(b, plan, esp).step_s(cpu_mode=True) for b, plan in hp]))
-                for name, (esp, hp) in plans.items()}
+    # The cores this process gets (the probe's balanced pattern: process CPU over wall; on a machine other
+    # jobs share it is below the core count) and what a waiting device costs, both measured on the mesh
+    nominal = float(opts["cal_cores"] or len(os.sched_getaffinity(0)))
+    probe = mesh_probe(opts["probe_units"], rounds, nominal) if opts["probe_units"] > 0 else None
+    if probe and not opts["cal_cores"]:
+        nominal = min(nominal, probe["patterns"]["all8"]["cores_busy"])
+        probe = mesh_probe(opts["probe_units"], rounds, nominal)   # the wait cost solved at those cores
+    cores = nominal
+    wait_cost = probe["wait_cost"] if probe else 0.0
+
+    def phases(cpu: scale.CpuConstants) -> dict[str, list[scale.Phases]]:
+        return {name: [scale.plan_phases_cpu(plan, b, esp, cfg.llm.embed_dim, cpu, shards=shards) for b, plan in hp]
+                for name, (esp, shards, hp) in plans.items()}
+
+    def predict(cpu: scale.CpuConstants, agg: str = "sum") -> dict[str, float]:
+        kw = {"sum": {}, "shared": {"cores": cores, "wait_cost": wait_cost}, "max": {"cores": cores, "wait_cost": 1.0}}
+        return {name: float(np.mean([ph.step_s(cpu_mode=True, **kw[agg]) for ph in phs]))
+                for name, phs in phases(cpu).items()}
 
     cpu = constants({c: np.median(t, 0) for c, t in T.items()})
     preds = predict(cpu)
@@ -194,6 +314,7 @@ def calibration(opts: dict) -> dict:
     spread = sorted(p["coupled"] / p["omnijax"] for p in per_round)
     measured = None
     path = Path(opts["measured"] or Path(os.environ.get("OMNIJAX_RUNS", "runs")) / "bench" / "omni.jsonl")
+    rows = {}
     if path.exists():
         rows = {r["variant"]: r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())}
         if "omnijax" in rows and "coupled" in rows:
@@ -201,6 +322,42 @@ def calibration(opts: dict) -> dict:
                         "omnijax_step_s": rows["omnijax"]["step_s"], "coupled_step_s": rows["coupled"]["step_s"],
                         "steps": rows["omnijax"].get("steps"), "batch_size": rows["omnijax"].get("batch_size")}
     ms = measured["speedup"] if measured else None
+    # Every variant bench omni measured, under each aggregation: its step over coupled's (coupled / variant,
+    # bench omni's speed-up) predicted and measured, and the encoder part (step minus the step without
+    # encoder work, where bench omni timed that) against the model's encoder phase.
+    by_agg = {agg: predict(cpu, agg) for agg in ("sum", "shared", "max")}
+    phs = phases(cpu)
+    enc_pred = {n: float(np.mean([scale.shared_cores_s(p.enc, cores, wait_cost) for p in ph])) for n, ph in phs.items()}
+    rest_pred = {n: float(np.mean([scale.shared_cores_s(p.route, cores, wait_cost)
+                                   + scale.shared_cores_s(p.llm, cores, wait_cost) for p in ph])) for n, ph in phs.items()}
+    variants = {}
+    for name in plans:
+        v = {"predicted_step_s": {agg: round(p[name], 4) for agg, p in by_agg.items()},
+             "predicted_encoder_s": round(enc_pred[name], 4), "predicted_without_encoder_s": round(rest_pred[name], 4)}
+        if name in rows and "coupled" in rows:
+            m = rows["coupled"]["step_s"] / rows[name]["step_s"]
+            v["measured_speedup_vs_coupled"] = round(m, 3)
+            for agg, p in by_agg.items():
+                v[f"predicted_speedup_{agg}"] = round(p["coupled"] / p[name], 3)
+                v[f"error_{agg}"] = round(p["coupled"] / p[name] / m - 1, 3)
+            v["measured_step_s"] = rows[name]["step_s"]
+            if "step_s_without_encoder_work" in rows[name]:
+                v["measured_encoder_s"] = round(rows[name]["step_s"] - rows[name]["step_s_without_encoder_work"], 4)
+                v["measured_without_encoder_s"] = rows[name]["step_s_without_encoder_work"]
+            for key in ("cpu_s", "cpu_cores_busy", "cpu_s_without_encoder_work", "enc_cost_max_over_mean"):
+                if key in rows[name]:
+                    v[f"measured_{key}"] = rows[name][key]
+            if rows[name].get("cpu_s") and rows["coupled"].get("cpu_s"):
+                # the work alone: process CPU seconds, which another job's load does not stretch
+                mc = rows["coupled"]["cpu_s"] / rows[name]["cpu_s"]
+                v["measured_cpu_speedup_vs_coupled"] = round(mc, 3)
+                v["error_sum_vs_cpu"] = round(by_agg["sum"]["coupled"] / by_agg["sum"][name] / mc - 1, 3)
+                if "cpu_s_without_encoder_work" in rows[name]:
+                    v["measured_encoder_cpu_s"] = round(rows[name]["cpu_s"] - rows[name]["cpu_s_without_encoder_work"], 4)
+                v["predicted_encoder_sum_s"] = round(float(np.mean([p.enc.sum() for p in phs[name]])), 4)
+                v["predicted_without_encoder_sum_s"] = round(float(np.mean([p.route.sum() + p.llm.sum()
+                                                                             for p in phs[name]])), 4)
+        variants[name] = v
     row = {"variant": "calibration_cpu8", "predicted_speedup_vs_coupled": round(pred, 3),
            "measured_speedup_vs_coupled": round(ms, 3) if measured else None,
            "relative_error": round(pred / ms - 1, 3) if measured else None,
@@ -209,11 +366,14 @@ def calibration(opts: dict) -> dict:
            "relative_error_per_round": ({"min": round(spread[0] / ms - 1, 3), "max": round(spread[-1] / ms - 1, 3)}
                                         if measured else None),
            "predicted_step_s": {k: round(v, 3) for k, v in preds.items()},
+           "variants": variants, "mesh_probe": probe, "cores": cores, "wait_cost": wait_cost,
            "measured_step_s": {k: measured[f"{k}_step_s"] for k in ("omnijax", "coupled")} if measured else None,
            "measured_from": str(path) if measured else f"{path} missing: run `python -m recipes bench omni` first",
            "cpu_constants": {"encoders_a_b_const_s": {k: [float(f"{v:.3g}") for v in c]
                                                       for k, c in cpu.encoders.items()},
                              "llm_a_b_const_s": [float(f"{v:.3g}") for v in cpu.llm],
+                             "empty_buffer_a_b_const_s": {k: [float(f"{v:.3g}") for v in c]
+                                                          for k, c in cpu.empty.items()},
                              "copy_GBps": round(cpu.copy_Bps / 1e9, 2)},
            "timing_spread": {c: round(float(np.max((np.percentile(t, 75, 0) - np.percentile(t, 25, 0))
                                                    / np.median(t, 0))), 3) for c, t in T.items()},
