@@ -141,7 +141,7 @@ def _hosts(world, ranks, plan_rows, state=None, layout_local=False):
     for h, own in enumerate(ranks):
         lo = Loader(LoaderConfig(dp=8, max_rows=2, **{**BASE, "plan_rows": plan_rows}), mm_cfg=world[0],
                     world_cfg=world[1], lazy_media=True, text_ranks=list(own), plan_local=True, exchange=meet.of(h),
-                    layout_local=layout_local)
+                    layout_local=layout_local, keep_state=not layout_local or h == 0)
         if state is not None:
             lo.restore(state)
         out.append(lo)
@@ -220,14 +220,18 @@ def test_hosts_lay_out_only_their_own_rows(world, hosts, plan_rows):
     full_parts = _hosts(world, ranks, plan_rows)
     for w in range(3):
         full = whole.window_plan(w)
-        for own, wp in zip(ranks, (p[w] for p in plans)):
-            assert wp.layouts == full.layouts and _starts(wp) == _starts(full)
+        for h, (own, wp) in enumerate(zip(ranks, (p[w] for p in plans))):
+            # host 0 keeps the state (every group's next start); the others read only their own groups'
+            assert wp.layouts == full.layouts
+            assert _starts(wp) == _starts(full) if h == 0 else all(
+                _starts(wp)[j] == _starts(full)[j] for j in loaders[h].plan_groups)
             mine, ref = _bins(wp), _bins(full)
             assert all(mine[g * 8 + r] == ref[g * 8 + r] for g in range(4) for r in own)
     old_plans = _on_hosts(full_parts, lambda lo: lo.window_plan(1))
     part, old = loaders[0].own_part(plans[0][1]), full_parts[0].own_part(old_plans[0])
     head = lambda b: 8 + int.from_bytes(b[:8], "little")  # noqa: E731 - the JSON header's end
-    assert len(part) - head(part) == 8 * 3 * 4 * len(ranks[0]) < len(old) - head(old)  # no samples: rank totals
+    groups_end = head(part) + 8 + int.from_bytes(part[head(part):head(part) + 8], "little")  # the groups' section
+    assert len(part) - groups_end == 8 * 3 * 4 * len(ranks[0]) < len(old) - head(old)  # no samples: rank totals
     batches = _on_hosts(loaders, lambda lo: lo.host_batch(5)["microbatches"][0])
     ref = whole.host_batch(5)["microbatches"][0]
     L = ref["tokens"].shape[1]
@@ -248,7 +252,9 @@ def test_hosts_lay_out_only_their_own_rows(world, hosts, plan_rows):
     assert state == whole.state()
     again = _hosts(world, ranks, plan_rows, state, layout_local=True)
     resumed = _on_hosts(again, lambda lo: lo.window_plan(2))
-    assert all(r.layouts == plans[0][2].layouts and _starts(r) == _starts(plans[0][2]) for r in resumed)
+    assert all(r.layouts == plans[0][2].layouts for r in resumed) and _starts(resumed[0]) == _starts(plans[0][2])
+    assert all(_bins(r)[g * 8 + q] == _bins(p[2])[g * 8 + q] for r, p, own in zip(resumed, plans, ranks)
+               for g in range(4) for q in own)
 
 
 def test_host_ranks_even_out_each_host_groups_encoder_work(world):

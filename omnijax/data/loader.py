@@ -145,7 +145,7 @@ class Loader:
                  cost_model: CostModel | None = None, world_cfg: Any = None, sources: list[Source] | None = None,
                  tokenizer: Any = None, lazy_media: bool = False, text_ranks: list[int] | None = None,
                  plan_local: bool = False, exchange: Callable[[int, bytes], list[bytes]] | None = None,
-                 layout_local: bool = False):
+                 layout_local: bool = False, keep_state: bool = True):
         """lazy_media: encoder inputs come as `payload.LazyRows`, decoded only where a slice asks (the
         multiplexer slices the segments this host's devices encode), with the step's geometry as a few
         integers per segment (`packing.pack`'s step geometry). text_ranks: the ranks whose token rows
@@ -166,13 +166,17 @@ class Loader:
         group's next start, drops and splits, the step layouts, the own rows' documents, tokens and squared
         lengths per step): a merge of O(groups), no other host's samples. `row_docs` then gives the own
         rows exactly and the rest of the step's totals in the first row not held here, so sums over it
-        (samples, tokens, FLOPs) stay the step's; the encoder segments are this host's own."""
+        (samples, tokens, FLOPs) stay the step's; the encoder segments are this host's own.
+        keep_state (with layout_local and an exchange): read every group's next start, drops and splits from
+        the parts (the checkpointed state, process 0's); False: only this host's own groups' (the others'
+        sections are skipped, not parsed: every group's deferred samples are O(step) integers), so its
+        `state()` is not a checkpoint and its drop counts are its own groups'."""
         self.cfg = cfg.check()
         self.lazy_media = bool(lazy_media)
         self.text_ranks = None if text_ranks is None else {int(r) for r in text_ranks}
         if self.text_ranks is not None and not self.lazy_media:
             raise ConfigError("Loader(text_ranks=...) lays rows out from metadata and needs lazy_media=True")
-        self.layout_local = bool(layout_local)
+        self.layout_local, self.keep_state = bool(layout_local), bool(keep_state)
         if self.layout_local and (self.text_ranks is None or cfg.microbatches != 1):
             raise ConfigError("Loader(layout_local=True) lays out only the host's own rows: give text_ranks, "
                               "with data.microbatches=1 (the trainer's data plane)")
@@ -413,11 +417,15 @@ class Loader:
         src = {n: i for i, n in enumerate(self.names)}
         nxt = dict(zip(self.plan_groups, (wp.next_start[j] for j in self.plan_groups)))
         drops = {j: ([[src[name], int(rec), why] for name, rec, why in d], n) for j, d, n in wp.group_drops}
-        header = {"ranks": sorted(own),
-                  "groups": [[j, list(nxt[j].prefix), [[e.source, e.record, e.piece] for e in nxt[j].deferred],
-                              *drops[j]] for j in self.plan_groups if self.groups.ranks(j)[0] in own],
-                  "layouts": [[lay.rows, lay.row_len, [c for _, c in lay.enc]] for lay in wp.layouts]}
-        head = json.dumps(header, separators=(",", ":")).encode()
+        groups = [[j, list(nxt[j].prefix), [[e.source, e.record, e.piece] for e in nxt[j].deferred], *drops[j]]
+                  for j in self.plan_groups if self.groups.ranks(j)[0] in own]
+        header = {"ranks": sorted(own), "layouts": [[lay.rows, lay.row_len, [c for _, c in lay.enc]] for lay in wp.layouts]}
+        if self.layout_local:  # the groups' section apart: only the host that keeps the state parses it
+            head = json.dumps(header, separators=(",", ":")).encode()
+            sect = json.dumps(groups, separators=(",", ":")).encode()
+            return (len(head).to_bytes(8, "little") + head + len(sect).to_bytes(8, "little") + sect
+                    + docs.astype(np.int64).tobytes())
+        head = json.dumps({**header, "groups": groups}, separators=(",", ":")).encode()
         body = (docs if self.layout_local else np.asarray(rows, np.int64).reshape(-1, 5)).astype(np.int64).tobytes()
         return len(head).to_bytes(8, "little") + head + body
 
@@ -432,8 +440,12 @@ class Loader:
         for part in parts:
             n = int.from_bytes(part[:8], "little")
             heads.append(json.loads(part[8:8 + n]))
-            width = 5 if not self.layout_local else 3 * cfg.window
-            bodies.append(np.frombuffer(part[8 + n:], np.int64).reshape(-1, width))
+            if self.layout_local:  # header, the groups' section (kept raw), the ranks' totals
+                m = int.from_bytes(part[8 + n:16 + n], "little")
+                heads[-1]["groups"] = part[16 + n:16 + n + m]
+                bodies.append(np.frombuffer(part[16 + n + m:], np.int64).reshape(-1, 3 * cfg.window))
+                continue
+            bodies.append(np.frombuffer(part[8 + n:], np.int64).reshape(-1, 5))
         order = sorted(range(len(parts)), key=lambda h: heads[h]["ranks"])
         owner = np.full(cfg.dp, -1, np.int64)  # a rank several hosts hold (pp across hosts): the first one's part
         for h in reversed(order):
@@ -505,8 +517,18 @@ class Loader:
         squared lengths per step. O(groups + ranks) integers, no other host's samples."""
         cfg = self.cfg
         groups: dict[int, list] = {}
-        for h in order:
-            for g in heads[h]["groups"]:
+        if not self.keep_state:  # only this host's own groups: the others' sections are not read
+            src = {n: i for i, n in enumerate(self.names)}
+            drops = {j: ([[src[name], int(rec), why] for name, rec, why in d], n) for j, d, n in local.group_drops}
+            for j in self.plan_groups:
+                st = local.next_start[j]
+                groups[j] = [j, list(st.prefix), [[e.source, e.record, e.piece] for e in st.deferred], *drops[j]]
+            for j in range(self.groups.count):  # other groups: their start as this host knew it (not a checkpoint)
+                if j not in groups:
+                    st = local.starts[j]
+                    groups[j] = [j, list(st.prefix), [[e.source, e.record, e.piece] for e in st.deferred], [], 0]
+        for h in order if self.keep_state else ():
+            for g in json.loads(heads[h]["groups"]):
                 groups.setdefault(int(g[0]), g)
         if sorted(groups) != list(range(self.groups.count)):
             raise ConfigError(f"window plan parts hold planning groups {sorted(groups)[:8]}... of {self.groups.count}")

@@ -188,28 +188,38 @@ def plan_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[Meta
 def _tiled_parts(loader, host: int, hosts: int, per: int, local: bool = False):
     """exchange(window, part) for `loader` (host `host`): every host's part, each host's made from this
     host's own by moving its ranks and planning groups to that host's (the same samples at every host's
-    rows: the sizes of a real step, parts of the real size, without planning every group here)."""
+    rows: the sizes of a real step, parts of the real size, without planning every group here). `local`:
+    layout-local parts (a header, the groups' section, the ranks' totals: nothing in the body to move).
+    The tiling itself is bench scaffolding: `exchange.start_s` / `exchange.parts_s` bracket it, so the
+    callers time the host's own work before it and the merge after it."""
     import json
 
-    G, M, dp = loader.groups, loader.cfg.microbatches, loader.cfg.dp
-
-    # local: layout-local parts (rank totals, no samples): nothing in the body to move
+    G, M = loader.groups, loader.cfg.microbatches
 
     def exchange(window: int, part: bytes) -> list[bytes]:
+        exchange.start_s = time.process_time()  # noqa: B023 - the host's own part is done
         n = int.from_bytes(part[:8], "little")
-        head, body = json.loads(part[8:8 + n]), np.frombuffer(part[8 + n:], np.int64)
-        body = body if local else body.reshape(-1, 5)
+        head = json.loads(part[8:8 + n])
+        if local:
+            m = int.from_bytes(part[8 + n:16 + n], "little")
+            own_groups, body = json.loads(part[16 + n:16 + n + m]), np.frombuffer(part[16 + n + m:], np.int64)
+        else:
+            own_groups, body = head["groups"], np.frombuffer(part[8 + n:], np.int64).reshape(-1, 5)
         out = []
         for h in range(hosts):
             shift = (h - host) * per
             ranks = [r + shift for r in head["ranks"]]
             groups = G.of_ranks(ranks)  # a group's next start comes from the host of its first rank only
-            moved = {**head, "ranks": ranks, "groups": [[j, *g[1:]] for j, g in zip(groups, head["groups"])
-                                                        if G.ranks(j)[0] in ranks]}
+            moved = [[j, *g[1:]] for j, g in zip(groups, own_groups) if G.ranks(j)[0] in ranks]
             b = body.copy()
-            if not local:
-                b[:, 0] += shift * M
-            h_head = json.dumps(moved, separators=(",", ":")).encode()
+            if local:
+                h_head = json.dumps({**head, "ranks": ranks}, separators=(",", ":")).encode()
+                sect = json.dumps(moved, separators=(",", ":")).encode()
+                out.append(len(h_head).to_bytes(8, "little") + h_head + len(sect).to_bytes(8, "little") + sect
+                           + b.tobytes())
+                continue
+            b[:, 0] += shift * M
+            h_head = json.dumps({**head, "ranks": ranks, "groups": moved}, separators=(",", ":")).encode()
             out.append(len(h_head).to_bytes(8, "little") + h_head + b.tobytes())
         exchange.parts_s = time.process_time()  # noqa: B023 - when the parts were in: the merge starts
         return out
@@ -334,7 +344,7 @@ def local_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[Met
 
     def make():
         lo = Loader(base.cfg, mm_cfg=mm_cfg, sources=sources, lazy_media=True, text_ranks=own, plan_local=True,
-                    exchange=lambda w, part: exchange(w, part), layout_local=True)
+                    exchange=lambda w, part: exchange(w, part), layout_local=True, keep_state=False)
         return lo, _planner(mm_cfg, devices, per, host)
 
     loader, mx = make()
@@ -350,18 +360,25 @@ def local_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[Met
     c3 = time.process_time()
     plans = [mx.plan(b, fill=False) for b in batches]
     c4 = time.process_time()
-    own_s, merge_s = exchange.parts_s - c0, c1 - exchange.parts_s
-    total = c4 - c0
+    own_s, merge_s = exchange.start_s - c0, c1 - exchange.parts_s
+    total = own_s + merge_s + (c4 - c1)  # the tiling of the other hosts' parts (bench scaffolding) left out
     wp = loader.window_plan(0)
+    # process 0 keeps the state: it alone parses every group's next start (timed on the same parts)
+    parts = exchange(0, loader.own_part(wp))
+    loader.keep_state = True
+    k0 = time.process_time()
+    loader.merge(wp, parts)
+    keeper_s = time.process_time() - k0
+    loader.keep_state = False
     row = {"variant": "trainer_local_host", "devices": devices, "mix": mix_name, "host": host,
            "hosts": devices // per, "global_rows": devices * opts["rows_per_device"],
            "own_samples_per_step": round(sum(len(wp.plan.bins[g * base.cfg.dp + r]) for g in range(W) for r in own) / W, 1),
            "group_segments_per_step": round(sum(p.stats["segments"] for p in plans) / W, 1),
            "own_groups_cpu_s_per_step": round(own_s / W, 3), "merge_cpu_s_per_step": round(merge_s / W, 3),
-           "layout_cpu_s_per_step": round((c2 - c1) / W, 3), "size_window_cpu_s_per_step": round((c3 - c2) / W, 3),
+           "keeper_merge_cpu_s_per_step": round(keeper_s / W, 3), "layout_cpu_s_per_step": round((c2 - c1) / W, 3), "size_window_cpu_s_per_step": round((c3 - c2) / W, 3),
            "route_cpu_s_per_step": round((c4 - c3) / W, 3), "cpu_s_per_step": round(total / W, 3),
            "host_groups_setup_cpu_s": round(setup_s, 3),
-           "parts_mb_per_window": round(sum(len(p) for p in exchange(0, loader.own_part(wp))) / 2**20, 3),
+           "parts_mb_per_window": round(sum(len(p) for p in parts) / 2**20, 3),
            "capacities": dict(mx.capacities), "peak_mb": None}
     if opts["memory"]:
         import tracemalloc
