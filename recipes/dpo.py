@@ -132,7 +132,7 @@ def main(argv: list[str], name: str = "dpo") -> int:
     if precompute:
         loader = reference.WithReference(loader)
     evaluate = items = pairs = None
-    if WORLD in cfg.data.sources:  # greedy-decoded answers to the world's held-out questions (plain, not pairs)
+    if WORLD in cfg.data.sources and cfg.eval.items > 0:  # greedy-decoded answers to the held-out questions
         items = world_eval.eval_items(World(dataclasses.replace(cfg.world, pairs=False), "eval"), cfg.eval.items)
         packer = eval_packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len, cfg.data.batch_size, cfg.capacity)
         abstract = nnx.eval_shape(adapters.attach(build_model, cfg.trainer.lora, cfg.trainer.seed))
@@ -142,7 +142,7 @@ def main(argv: list[str], name: str = "dpo") -> int:
         pair_world = World(dataclasses.replace(cfg.world, pairs=True), "eval")
         pair_packer = eval_packer(cfg.model, cfg.eval.batch_size, cfg.data.seq_len, cfg.data.batch_size, cfg.capacity)
         pairs = {m: reference.pack_all(pair_packer, [pair_world.sample(it.sample.index) for it in its])
-                 for m, its in items.items()}
+                 for m, its in items.items() if its}  # eval.items=0: none
     loss_fn = preference.dpo_loss(cfg.dpo.beta, rpo_alpha=cfg.dpo.rpo_alpha, dpop_lambda=cfg.dpo.dpop_lambda,
                                   logps_fn=logps_fn)
     train_model = build_model if placement is None else (lambda: placement.prepare(build_model()))

@@ -58,5 +58,7 @@ def test_dpo_two_processes_match_one_device(pairs, tmp_path):
     assert [r["step"] for r in ref] == [r["step"] for r in got] == [1, 2, 3]
     for a, b in zip(ref, got):
         for k in KEYS:
+            if k == "dpo_accuracy" and a["step"] == 1:  # step 1: policy = reference, rewards 0 up to rounding
+                continue
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a["step"], a[k], b[k])
     assert ref[0]["dpo_pairs"] > 0 and len({r["loss"] for r in ref}) == 3  # real pairs, a different batch each step

@@ -152,3 +152,17 @@ def test_chunked_head_equals_full_logits():
     np.testing.assert_allclose(np.asarray(lp), np.asarray(preference.token_logps(llm.logits(h), targets, mask)),
                                atol=1e-5)
     assert np.all(np.asarray(lp)[mask == 0] == 0)
+
+
+def test_grad_accum_of_a_multimodal_sft_batch(setup):
+    """The microbatch split itself (any loss): next-token CE of the multimodal model on the same batch, whose
+    encoder outputs land in rows of every microbatch, equals grad_accum=1 (the split used to cut the encoder
+    buffers by rows and scatter their outputs to the wrong positions)."""
+    _, model, batch, _ = setup
+    g, params, rest = nnx.split(model, nnx.Param, ...)
+    b = {k: jnp.asarray(v) for k, v in batch.items() if k not in ("pref_index", "ref_logps")}
+    assert any(int((b[k] >= 0).sum()) for k in b if k.endswith("_dest"))
+    one, two = (jax.jit(lambda p, b, n=n: loss_and_grads(g, rest, mllm.mm_loss, p, b, grad_accum=n))(params, b)
+                for n in (1, 2))
+    assert _rel(float(two[0]), float(one[0])) <= 1e-5
+    assert_grads_close(nnx.to_pure_dict(two[1]), nnx.to_pure_dict(one[1]), rel=1e-5)

@@ -97,4 +97,6 @@ def test_dpo_recipe_on_the_joint_step_and_with_grad_accum(arithmetic_pairs, tmp_
         assert [r["step"] for r in rows] == [1, 2, 3]
         for a, b in zip(ref, rows):
             for k in ("loss", "grad_norm", *DPO_KEYS):
+                if k == "dpo_accuracy" and a["step"] == 1:  # step 1: policy = reference, rewards 0 up to rounding
+                    continue
                 assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (name, k, a["step"], a[k], b[k])

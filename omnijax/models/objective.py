@@ -48,8 +48,8 @@ def split_microbatches(batch: dict, count: int) -> dict:
 
     def renumber(dest):
         rows = dest // L
-        return jnp.stack([jnp.where((dest >= 0) & (rows % count == a), rows // count * L + dest % L, -1).astype(dest.dtype)
-                          for a in range(count)])
+        mine = [(dest >= 0) & (rows % count == a) for a in range(count)]
+        return jnp.stack([jnp.where(m, rows // count * L + dest % L, -1).astype(dest.dtype) for m in mine])
 
     out = {}
     for k, v in batch.items():

@@ -34,8 +34,8 @@ STATE_KEY = "reference_step"
 
 
 def precompute(loader: Any, steps: int, graphdef: nnx.GraphDef, params: Any, rest: Any, put_batch: Callable,
-               compute_dtype: Any = jnp.float32, log: bool = True, logps_fn: preference.LogpsFn = preference.model_logps,
-               out_sharding: Any = None) -> list[tuple[np.ndarray, np.ndarray]]:
+               compute_dtype: Any = jnp.float32, log: bool = True,
+               logps_fn: preference.LogpsFn = preference.model_logps, out_sharding: Any = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per step 1..`steps` of `loader` (a fresh loader of the run's data, built as the training one is): (flat
     indices, log-probabilities) of this host's answer tokens under `params` with the adapters off.
 
@@ -135,6 +135,8 @@ def pair_logps(batches: list[dict], graphdef: nnx.GraphDef, params: Any, rest: A
         c, r, real = (np.asarray(x) for x in jax.device_get(step(params, put_batch(host))))
         out_c.append(c[real])
         out_r.append(r[real])
+    if not out_c:
+        return np.zeros(0), np.zeros(0)
     return np.concatenate(out_c).astype(np.float64), np.concatenate(out_r).astype(np.float64)
 
 
