@@ -25,6 +25,13 @@ own token rows read), CPU s per step of each part, and (`memory=1`) the peak of 
 while a window is planned and laid out again. With `route_up_to=N`, up to N devices, also the step's
 routing plan on that geometry (`routing.build_plan`, what `Multiplexer.plan` runs; a fsdp x ep4 grid with
 esp4 groups): the capacity search a window's sizing runs, and one step inside the found capacities.
+
+Rows `trainer_local_host` (`local=1`, the default; issue 47): the per-host path (`local_row`): host 0's own
+groups, parts that carry no samples and their merge (`Loader(layout_local=True)`, the keeper's merge apart),
+its own rows laid out, its host group's window sizing and routing plans (`Multiplexer(route_local=...)`,
+planning only its own group), with `host_ranks` (the data plane's spread of encoder cost over hosts) unless
+`host_ranks=0`; up to `balance_up_to` devices also the encoder max/mean over every device with every group
+planned against one global plan of the same step. Then `trainer_local_growth`: 1,024 -> 16,384 devices.
 """
 from __future__ import annotations
 
