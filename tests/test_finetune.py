@@ -47,7 +47,10 @@ def world(tmp_path_factory):
 
 def _common(root: Path, name: str) -> list[str]:
     return [f"data.sources=[{root}/shards_train]", "trainer.steps=2", "trainer.log_every=1", "trainer.checkpoint_every=2", "trainer.progress=false",
-            "optimizer.warmup_steps=0", f"trainer.run_name={name}"]
+            "optimizer.warmup_steps=0", f"trainer.run_name={name}",
+            # room for every window's audio rows: one training program per stage instead of one per capacity bucket
+            # (a window planned at a larger bucket is tested in test_data_plane.py)
+            "capacity.audio=2048"]
 
 
 def _flat(params) -> dict:
