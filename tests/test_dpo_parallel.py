@@ -166,3 +166,30 @@ def test_grad_accum_of_a_multimodal_sft_batch(setup):
                 for n in (1, 2))
     assert _rel(float(two[0]), float(one[0])) <= 1e-5
     assert_grads_close(nnx.to_pure_dict(two[1]), nnx.to_pure_dict(one[1]), rel=1e-5)
+
+
+def test_chunked_head_holds_no_full_logits():
+    """The compiled DPO step's temporary memory with the chunked head is a fraction of the full logits' (4 rows
+    x 256 tokens x 32k vocabulary: the [B, L, V] float32 logits alone are 128 MiB); `-s` prints both."""
+    from omnijax.models.llm import LLM as TextLLM
+
+    b, l, v = 4, 256, 32768
+    rng = np.random.default_rng(0)
+    seg = np.repeat(np.arange(1, 9), l // 8)[None].repeat(b, 0).astype(np.int32)   # 4 pairs a row (slots 0..3)
+    pos = np.tile(np.arange(l // 8), 8)[None].repeat(b, 0).astype(np.int32)
+    tokens = rng.integers(0, v, (b, l)).astype(np.int32)
+    batch = {k: jnp.asarray(x) for k, x in dict(tokens=tokens, targets=np.roll(tokens, -1, 1), segment_ids=seg,
+                                                  positions=pos, loss_mask=(pos >= 16).astype(np.float32),
+                                                  pref_index=seg).items()}
+    temp, losses = {}, {}
+    for chunk in (0, 32):
+        cfg = from_dict(LLMConfig, {**LLM, "vocab_size": v, "max_seq_len": l, "loss_chunk": chunk})
+        g, p, r = nnx.split(adapters.adapt(TextLLM(cfg, rngs=nnx.Rngs(0)), LoraConfig(rank=4, alpha=8.0)),
+                            nnx.Param, ...)
+        compiled = jax.jit(lambda p, b: loss_and_grads(g, r, preference.dpo_loss(BETA), p, b)[:2]).lower(
+            p, batch).compile()
+        temp[chunk] = compiled.memory_analysis().temp_size_in_bytes
+        losses[chunk] = float(compiled(p, batch)[0])
+    print(f"DPO step temp memory: full logits {temp[0] / 2**20:.0f} MiB, loss_chunk=32 {temp[32] / 2**20:.0f} MiB")
+    assert _rel(losses[32], losses[0]) <= 1e-5
+    assert temp[32] < 0.5 * temp[0] and temp[0] >= b * l * v * 4  # the full path holds the logits at least once
