@@ -7,9 +7,14 @@ change over the steps (`omnijax.perfmodel.scale` states the distributions; docs/
 sources), the plan one host makes for one step from metadata (`plan_s_per_host`, measured here), the
 plan's balance and padding, and the modeled step time (H100 table) of omnijax and of coupled /
 replicated / disaggregated / global-LPT on the same batches. Then `calibration_cpu8`: the same model
-in CPU mode (work summed over 8 fake devices, constants timed here in interleaved rounds, fitted with
-bounds) predicts `bench omni`'s omnijax/coupled ratio, with its spread over the rounds, next to the
-measured one. A PNG of the speed-ups goes to runs/bench/scale.png.
+in CPU mode (constants timed here in interleaved rounds, fitted with bounds) predicts `bench omni`'s
+omnijax/coupled ratio, with its spread over the rounds, next to the measured one, and every other variant
+bench omni measured (`variants`: its step over coupled's under three aggregations — `sum` over devices,
+`shared` cores as `mesh_probe` measures this mesh, `max` the slowest device — plus the encoder part and the
+rest apart, in wall and CPU seconds). Two constants are timed on the mesh itself: how an imbalanced phase
+runs (`mesh_probe`: the cores the process gets, the cost of a waiting device) and what the step's buffers
+cost with nothing in them (`capacity_probe`: seconds per buffer row, charged to every plan's capacities).
+A PNG of the speed-ups goes to runs/bench/scale.png.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ def _options(overrides: list[str]) -> dict:
     opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_edp64",
             "mixes": "image,video,audio_text",
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 0, "cal_batch_size": 0,
-            "cal_rounds": 5, "cal_cores": 0.0, "cal_empty": "1", "probe_units": 400, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
+            "cal_rounds": 5, "cal_cores": 0.0, "cal_empty": "0", "cal_capacity": "1", "probe_units": 400, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
             "plot": "1", "long_factor": 0.25, "refine": "1",
             "balance_target": 1.05, "bucket_growth": 0.0,
             "host_devices": 16384, "host_tokens": 16777216, "host_layout": "omni_8b", "host_process": "0,1000",
@@ -161,6 +166,60 @@ def empty_encoder_step(mm_cfg, name: str):
     return step
 
 
+def capacity_rows(plan) -> int:
+    """Encoder buffer rows (every encoder, short and long) plus route rows of one device in a plan."""
+    caps = dict(plan.capacities)
+    return int(sum(v for k, v in caps.items()))
+
+
+def capacity_probe(mx, cfg, host: list[dict], rounds: int) -> dict:
+    """What the multiplexed step costs per buffer row when no buffer holds anything: bench omni's omnijax
+    program on its batches with every encoder segment removed (every encoder's `lax.cond` skipped), at the
+    window's capacities and at twice them (each buffer and the route, rounded up to the reduction), timed
+    interleaved over `rounds`; the slope (median seconds over the rows added per device) is a constant
+    of this mesh's program, timed without encoder work, that the calibration then checks on the full steps."""
+    import jax
+    from flax import nnx
+
+    from omnijax.config import OptimizerConfig
+    from omnijax.models import mllm
+    from omnijax.train.optimizer import make_optimizer
+    from omnijax.train.state import init_state
+    from omnijax.train.step import make_train_step
+
+    stripped = []
+    for b in host:
+        b = dict(b)
+        for enc in cfg.encoders:
+            b[f"{enc}_segment_ids"] = np.zeros_like(b[f"{enc}_segment_ids"])
+            b[f"{enc}_dest"] = np.full_like(b[f"{enc}_dest"], -1)
+        stripped.append(b)
+    base = dict(mx.size_window(host[:max(1, len(host) // 2)]))
+    red = lambda k: mx.reductions.get(k.rsplit("_", 1)[0], 1)  # noqa: E731
+    doubled = {k: (-(-2 * v // red(k)) * red(k) if v else 0) for k, v in base.items()}
+    opt = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), len(host))
+    model = mx.prepare(mllm.MultimodalModel(cfg, rngs=nnx.Rngs(0)))
+    g, params, rest = nnx.split(model, nnx.Param, ...)
+    step = jax.jit(make_train_step(g, rest, mx.loss_fn, opt))
+    state = mx.put_state(init_state(params, opt))
+    t = {"base": [], "doubled": []}
+    batches = {}
+    for key, caps in (("base", base), ("doubled", doubled)):
+        mx.capacities = dict(caps)
+        batches[key] = [mx.put_batch(b) for b in stripped]
+        jax.block_until_ready(step(state, batches[key][0])[1]["loss"])
+    for _ in range(max(1, rounds)):
+        for i in range(len(stripped)):
+            for key in ("base", "doubled"):
+                t0 = time.perf_counter()
+                jax.block_until_ready(step(state, batches[key][i])[1]["loss"])
+                t[key].append(time.perf_counter() - t0)
+    rows = sum(doubled.values()) - sum(base.values())
+    med = {k: float(np.median(v)) for k, v in t.items()}
+    return {"capacities": base, "doubled": doubled, "step_s_without_encoder_work": {k: round(v, 4) for k, v in med.items()},
+            "seconds_per_capacity_row": float(f"{max(0.0, med['doubled'] - med['base']) / max(rows, 1):.3g}")}
+
+
 # The probe's work patterns: seconds of single-core work per device (in units of `probe_units` loop
 # iterations), all with the same total; `one` fits the wait cost, the others check it.
 PROBE_PATTERNS = {"all8": [1.0] * 8, "half4": [2.0] * 4 + [0.0] * 4, "two": [4.0] * 2 + [0.0] * 6,
@@ -265,6 +324,8 @@ def calibration(opts: dict) -> dict:
             mx.size_window(host[i:i + w])
             hp += [mx.host_plan(b) for b in host[i:i + w]]
         plans[name] = (mx.grid.esp, mx.grid.batch_shards, hp)
+        if name == "omnijax":
+            base_mx = mx
     # CPU constants timed here, interleaved: encoders over the span lengths of bench omni's buffers and
     # beyond (the quadratic term needs long spans), the LLM over its row lengths
     enc_sizes = [int(x) for x in opts["cal_enc_sizes"].split(",")]
@@ -298,9 +359,18 @@ def calibration(opts: dict) -> dict:
     cores = nominal
     wait_cost = probe["wait_cost"] if probe else 0.0
 
+    cap_probe = capacity_probe(base_mx, cfg, host, rounds) if opts["cal_capacity"] in ("1", "true") else None
+    per_row = cap_probe["seconds_per_capacity_row"] if cap_probe else 0.0
+
     def phases(cpu: scale.CpuConstants) -> dict[str, list[scale.Phases]]:
-        return {name: [scale.plan_phases_cpu(plan, b, esp, cfg.llm.embed_dim, cpu, shards=shards) for b, plan in hp]
-                for name, (esp, shards, hp) in plans.items()}
+        out = {}
+        for name, (esp, shards, hp) in plans.items():
+            out[name] = []
+            for b, plan in hp:
+                ph = scale.plan_phases_cpu(plan, b, esp, cfg.llm.embed_dim, cpu, shards=shards)
+                ph.fixed += per_row * capacity_rows(plan)   # what the program's buffers cost with nothing in them
+                out[name].append(ph)
+        return out
 
     def predict(cpu: scale.CpuConstants, agg: str = "sum") -> dict[str, float]:
         kw = {"sum": {}, "shared": {"cores": cores, "wait_cost": wait_cost}, "max": {"cores": cores, "wait_cost": 1.0}}
@@ -329,7 +399,8 @@ def calibration(opts: dict) -> dict:
     phs = phases(cpu)
     enc_pred = {n: float(np.mean([scale.shared_cores_s(p.enc, cores, wait_cost) for p in ph])) for n, ph in phs.items()}
     rest_pred = {n: float(np.mean([scale.shared_cores_s(p.route, cores, wait_cost)
-                                   + scale.shared_cores_s(p.llm, cores, wait_cost) for p in ph])) for n, ph in phs.items()}
+                                   + scale.shared_cores_s(p.llm, cores, wait_cost) + p.fixed for p in ph]))
+                 for n, ph in phs.items()}
     variants = {}
     for name in plans:
         v = {"predicted_step_s": {agg: round(p[name], 4) for agg, p in by_agg.items()},
@@ -355,7 +426,7 @@ def calibration(opts: dict) -> dict:
                 if "cpu_s_without_encoder_work" in rows[name]:
                     v["measured_encoder_cpu_s"] = round(rows[name]["cpu_s"] - rows[name]["cpu_s_without_encoder_work"], 4)
                 v["predicted_encoder_sum_s"] = round(float(np.mean([p.enc.sum() for p in phs[name]])), 4)
-                v["predicted_without_encoder_sum_s"] = round(float(np.mean([p.route.sum() + p.llm.sum()
+                v["predicted_without_encoder_sum_s"] = round(float(np.mean([p.route.sum() + p.llm.sum() + p.fixed
                                                                              for p in phs[name]])), 4)
         variants[name] = v
     row = {"variant": "calibration_cpu8", "predicted_speedup_vs_coupled": round(pred, 3),
@@ -367,6 +438,7 @@ def calibration(opts: dict) -> dict:
                                         if measured else None),
            "predicted_step_s": {k: round(v, 3) for k, v in preds.items()},
            "variants": variants, "mesh_probe": probe, "cores": cores, "wait_cost": wait_cost,
+           "capacity_probe": cap_probe,
            "measured_step_s": {k: measured[f"{k}_step_s"] for k in ("omnijax", "coupled")} if measured else None,
            "measured_from": str(path) if measured else f"{path} missing: run `python -m recipes bench omni` first",
            "cpu_constants": {"encoders_a_b_const_s": {k: [float(f"{v:.3g}") for v in c]
