@@ -113,6 +113,27 @@ def test_joint_step_equals_single_device(setup, joint, mode):
     _assert_same((loss, nnx.to_pure_dict(grads), aux), refs[mode])
 
 
+@pytest.mark.slow
+def test_pipelined_joint_step_equals_single_device(setup):
+    """pp2 x dp2 x tp2, the encoders interleaved with the pipeline's microbatches: the head reads the last stage's
+    hidden states; both references give one device's loss and gradients."""
+    from omnijax.parallel.engine import unstack_params
+
+    cfg, model, batch, refs = setup
+    engine = LLMParallel("pp2xdp2xtp2", cfg.llm, microbatches=2)
+    mx = Multiplexer(engine, cfg, encoder_layout="edp4xesp2", interleave=True, balance_rows=False)
+    g, params, rest = nnx.split(mx.prepare(model), nnx.Param, ...)
+    logps_fn = preference.hidden_logps(lambda m, b: (mx.hidden_states(m, b)[0], m.llm))
+    step = jax.jit(lambda p, b: loss_and_grads(g, rest, preference.dpo_loss(BETA, rpo_alpha=RPO, logps_fn=logps_fn),
+                                               p, b))
+    params = mx.put_state(params)
+    for mode in ("adapters", "precompute"):
+        loss, grads, aux = step(params, mx.put_batch(_mode(batch, mode)))
+        got = nnx.to_pure_dict(grads)
+        got["llm"] = unstack_params(grads["llm"], engine.schedule)
+        _assert_same((loss, got, aux), refs[mode])
+
+
 @pytest.mark.parametrize("accum", [2, 4])
 def test_grad_accum_gives_the_whole_batch(setup, accum):
     """trainer.grad_accum: the microbatches' pair sums over the step's pair count (and the RPO term over its
