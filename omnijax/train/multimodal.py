@@ -89,7 +89,14 @@ def placement(cfg: MultimodalConfig, devices: list | None = None) -> Any:
     """The joint-step placement of `parallel.*` over `devices` (default: all); None: plain DP on one process."""
     from omnijax.train.placement import multimodal_placement
 
-    return multimodal_placement(cfg.parallel, cfg.model, devices=devices)
+    placement = multimodal_placement(cfg.parallel, cfg.model, devices=devices)
+    if placement is not None and cfg.trainer.grad_accum > 1:
+        # the joint step's encoder buffers and routing tables are per device, planned for the whole step: a
+        # microbatch split would cut them along devices, not rows
+        raise ConfigError(f"trainer.grad_accum={cfg.trainer.grad_accum}: the joint multimodal step (parallel.llm/"
+                          "parallel.encoder layouts, or several processes) trains each step whole; use "
+                          "trainer.grad_accum=1 and a smaller data.batch_size per step, or plain DP on one process")
+    return placement
 
 
 def _open(cfg: MultimodalConfig, key: str, paths: list[str], split: str, tok: Any, mix: Any, seed: int,
