@@ -158,6 +158,24 @@ def test_shared_cores_runs_between_the_sum_and_the_slowest_device():
     assert ph.step_s(cpu_mode=True) == pytest.approx(8.0 + 8.0 + 0.5)      # the plain sum stays as it was
 
 
+def test_cpu_phases_real_rows_ignore_capacity_and_empty_buffers_cost_what_they_are_told():
+    """`real_rows`: a buffer's encoder work is its segments' a·n + b·n² whatever its capacity; by default it
+    grows with the capacity. An empty buffer costs nothing unless `CpuConstants.empty` prices it."""
+    def plan(cap: int) -> routing.Plan:
+        seg = np.zeros((4, cap), np.int32)
+        seg[0, :96], seg[0, 96:160] = 1, 2            # device 0: segments of 96 and 64 rows; others empty
+        return routing.Plan({"vision_short_segment_ids": seg, "route_send": np.zeros((4, 4, 8), np.int32)})
+    batch = {"segment_ids": np.ones((4, 16), np.int32)}
+    cpu = scale.CpuConstants({"vision": (1e-3, 1e-6, 0.5)}, (0.0, 0.0, 0.0), 1e9)
+    small, big = (scale.plan_phases_cpu(plan(c), batch, 1, 8, cpu, real_rows=True) for c in (256, 1024))
+    assert small.enc[0] == pytest.approx(0.5 + 1e-3 * 160 + 1e-6 * (96 ** 2 + 64 ** 2)) == big.enc[0]
+    assert np.all(small.enc[1:] == 0)
+    by_cap = [scale.plan_phases_cpu(plan(c), batch, 1, 8, cpu).enc[0] for c in (256, 1024)]
+    assert by_cap[1] > by_cap[0]
+    priced = scale.CpuConstants(cpu.encoders, cpu.llm, cpu.copy_Bps, {"vision": (1e-4, 0.0, 0.01)})
+    assert scale.plan_phases_cpu(plan(256), batch, 1, 8, priced, real_rows=True).enc[1] == pytest.approx(0.01 + 256e-4)
+
+
 def _meta(devices: int, mix: str = "video", seed: int = 0) -> scale.StepMeta:
     return scale.sample_step(scale.MIXES[mix], 0, 2 * devices * 4096 * 9 // 10, np.random.default_rng(seed))
 

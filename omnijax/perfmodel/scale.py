@@ -794,15 +794,25 @@ def visited_blocks(seg: np.ndarray, block: int = 128) -> int:
     return int(np.where(rows, last - first, 0).sum())
 
 
+def _segment_work(seg: np.ndarray, a: float, b: float) -> float:
+    """a·(real rows) + b·Σ (rows of each segment)²: a buffer's segments as the module timing measured one
+    segment (t = const + a·n + b·n²), whatever the buffer's capacity."""
+    n = np.bincount(seg[seg > 0]).astype(np.float64)
+    return float(a * n.sum() + b * (n * n).sum())
+
+
 def plan_phases_cpu(plan: routing.Plan, batch: dict, esp: int, llm_width: int, cpu: CpuConstants,
-                    block: int = 128, shards: int = 0) -> Phases:
+                    block: int = 128, shards: int = 0, real_rows: bool = False) -> Phases:
     """Per-device work of a real plan (the arrays `build_plan` made) in seconds on this CPU: every
     non-empty encoder buffer costs const + a·capacity + b·block²·(block pairs blockwise attention
     visits; long buffers attend over the esp group's gathered rows with 1/esp of the heads), the
     all-to-all copies its fixed-capacity buffers, the LLM costs Σ documents (a·n + b·n²) once.
     `shards` > 0: the LLM per device instead (the rows are `shards` equal runs of batch shards, each
     shard's work split evenly over its D / shards devices, the call's const spread over all), so a
-    per-phase aggregation (`Phases.step_s(cores=...)`) sees every device's share; the sum is unchanged."""
+    per-phase aggregation (`Phases.step_s(cores=...)`) sees every device's share; the sum is unchanged.
+    `real_rows`: a non-empty buffer costs const + its segments' a·n + b·n² (`_segment_work`) instead of
+    a·capacity + the visited blocks: the encoder work follows the rows it holds, and what the capacity
+    itself costs is charged apart (the calibration's capacity term)."""
     arr = plan.arrays
     D = arr["route_send"].shape[0]
     enc = np.zeros(D)
@@ -827,14 +837,18 @@ def plan_phases_cpu(plan: routing.Plan, batch: dict, esp: int, llm_width: int, c
                 enc += idle
                 continue
             for g in range(D // esp):
-                if (grp[g] > 0).any():
+                if (grp[g] > 0).any() and real_rows:
+                    enc[g * esp:(g + 1) * esp] += const + _segment_work(grp[g], a, b) / esp
+                elif (grp[g] > 0).any():
                     attn = b * block * block * visited_blocks(grp[g], block) / esp
                     enc[g * esp:(g + 1) * esp] += const + a * cap + attn
                 elif cpu.empty:     # a group with nothing runs the branch too (on empty rows)
                     enc[g * esp:(g + 1) * esp] += const + a * cap
             continue
         for d in range(D):
-            if (seg[d] > 0).any():
+            if (seg[d] > 0).any() and real_rows:
+                enc[d] += const + _segment_work(seg[d], a, b)
+            elif (seg[d] > 0).any():
                 enc[d] += const + a * cap + b * block * block * visited_blocks(seg[d], block)
             else:
                 enc[d] += idle

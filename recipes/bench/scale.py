@@ -34,7 +34,7 @@ def _options(overrides: list[str]) -> dict:
     opts = {"devices": "1024,4096,16384", "layouts": "omni_8b,omni_moe,omni_moe_edp64",
             "mixes": "image,video,audio_text",
             "steps": 3, "hardware": "h100", "calibrate": "1", "measured": "", "cal_steps": 0, "cal_batch_size": 0,
-            "cal_rounds": 5, "cal_cores": 0.0, "cal_empty": "0", "cal_capacity": "1", "probe_units": 400, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
+            "cal_rounds": 5, "cal_cores": 0.0, "cal_empty": "0", "cal_capacity": "1", "cal_real_rows": "1", "probe_units": 400, "cal_enc_sizes": "64,128,256,512,1024,2048", "cal_llm_sizes": "16,32,64,128,256",
             "plot": "1", "long_factor": 0.25, "refine": "1",
             "balance_target": 1.05, "bucket_growth": 0.0,
             "host_devices": 16384, "host_tokens": 16777216, "host_layout": "omni_8b", "host_process": "0,1000",
@@ -367,7 +367,8 @@ def calibration(opts: dict) -> dict:
         for name, (esp, shards, hp) in plans.items():
             out[name] = []
             for b, plan in hp:
-                ph = scale.plan_phases_cpu(plan, b, esp, cfg.llm.embed_dim, cpu, shards=shards)
+                ph = scale.plan_phases_cpu(plan, b, esp, cfg.llm.embed_dim, cpu, shards=shards,
+                                           real_rows=opts["cal_real_rows"] in ("1", "true"))
                 ph.fixed += per_row * capacity_rows(plan)   # what the program's buffers cost with nothing in them
                 out[name].append(ph)
         return out
