@@ -126,30 +126,7 @@ def _plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, c
     mean_tokens = sum(it.tokens for it in items) / steps
     tok_cap = min(fill * per_step * cap.rows * cap.row_len,
                   max(max_share * mean_tokens, max((it.tokens for it in items), default=0)))
-    enc_cap = [fill * per_step * c for c in cap.enc]
-    total = np.zeros(steps)
-    big = np.zeros(steps)
-    tok = np.zeros(steps)
-    enc = np.zeros((steps, len(cap.enc)))
-    members: list[list[Item]] = [[] for _ in range(steps)]
-    unplaced: list[int] = []
-    for it in sorted(items, key=lambda it: (-it.cost, it.key)):
-        if not cap.fits_alone(it):
-            unplaced.append(it.key)
-            continue
-        now = np.maximum(big, total / ranks)
-        after = np.maximum(np.maximum(big, it.cost), (total + it.cost) / ranks)
-        ok = (tok + it.tokens <= tok_cap) & np.all(enc + np.asarray(it.enc, float) <= enc_cap, axis=-1) \
-            if cap.enc else (tok + it.tokens <= tok_cap)
-        if not ok.any():  # aggregate capacity exhausted: fall back to the emptiest step
-            ok = np.ones(steps, bool)
-        order = np.lexsort((np.arange(steps), total, np.where(ok, after - now, np.inf)))
-        g = int(order[0])
-        members[g].append(it)
-        total[g] += it.cost
-        big[g] = max(big[g], it.cost)
-        tok[g] += it.tokens
-        enc[g] += it.enc
+    members, unplaced = _assign_steps(items, steps, ranks, cap, tok_cap, [fill * per_step * c for c in cap.enc])
     tokens_of = [sum(it.tokens for it in m) for m in members]
     while True:  # lift light steps: move the last (cheapest) item of the fullest step
         light = [g for g in range(steps) if tokens_of[g] < min_share * mean_tokens or not members[g]]
@@ -185,6 +162,43 @@ def _plan_window(items: list[Item], steps: int, ranks: int, microbatches: int, c
                 unplaced.append(it.key)
         bins = [tuple(b.items) for b in state]
     return Plan(tuple(bins), tuple(loads), tuple(sorted(unplaced)))
+
+
+def _assign_steps(items: list[Item], steps: int, ranks: int, cap: Capacity, tok_cap: float,
+                  enc_cap: list[float]) -> tuple[list[list[Item]], list[int]]:
+    """Phase 1 of `_plan_window`: each item (longest first, ties by key) to the step whose estimated
+    time max(largest item, total / ranks) grows least among those within the aggregate capacity (all
+    steps if none is), ties: the lighter step, then the lower index; items no bin holds alone are
+    unplaced. Plain floats over the steps (a window has a few): a numpy call per item and step costs
+    more than the arithmetic (same IEEE operations, so the same choices)."""
+    total = [0.0] * steps
+    big = [0.0] * steps
+    tok = [0.0] * steps
+    enc = [[0.0] * len(cap.enc) for _ in range(steps)]
+    members: list[list[Item]] = [[] for _ in range(steps)]
+    unplaced: list[int] = []
+    inf = float("inf")
+    for it in sorted(items, key=lambda it: (-it.cost, it.key)):
+        if not cap.fits_alone(it):
+            unplaced.append(it.key)
+            continue
+        cost, tokens, ie = float(it.cost), it.tokens, it.enc
+        ok = [tok[g] + tokens <= tok_cap and all(e + x <= c for e, x, c in zip(enc[g], ie, enc_cap))
+              for g in range(steps)]
+        if not any(ok):  # aggregate capacity exhausted: fall back to the emptiest step
+            ok = [True] * steps
+        best, g = None, -1
+        for s in range(steps):
+            t, b = total[s], big[s]
+            grow = max(max(b, cost), (t + cost) / ranks) - max(b, t / ranks) if ok[s] else inf
+            if best is None or (grow, t) < best:
+                best, g = (grow, t), s
+        members[g].append(it)
+        total[g] += cost
+        big[g] = max(big[g], cost)
+        tok[g] += tokens
+        enc[g] = [e + x for e, x in zip(enc[g], ie)]
+    return members, unplaced
 
 
 def rank_costs(plan: Plan, steps: int, ranks: int, microbatches: int) -> np.ndarray:

@@ -172,25 +172,73 @@ def _record(w: Window, m: Move) -> None:
 # ------------------------------------------------------------------ scoring moves on the rows alone
 def _score(w: Window, a: int, b: int | None, Ei: np.ndarray, Ej: np.ndarray, Ti: np.ndarray, Tj: np.ndarray):
     """For every (i, j): step a gives i (to step b, or defers it) and takes j (from step b, or the pool):
-    (change of the window's padded rows, change of the steps' sum of squared rows, improves)."""
+    (change of the window's padded rows, whether the mix floor holds), both [I, J].
+
+    Computed one encoder at a time on [I, J] planes built from per-item vectors (a step's rows after the
+    move are R[a] + Ej - Ei), so a round's pair of 256-item steps costs a few passes over 64k integers;
+    the squared-rows tie-break is `_spread_change`, only on the pairs that need it. Exact integers."""
     R = w.rows
-    d = Ej[None, :, :] - Ei[:, None, :]
-    Ra = R[a] + d
     others = [g for g in range(w.steps) if g != a and g != b]
     rest = R[others].max(0) if others else np.zeros(R.shape[1], np.int64)
+    top = R.max(0)
+    grow = np.zeros((len(Ei), len(Ej)), np.int64)  # sum over encoders of the new maximum minus the old
+    ok = None
+    for m in range(R.shape[1]):
+        Ra = (R[a, m] + Ej[:, m])[None, :] - Ei[:, m][:, None]
+        if b is None:
+            # the mix floor: R.sum(0) + d >= floor, i.e. R[a] + d >= floor - (R.sum(0) - R[a])
+            above = Ra >= int(w.floor[m] - R[:, m].sum() + R[a, m])
+            ok = above if ok is None else ok & above
+            new = np.maximum(Ra, rest[m])
+        else:
+            Rb = (R[b, m] + Ei[:, m])[:, None] - Ej[:, m][None, :]
+            new = np.maximum(np.maximum(Ra, Rb), rest[m])
+        grow += new
+        grow -= top[m]
+    if ok is None:
+        ok = np.ones(grow.shape, bool)
     if b is None:
-        new_max = np.maximum(rest, Ra)
-        dsum = d.sum(-1) + (Tj[None, :] - Ti[:, None])
-        ok = np.all(R.sum(0) + d >= w.floor, axis=-1)
-        dsq = ((Ra ** 2) - R[a] ** 2).sum(-1)
-    else:
-        Rb = R[b] - d
-        new_max = np.maximum(np.maximum(rest, Ra), Rb)
-        dsum = np.zeros(d.shape[:2], np.int64)
-        ok = np.ones(d.shape[:2], bool)
-        dsq = ((Ra ** 2) - R[a] ** 2 + (Rb ** 2) - R[b] ** 2).sum(-1)
-    dpad = w.steps * (new_max - R.max(0)).sum(-1) - dsum
-    return dpad, dsq, ok & ((dpad < 0) | ((dpad == 0) & (dsq < 0)))
+        dsum = (Ej.sum(-1) + Tj)[None, :] - (Ei.sum(-1) + Ti)[:, None]
+        return w.steps * grow - dsum, ok
+    return w.steps * grow, ok
+
+
+def _spread_change(w: Window, a: int, b: int | None, Ei: np.ndarray, Ej: np.ndarray) -> np.ndarray:
+    """Change of the steps' sum of squared rows for the paired rows of Ei and Ej (same length): step a
+    gets Ej - Ei (and step b the opposite). Exact integers."""
+    d = Ej - Ei
+    Ra = w.rows[a] + d
+    out = (Ra * Ra).sum(-1) - int((w.rows[a] * w.rows[a]).sum())
+    if b is not None:
+        Rb = w.rows[b] - d
+        out += (Rb * Rb).sum(-1) - int((w.rows[b] * w.rows[b]).sum())
+    return out
+
+
+def _improves(w: Window, a: int, b: int | None, ei: list[int], ej: list[int], ti: int, tj: int) -> bool:
+    """`_score`'s verdict for one move on plain integers (a numpy call costs more than the arithmetic)."""
+    R = w.rows.tolist()
+    n = len(ei)
+    rest = [max((R[g][m] for g in range(w.steps) if g != a and g != b), default=0) for m in range(n)]
+    dpad, dsq = 0, 0
+    for m in range(n):
+        d = ej[m] - ei[m]
+        ra = R[a][m] + d
+        top = max(R[g][m] for g in range(w.steps))
+        new = max(rest[m], ra)
+        dsq += ra * ra - R[a][m] * R[a][m]
+        if b is None:
+            if sum(R[g][m] for g in range(w.steps)) + d < int(w.floor[m]):
+                return False
+            dpad -= d
+        else:
+            rb = R[b][m] - d
+            new = max(new, rb)
+            dsq += rb * rb - R[b][m] * R[b][m]
+        dpad += w.steps * (new - top)
+    if b is None:
+        dpad -= tj - ti
+    return dpad < 0 or (dpad == 0 and dsq < 0)
 
 
 def _fullest_steps(w: Window) -> set[int]:
@@ -262,8 +310,9 @@ def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: li
     fit = Tj[None, :] <= np.maximum(widest[a], Fi + Ti)[:, None]
     if b is not None:
         fit &= Ti[:, None] <= np.maximum(widest[b], Fj + Tj)[None, :]
-    dpad, dsq, keep = _score(w, a, b, Ei, Ej, Ti, Tj)
+    dpad, keep = _score(w, a, b, Ei, Ej, Ti, Tj)
     keep &= fit
+    keep &= dpad <= 0
     keep[0, 0] = False
     ka = np.concatenate([[-1], np.asarray(give, np.int64)])
     kb = np.concatenate([[-1], np.asarray(take, np.int64)])
@@ -271,11 +320,14 @@ def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: li
         keep[1:, 1:] &= kb[None, 1:] < ka[1:, None]
         keep[1:, 0] = False
     ii, jj = np.nonzero(keep)
-    if not ii.size:
+    pad = dpad[ii, jj]
+    dsq = _spread_change(w, a, b, Ei[ii], Ej[jj])
+    better = (pad < 0) | (dsq < 0)  # lower padded rows, or the same and a smaller spread
+    if not better.any():
         return None
-    return np.stack([dpad[ii, jj], dsq[ii, jj], np.full(ii.size, a), np.full(ii.size, -1 if b is None else b),
+    ii, jj = ii[better], jj[better]
+    return np.stack([pad[better], dsq[better], np.full(ii.size, a), np.full(ii.size, -1 if b is None else b),
                      ka[ii], kb[jj]], axis=1)
-
 
 def _candidates(w: Window) -> np.ndarray | None:
     """Every improving move of this round (`_pair_candidates` rows), or None."""
@@ -301,13 +353,12 @@ def _still_improves(w: Window, m: Move) -> bool:
     if (m.i is not None and w.step_of(m.i) != m.a) or \
             (m.j is not None and (m.j not in w.pool if m.b is None else w.step_of(m.j) != m.b)):
         return False  # an earlier move of this round took i or j elsewhere
-    zero, none = np.zeros((1, w.rows.shape[1]), np.int64), np.zeros(1, np.int64)
-    Ei = w.enc[w.idx[m.i]][None] if m.i is not None else zero
-    Ej = w.enc[w.idx[m.j]][None] if m.j is not None else zero
-    Ti = w.tokens[[w.idx[m.i]]] if m.i is not None else none
-    Tj = w.tokens[[w.idx[m.j]]] if m.j is not None else none
-    return bool(_score(w, m.a, m.b, Ei, Ej, Ti, Tj)[2][0, 0])
-
+    n = w.rows.shape[1]
+    ei = w.enc[w.idx[m.i]].tolist() if m.i is not None else [0] * n
+    ej = w.enc[w.idx[m.j]].tolist() if m.j is not None else [0] * n
+    ti = int(w.tokens[w.idx[m.i]]) if m.i is not None else 0
+    tj = int(w.tokens[w.idx[m.j]]) if m.j is not None else 0
+    return _improves(w, m.a, m.b, ei, ej, ti, tj)
 
 def _apply_round(w: Window, best: np.ndarray) -> int:
     """Try the round's best candidates in order (after the first kept one, each rescored); moves kept."""
