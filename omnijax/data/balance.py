@@ -65,7 +65,8 @@ def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -
             load, r = heapq.heappop(heap)
             tried.append((load, r))
             choice = None
-            for b in sorted(range(r * microbatches, (r + 1) * microbatches), key=lambda b: (bins[b].level(item, cap), b)):
+            mbs = range(r * microbatches, (r + 1) * microbatches)
+            for b in (mbs if microbatches == 1 else sorted(mbs, key=lambda b: (bins[b].level(item, cap), b))):
                 row = bins[b].row_for(item, cap)
                 if row >= 0:
                     choice = (b, row)
@@ -183,16 +184,26 @@ def _assign_steps(items: list[Item], steps: int, ranks: int, cap: Capacity, tok_
             unplaced.append(it.key)
             continue
         cost, tokens, ie = float(it.cost), it.tokens, it.enc
-        ok = [tok[g] + tokens <= tok_cap and all(e + x <= c for e, x, c in zip(enc[g], ie, enc_cap))
-              for g in range(steps)]
-        if not any(ok):  # aggregate capacity exhausted: fall back to the emptiest step
-            ok = [True] * steps
-        best, g = None, -1
+        best = best_any = None  # (growth, total) among the steps within capacity / among all steps
+        g = g_any = -1
+        any_fit = False
         for s in range(steps):
             t, b = total[s], big[s]
-            grow = max(max(b, cost), (t + cost) / ranks) - max(b, t / ranks) if ok[s] else inf
-            if best is None or (grow, t) < best:
-                best, g = (grow, t), s
+            grow = max(max(b, cost), (t + cost) / ranks) - max(b, t / ranks)
+            if best_any is None or (grow, t) < best_any:
+                best_any, g_any = (grow, t), s
+            fits = tok[s] + tokens <= tok_cap
+            if fits:
+                for e, x, c in zip(enc[s], ie, enc_cap):
+                    if not e + x <= c:
+                        fits = False
+                        break
+            any_fit = any_fit or fits
+            key = (grow, t) if fits else (inf, t)
+            if best is None or key < best:
+                best, g = key, s
+        if not any_fit:  # aggregate capacity exhausted: fall back to the emptiest step (every step counts)
+            g = g_any
         members[g].append(it)
         total[g] += cost
         big[g] = max(big[g], cost)

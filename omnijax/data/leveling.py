@@ -72,7 +72,7 @@ def level_window(plan: Plan, items: list[Item], steps: int, ranks: int, microbat
     if not w.rows.any():
         return plan
     for _ in range(max_moves):
-        cands = _candidates(w)
+        cands = _candidates(w, tries)
         if cands is None or not _apply_round(w, _smallest(cands, tries)):
             break
     unplaced = tuple(sorted(k for k in w.by_key if k not in w.where))
@@ -296,7 +296,7 @@ def _token_room(w: Window) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: list[int],
-                     room: np.ndarray, widest: np.ndarray) -> np.ndarray | None:
+                     room: np.ndarray, widest: np.ndarray, limit: int) -> np.ndarray | None:
     """Improving moves between step a (gives one of `give` or none) and step b or the pool (gives one of
     `take` or none), as rows [padded gain, spread gain, a, b (-1: pool), key i (-1: none), key j (-1: none)]."""
     n_enc = w.rows.shape[1]
@@ -319,6 +319,10 @@ def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: li
     if b is None:  # a placed item gives its place only to an older one: none waits for ever
         keep[1:, 1:] &= kb[None, 1:] < ka[1:, None]
         keep[1:, 0] = False
+    neg = dpad[keep]
+    neg = neg[neg < 0]
+    if len(neg) >= limit:  # `limit` moves lower the padded rows: only those up to the limit-th best can be tried
+        keep &= dpad <= np.partition(neg, limit - 1)[limit - 1]
     ii, jj = np.nonzero(keep)
     pad = dpad[ii, jj]
     dsq = _spread_change(w, a, b, Ei[ii], Ej[jj])
@@ -326,13 +330,18 @@ def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: li
     if not better.any():
         return None
     ii, jj = ii[better], jj[better]
-    return np.stack([pad[better], dsq[better], np.full(ii.size, a), np.full(ii.size, -1 if b is None else b),
-                     ka[ii], kb[jj]], axis=1)
+    # only the round's best `limit` moves are tried: those of this pair are among its own best `limit`
+    return _smallest(np.stack([pad[better], dsq[better], np.full(ii.size, a), np.full(ii.size, -1 if b is None else b),
+                               ka[ii], kb[jj]], axis=1), limit)
 
-def _candidates(w: Window) -> np.ndarray | None:
+
+def _candidates(w: Window, limit: int) -> np.ndarray | None:
     """Every improving move of this round (`_pair_candidates` rows), or None."""
     fullest = _fullest_steps(w)
-    members = [_movable(w, sorted(k for k, b in w.where.items() if b // w.per_step == g)) for g in range(w.steps)]
+    of_step: list[list[int]] = [[] for _ in range(w.steps)]
+    for k, b in w.where.items():  # one pass over the placed items, not one per step
+        of_step[b // w.per_step].append(k)
+    members = [_movable(w, sorted(keys)) for keys in of_step]
     pool_keys = _movable(w, _pool_representatives(w))
     room, widest = _token_room(w)
     cands = []
@@ -342,7 +351,7 @@ def _candidates(w: Window) -> np.ndarray | None:
                 continue
             # a pair of steps is scored once (a < b: swaps and moves both ways); the pool with every step
             take = pool_keys if b is None else members[b] if b > a else []
-            c = _pair_candidates(w, a, b, members[a], take, room, widest)
+            c = _pair_candidates(w, a, b, members[a], take, room, widest, limit)
             if c is not None:
                 cands.append(c)
     return np.concatenate(cands) if cands else None
