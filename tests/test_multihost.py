@@ -109,12 +109,13 @@ def _two_processes(recipe: str, args: list[str], runs: Path, name: str) -> list[
             for i in range(2)]
 
 
-def _wait_two(two: list[subprocess.Popen], timeout: float = 900) -> None:
+def _wait_two(two: list[subprocess.Popen], timeout: float = 900) -> list[str]:
     outs = [p.communicate(timeout=timeout)[0] for p in two]
     for i, (p, out) in enumerate(zip(two, outs)):
         assert p.returncode == 0, out[-3000:]
         # each child saw one job of 2 processes x 4 devices, not an independent 4-device run
         assert re.search(rf"process {i} of 2, 4 of 8 devices", out), out[-2000:]
+    return outs
 
 
 def _one_device(recipe: str, args: list[str], runs: Path, name: str, timeout: float = 900) -> None:
@@ -176,14 +177,23 @@ def test_tiny_omni_two_processes_match_one_device(tmp_path):
     own rows' segments). Losses and gradient norms equal one device at every step (so the sample stream
     does not depend on the layout: the bug was 8 devices dropping samples with more than a device's share
     of the encoder rows), nothing is dropped; each host decodes at most 60% of the step's payload bytes
-    (counted by the loader's lazy buffers), together at least all of them. The one-device run starts beside
-    the first pair. (The slowest test: the multiplexed step compiles per capacity growth.)"""
+    (counted by the loader's lazy buffers), together at least all of them. In dp2 x fsdp2 x tp2 each host lays
+    out only its own rows (`Loader(layout_local=True)`): the step's samples, model FLOPs and payload bytes are
+    still the whole step's on both processes (from the exchanged step totals), equal to the one-device run's.
+    The one-device run starts beside the first pair. (The slowest test: the multiplexed step compiles per
+    capacity growth.)"""
     two = _two_processes("tiny_omni", TINY_OMNI + OMNI_LAYOUT, tmp_path, "omni_two")
     _one_device("tiny_omni", TINY_OMNI + ["parallel.llm=dp1", "parallel.encoder=edp1", "parallel.microbatches=1"],
                 tmp_path, "omni_one", timeout=1800)
-    _wait_two(two, timeout=1800)
-    _wait_two(_two_processes("tiny_omni", TINY_OMNI + ["parallel.llm=dp2xfsdp2xtp2", "parallel.encoder=edp4xesp2"],
-                             tmp_path, "omni_groups"), timeout=1800)
+    outs = {"omni_two": _wait_two(two, timeout=1800)}
+    outs["omni_groups"] = _wait_two(_two_processes("tiny_omni", TINY_OMNI + ["parallel.llm=dp2xfsdp2xtp2",
+                                                                             "parallel.encoder=edp4xesp2"],
+                                                   tmp_path, "omni_groups"), timeout=1800)
+    # the per-host path is on: each process lays out only its own rows (every rank in pp2, half of them in dp2)
+    said = {k: re.search(r"each of 2 processes lays out only its own rows \((\d+) of (\d+) dp ranks", o[0])
+            for k, o in outs.items()}
+    assert said["omni_two"] and said["omni_groups"], outs["omni_groups"][0][-2000:]
+    assert int(said["omni_two"][1]) == int(said["omni_two"][2]) == 2 * int(said["omni_groups"][1])
     one = _metrics(tmp_path / "omni_one")
     for name in ("omni_two", "omni_groups"):
         two = _metrics(tmp_path / name)
@@ -197,6 +207,10 @@ def test_tiny_omni_two_processes_match_one_device(tmp_path):
             assert a["payload_bytes_step"] == b["payload_bytes_step"] == total
             assert 0 < a["payload_bytes_decoded"] <= 0.6 * total and 0 < b["payload_bytes_decoded"] <= 0.6 * total, name
             assert a["payload_bytes_decoded"] + b["payload_bytes_decoded"] >= total
+            for k in ("samples", "model_tflops"):  # the step's totals on every process, whatever it laid out
+                assert a[k] == pytest.approx(one[step - 1][k], rel=1e-9) and b[k] == pytest.approx(a[k], rel=1e-9), (
+                    name, k, one[step - 1][k], a[k], b[k])
+            assert one[step - 1]["samples"] > 0 and one[step - 1]["model_tflops"] > 0
 
 
 # ------------------------------------------------------------------- finishing together (issue 46, bug 1)

@@ -6,8 +6,10 @@ import pytest
 from omnijax.data.groups import Groups
 from omnijax.data.loader import Loader, LoaderConfig
 from omnijax.data.mixing import Mixer, Schedule
+from omnijax.data.payload import payload_bytes
 from omnijax.data.sources import SourceSpec
 from omnijax.errors import ConfigError
+from omnijax.train.metrics import FlopCounter
 
 BASE = dict(sources=[SourceSpec("world")], samples_per_step=64, microbatches=1, window=4, row_len=128,
             fixed_shapes=True, encoder_rows={"vision": 320, "audio": 256}, seed=0, plan_rows=4)
@@ -231,7 +233,8 @@ def test_hosts_lay_out_only_their_own_rows(world, hosts, plan_rows):
     part, old = loaders[0].own_part(plans[0][1]), full_parts[0].own_part(old_plans[0])
     head = lambda b: 8 + int.from_bytes(b[:8], "little")  # noqa: E731 - the JSON header's end
     groups_end = head(part) + 8 + int.from_bytes(part[head(part):head(part) + 8], "little")  # the groups' section
-    assert len(part) - groups_end == 8 * 3 * 4 * len(ranks[0]) < len(old) - head(old)  # no samples: rank totals
+    cols = 3 + 3 * len(loaders[0].enc_names)  # documents, tokens, squares; per encoder segments, rows, squares
+    assert len(part) - groups_end == 8 * cols * 4 * len(ranks[0]) < len(old) - head(old)  # no samples: rank totals
     batches = _on_hosts(loaders, lambda lo: lo.host_batch(5)["microbatches"][0])
     ref = whole.host_batch(5)["microbatches"][0]
     L = ref["tokens"].shape[1]
@@ -240,17 +243,24 @@ def test_hosts_lay_out_only_their_own_rows(world, hosts, plan_rows):
         assert np.array_equal(got["rows"], rows) and np.array_equal(got["tokens"], ref["tokens"][rows])
         assert np.array_equal(got["row_docs"][rows], ref["row_docs"][rows])
         assert np.array_equal(got["row_docs"].sum(axis=0), ref["row_docs"].sum(axis=0))  # the step's totals
-        for name in ("vision", "audio"):
+        for name in ("vision", "audio"):  # and the step's encoder totals, while its segments are its own
+            runs = ref[f"{name}_segment_ids"]
+            want = [len(runs.lengths), int(runs.lengths.sum()), int(np.square(runs.lengths).sum())]
+            assert got["enc_docs"][name].tolist() == want and want[0] > 0
+            assert FlopCounter(1, 1, 1, ((name, 1, 1, 1, 1),), ())(got) == FlopCounter(1, 1, 1, ((name, 1, 1, 1, 1),), ())(ref)
+            assert payload_bytes(got)[1] == payload_bytes(ref)[1] > 0
             dest = np.asarray(ref[f"{name}_dest"])
             mine = dest[(dest >= 0) & np.isin(dest // L, rows)]
             got_dest = np.asarray(got[f"{name}_dest"])
             assert np.array_equal(np.sort(got_dest[got_dest >= 0]), np.sort(mine))  # only its own rows' segments
     for lo in loaders:
         lo.step = 8
+    lazy = loaders[0].lazy_state()  # what the trainer's prefetcher takes per batch: serialized only when read
+    assert not lazy.built
     state = loaders[0].state()
     whole.step = 8
-    assert state == whole.state()
-    again = _hosts(world, ranks, plan_rows, state, layout_local=True)
+    assert state == whole.state() == lazy and dict(lazy) == state and lazy.built
+    again = _hosts(world, ranks, plan_rows, dict(lazy), layout_local=True)
     resumed = _on_hosts(again, lambda lo: lo.window_plan(2))
     assert all(r.layouts == plans[0][2].layouts for r in resumed) and _starts(resumed[0]) == _starts(plans[0][2])
     assert all(_bins(r)[g * 8 + q] == _bins(p[2])[g * 8 + q] for r, p, own in zip(resumed, plans, ranks)

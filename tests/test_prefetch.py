@@ -38,6 +38,37 @@ def test_items_carry_the_consumed_position(depth):
     pre.close()
 
 
+class LazyCounting(Counting):
+    """A loader whose state is costly to build: `lazy_state` captures the position, builds it when read."""
+
+    def __init__(self):
+        super().__init__()
+        self.built = 0
+
+    def lazy_state(self):
+        from omnijax.data.loader import LoaderState
+
+        i = self.i
+
+        def make():
+            self.built += 1
+            return {"i": i}
+        return LoaderState(make)
+
+
+def test_a_lazy_state_is_built_only_for_the_position_a_checkpoint_reads():
+    """The prefetcher takes the state after every batch; from a loader with `lazy_state` (the data plane:
+    every planning group's deferred samples) only the one a checkpoint reads is serialized, exactly."""
+    loader = LazyCounting()
+    pre = Prefetcher(loader, lambda b: b["i"], depth=2)
+    items = [next(pre) for _ in range(4)]
+    pre.close()
+    assert loader.built == 0
+    assert dict(items[2].loader_state) == {"i": 3} and loader.built == 1
+    assert items[2].loader_state == {"i": 3} and loader.built == 1   # built once, then kept
+    assert [dict(it.loader_state) for it in items] == [{"i": 1}, {"i": 2}, {"i": 3}, {"i": 4}]
+
+
 def test_loader_errors_reach_the_consumer_in_order():
     pre = Prefetcher(Counting(fail_at=2), lambda b: b, depth=2)
     assert next(pre).host_batch == {"i": 1} and next(pre).host_batch == {"i": 2}

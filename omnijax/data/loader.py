@@ -44,6 +44,7 @@ import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -56,7 +57,7 @@ from omnijax.data.groups import Groups
 from omnijax.data.mixing import Mixer, schedule_from_config
 from omnijax.data.sample import BadSample, validate_meta
 from omnijax.data.sources import Source, SourceSpec, open_sources
-from omnijax.data.tokens import default_mm_config
+from omnijax.data.tokens import default_mm_config, modality_encoders, segment_tokens
 from omnijax.errors import ConfigError, UserError
 
 log = logging.getLogger("omnijax.data")
@@ -135,7 +136,7 @@ class WindowPlan:
     starts: tuple = ()                      # per planning group: this window's WindowStart (`start`: the first planned's)
     groups: tuple[int, ...] = (0,)          # the planning groups this plan holds (bins of other ranks empty)
     group_drops: tuple = ()                 # per planning group planned: (group, its dropped, its split)
-    rank_docs: Any = None                   # layout_local: [window, dp, 3] documents, tokens, squared lengths per rank
+    rank_docs: Any = None                   # layout_local: [window, dp, 3 + 3 x encoders] `Loader._rank_docs` per rank
 
 
 class Loader:
@@ -192,6 +193,7 @@ class Loader:
         self.cost_model = cost_model or CostModel.from_flops(self.mm_cfg)
         self.specs = packing.encoder_specs(self.mm_cfg)
         self.enc_names = tuple(self.specs)
+        self._doc_cols = 3 + 3 * len(self.enc_names)  # `_rank_docs` columns: documents, tokens, squares; per encoder 3
         for key in ("max_encoder_rows", "encoder_rows"):
             unknown = set(getattr(self.cfg, key)) - set(self.specs)
             if unknown:
@@ -443,7 +445,7 @@ class Loader:
             if self.layout_local:  # header, the groups' section (kept raw), the ranks' totals
                 m = int.from_bytes(part[8 + n:16 + n], "little")
                 heads[-1]["groups"] = part[16 + n:16 + n + m]
-                bodies.append(np.frombuffer(part[16 + n + m:], np.int64).reshape(-1, 3 * cfg.window))
+                bodies.append(np.frombuffer(part[16 + n + m:], np.int64).reshape(-1, self._doc_cols * cfg.window))
                 continue
             bodies.append(np.frombuffer(part[8 + n:], np.int64).reshape(-1, 5))
         order = sorted(range(len(parts)), key=lambda h: heads[h]["ranks"])
@@ -540,11 +542,12 @@ class Loader:
             ls = [heads[h]["layouts"][g] for h in order]
             caps = [max(x[2][i] for x in ls) for i in range(len(self.enc_names))]
             layouts.append(packing.Layout(max(x[0] for x in ls), max(x[1] for x in ls), tuple(zip(self.enc_names, caps))))
-        docs = np.zeros((cfg.window, cfg.dp, 3), np.int64)
+        C = self._doc_cols
+        docs = np.zeros((cfg.window, cfg.dp, C), np.int64)
         for h in order:
             mine = np.asarray(heads[h]["ranks"], np.int64)
             if mine.size:
-                got = bodies[h].reshape(cfg.window, len(mine), 3)
+                got = bodies[h].reshape(cfg.window, len(mine), C)
                 take = owner[mine] == h
                 docs[:, mine[take]] = got[:, take]
         return replace(local, layouts=tuple(layouts), dropped=dropped, split=sum(int(groups[j][4]) for j in groups),
@@ -554,23 +557,42 @@ class Loader:
                                           int(groups[j][4])) for j in sorted(groups)))
 
     def _rank_docs(self, wp: WindowPlan) -> np.ndarray:
-        """[window, dp, 3]: documents, LLM tokens and sum of squared document lengths of every rank's
-        samples in `wp` (the ranks it plans; `packing.pack`'s `row_docs`, summed per rank): one document
-        per sample, a preference pair's two answers two."""
+        """[window, dp, 3 + 3 x encoders]: documents, LLM tokens and sum of squared document lengths of every
+        rank's samples in `wp` (the ranks it plans; `packing.pack`'s `row_docs`, summed per rank): one
+        document per sample, a preference pair's two answers two; then per encoder (`enc_names` order) its
+        segments, input rows and sum of squared segment rows (the segments `packing.pack` lays out: one per
+        media segment with rows), from metadata."""
         cfg, M = self.cfg, self.cfg.microbatches
-        out = np.zeros((cfg.window, cfg.dp, 3), np.int64)
+        E = len(self.enc_names)
+        col = {n: 3 + 3 * i for i, n in enumerate(self.enc_names)}
+        enc_of = modality_encoders(self.mm_cfg)
+        seg_rows: dict[tuple, int] = {}
+        out = np.zeros((cfg.window, cfg.dp, 3 + 3 * E), np.int64)
         for b, bin_ in enumerate(wp.plan.bins):
             if not bin_:
                 continue
             g, r = b // (cfg.dp * M), b // M % cfg.dp
             for k, _ in bin_:
-                meta = wp.metas[k]
+                meta, entry = wp.metas[k], wp.entries[k]
+                segs: list[tuple[str, int]] = []
                 if getattr(meta, "is_pair", False):
-                    flat = self._load_lazy(wp.entries[k], meta, False)
+                    flat = self._load_lazy(entry, meta, False)
                     docs = flat.docs or (flat.size,)
+                    segs = [(name, x.rows if hasattr(x, "rows") else int(np.shape(x)[0])) for name, x, _, _ in flat.enc]
                 else:
                     docs = (wp.items[k].tokens,)
-                out[g, r] += (len(docs), sum(docs), sum(m * m for m in docs))
+                    if entry.piece < 0:  # a row-sized piece of a long text sample has no media
+                        for seg in meta.segments:
+                            if seg.modality == "text":
+                                continue
+                            key = (seg.modality, tuple(seg.shape))
+                            if key not in seg_rows:
+                                seg_rows[key] = segment_tokens(seg, self.mm_cfg)[0]
+                            segs.append((enc_of[seg.modality], seg_rows[key]))
+                out[g, r, :3] += (len(docs), sum(docs), sum(m * m for m in docs))
+                for name, m in segs:
+                    if m:
+                        out[g, r, col[name]:col[name] + 3] += (1, m, m * m)
         return out
 
     def _select(self, items: list[balance.Item], entries: list[Entry], cap: balance.Capacity) -> balance.Plan:
@@ -718,9 +740,13 @@ class Loader:
     def _step_docs(self, batch: dict, wp: WindowPlan, g: int) -> None:
         """A layout-local batch's `row_docs`: its own rows as laid out, the rest of the step's documents,
         tokens and squared lengths (every rank's, from the parts, or the ranks planned here) summed into
-        the first row not held here, so a sum over `row_docs` is the step's."""
+        the first row not held here, so a sum over `row_docs` is the step's. `enc_docs`: per encoder the
+        step's (segments, input rows, sum of squared segment rows), every host's, where the batch's own
+        encoder segments are this host's share only (what FLOPs and the step's payload bytes count)."""
         docs = wp.rank_docs if wp.rank_docs is not None else self._rank_docs(wp)
         rows = batch["row_docs"]
+        step = docs[g][self.ranks].sum(axis=0)
+        batch["enc_docs"] = {n: step[3 + 3 * i:6 + 3 * i].copy() for i, n in enumerate(self.enc_names)}
         R = len(rows) // len(self.ranks)
         held = np.zeros(len(rows), bool)
         for i, r in enumerate(self.ranks):
@@ -728,7 +754,7 @@ class Loader:
                 held[i * R:(i + 1) * R] = True
         if held.all():
             return
-        rest = docs[g][self.ranks].sum(axis=0) - rows[held].sum(axis=0)
+        rest = step[:3] - rows[held].sum(axis=0)
         rows[int(np.flatnonzero(~held)[0])] += rest
 
     # ------------------------------------------------------------------------------ iteration
@@ -743,11 +769,16 @@ class Loader:
             self.step = batch["step"] + 1
             yield batch
 
-    def state(self) -> dict[str, Any]:
+    def state(self, lazy: bool = False) -> "dict[str, Any] | LoaderState":
         """Small and host-independent: saved with the model checkpoint. Holds the start of the window
         of the next step (draw counts + deferred entries, one per planning group), so resume needs no
         replay of earlier windows. A loader that plans only its own groups (`plan_local`) knows only
-        theirs: its state resumes the same groups (the other groups' entries are their first window's)."""
+        theirs: its state resumes the same groups (the other groups' entries are their first window's).
+
+        lazy: the position captured now (the step and its window's starts, immutable: O(1)) as a
+        `LoaderState`, serialized only when read. Every group's deferred samples are O(step) integers, so
+        the trainer's prefetcher, which takes the state after every batch, serializes it only for the
+        batches a checkpoint saves (`lazy_state`)."""
         window = self.step // self.cfg.window
         with self._plan_lock:
             known = window in self._starts
@@ -755,11 +786,18 @@ class Loader:
             self.window_plan(max(window - 1, 0))  # makes sure the window's start is known
         with self._plan_lock:
             start = self._starts[window]
-        out = {"step": int(self.step), "seed": int(self.cfg.seed), "schedule": self.schedule.fingerprint(),
-               "window": window}
-        if len(start) == 1:
-            return {**out, "start": start[0].to_state()}
-        return {**out, "starts": [s.to_state() for s in start]}
+        step = int(self.step)
+
+        def make() -> dict[str, Any]:
+            out = {"step": step, "seed": int(self.cfg.seed), "schedule": self.schedule.fingerprint(), "window": window}
+            if len(start) == 1:
+                return {**out, "start": start[0].to_state()}
+            return {**out, "starts": [s.to_state() for s in start]}
+        return LoaderState(make) if lazy else make()
+
+    def lazy_state(self) -> "LoaderState":
+        """`state(lazy=True)`: what the trainer's prefetcher takes after every batch."""
+        return self.state(lazy=True)
 
     def restore(self, state: dict[str, Any]) -> None:
         if int(state["seed"]) != self.cfg.seed or state["schedule"] != self.schedule.fingerprint():
@@ -798,6 +836,36 @@ class Loader:
                 "distinct_shapes": len(self.shapes.shapes), "padded_fraction": self.shapes.padded_fraction}
 
 
+class LoaderState(Mapping):
+    """A loader state captured cheaply and built on first read (then kept): a read-only mapping equal to
+    the `Loader.state()` dict of the position it was captured at."""
+
+    def __init__(self, make: Callable[[], dict[str, Any]]):
+        self._make: Callable[[], dict[str, Any]] | None = make
+        self._state: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> dict[str, Any]:
+        with self._lock:
+            if self._state is None:
+                self._state, self._make = self._make(), None
+            return self._state
+
+    @property
+    def built(self) -> bool:
+        """Whether it has been read (serialized) yet."""
+        return self._state is not None
+
+    def __getitem__(self, key: str) -> Any:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
 class TrainerBatches:
     """The trainer's loader protocol over a `Loader`: each step's host batch (this host's ranks'
     rows concatenated) as one dict, and the loader's small state for the checkpoint."""
@@ -824,6 +892,10 @@ class TrainerBatches:
 
     def get_state(self) -> dict[str, Any]:
         return self.loader.state()
+
+    def lazy_state(self) -> "LoaderState":
+        """The position now, serialized only if a checkpoint reads it (`Loader.state(lazy=True)`)."""
+        return self.loader.state(lazy=True)
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.loader.restore(state)

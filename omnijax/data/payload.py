@@ -226,9 +226,14 @@ class Runs:
 
 
 def payload_bytes(batch: dict) -> tuple[int, int]:
-    """(decoded by this host, the step's total) over every lazy encoder buffer of a packed batch."""
-    lazy = [v for k, v in batch.items() if k.endswith("_inputs") and isinstance(v, LazyRows)]
-    return sum(v.decoded_bytes for v in lazy), sum(v.total_bytes for v in lazy)
+    """(decoded by this host, the step's total) over every lazy encoder buffer of a packed batch. A batch
+    whose buffers hold only this host's own segments carries the step's rows per encoder (`enc_docs`:
+    segments, rows, squared rows, every host's); the step's total is then those rows' bytes."""
+    lazy = {k[:-len("_inputs")]: v for k, v in batch.items() if k.endswith("_inputs") and isinstance(v, LazyRows)}
+    step = batch.get("enc_docs")
+    total = (sum(int(step[n][1]) * v.shape[1] * 4 for n, v in lazy.items() if n in step) if step is not None
+             else sum(v.total_bytes for v in lazy.values()))
+    return sum(v.decoded_bytes for v in lazy.values()), total
 
 
 def global_layout(batch: dict) -> bool:

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from omnijax.data.packing import ROW_KEYS
-from omnijax.data.payload import LazyRows, global_layout, local_rows, step_rows
+from omnijax.data.payload import LazyRows, global_layout, local_rows, payload_bytes, step_rows
 from omnijax.errors import ConfigError
 from omnijax.layers import attention as attention_lib, remat as remat_lib, sequence
 from omnijax.models.encoder_layers import compute_dtype
@@ -707,8 +707,8 @@ class Multiplexer:
                               "plane balanced its rows already)")
         host_batch, plan = self.host_plan(host_batch)
         if lazy:  # what this host decoded for the step vs what a host that decoded everything would
-            plan.stats["payload_bytes_decoded"] = float(sum(v.decoded_bytes for v in lazy))
-            plan.stats["payload_bytes_step"] = float(sum(v.total_bytes for v in lazy))
+            decoded, step = payload_bytes(host_batch)  # the step's from its totals where rows are laid out per host
+            plan.stats["payload_bytes_decoded"], plan.stats["payload_bytes_step"] = float(decoded), float(step)
         self.last_plan = plan
         out = self._put_rows(host_batch)
         sharding = NamedSharding(self.mesh, P(ALL))

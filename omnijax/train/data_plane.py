@@ -166,10 +166,12 @@ def open_plane(key: str, paths: list[str], split: str, *, data: MMDataConfig, mm
     The capacity is sized from these sources when they are the training sources (`key == "data.sources"`)
     or when some encoder's is still unknown. steps > 0: the loader serves only `steps` steps and draws
     no more than the sources hold, so no record repeats (the held-out set). With a joint-step
-    `placement`, every host lays the whole step out from metadata but reads only the token rows its
-    devices hold and decodes only the media segments the plan places on its devices; with several
-    processes each plans only its own planning groups and the window is merged from every process's part
-    (`kv_exchange`)."""
+    `placement`, a host reads only the token rows its devices hold and decodes only the media segments
+    the plan places on its devices. One process lays the whole step out from metadata; with several,
+    each plans only its own planning groups and the window is merged from every process's part
+    (`kv_exchange`), and where the placement routes per host group each lays out only its own rows
+    (`Loader(layout_local=True)`: the batch carries the step's totals, `row_docs` and `enc_docs`, for the
+    metrics), with process 0 alone keeping every group's state (`keep_state`)."""
     specs = source_specs(key, paths, split)
     sources = open_sources(specs, world_cfg, tokenizer=tok, media_cfg=data.media, bad_shards=data.bad_shards)
     if key == "data.sources" or not capacities_known(capacity, mm_cfg):
@@ -190,8 +192,18 @@ def open_plane(key: str, paths: list[str], split: str, *, data: MMDataConfig, mm
         # the multiplexer routes per host group (issue 47): spread each step's encoder cost over the hosts'
         # ranks first, so every group encodes about its share (where the samples run, never which)
         plane.host_ranks = len(text_ranks)
+    # and where the placement routes per host group (`Multiplexer(route_local=...)`, on by default with several
+    # processes), each host lays out only its own rows and their segments: the exchanged parts carry no samples
+    # (the step's totals for the metrics instead), and only process 0, whose state is the checkpoint, reads every
+    # group's next start
+    groups = getattr(placement, "host_groups", None)
+    local = several and callable(groups) and groups() is not None
+    if local and jax.process_index() == 0:
+        print(f"{key}: each of {jax.process_count()} processes lays out only its own rows "
+              f"({len(text_ranks)} of {plane.dp} dp ranks; step totals exchanged)", file=sys.stderr)
     return Loader(plane, mm_cfg=mm_cfg, world_cfg=world_cfg, sources=sources, tokenizer=tok, lazy_media=True,
-                  text_ranks=text_ranks, plan_local=several,
+                  text_ranks=text_ranks, plan_local=several, layout_local=local,
+                  keep_state=not local or jax.process_index() == 0,
                   exchange=kv_exchange(f"omnijax_plan/{key}") if several else None), capacity
 
 

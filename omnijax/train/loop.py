@@ -6,6 +6,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -30,7 +31,8 @@ from omnijax.layers.remat import use_remat
 from omnijax.train.prefetch import Prefetcher
 from omnijax.train.watchdog import HangWatch
 
-HOST_KEYS = ("payload_bytes_decoded", "payload_bytes_step", "host_wait_s", "skipped_bad_records")
+HOST_KEYS = ("payload_bytes_decoded", "payload_bytes_step", "host_wait_s", "skipped_bad_records", "samples",
+             "model_tflops")
 from omnijax.train.state import TrainState, sharded_init, sharded_opt_init
 from omnijax.train.step import LossFn, make_train_step
 from omnijax.utils import runs_root
@@ -161,7 +163,7 @@ class Trainer:
         loss_fn = _with_remat(loss_fn, cfg.parallel.remat)
         self.loss_fn = loss_fn
         self._eval_step = None
-        self._consumed: dict | None = None  # loader state after the last consumed batch
+        self._consumed: Mapping | None = None  # loader state after the last consumed batch (maybe lazy)
         self._placed: dict = {}  # placement state (e.g. encoder capacities) once the last consumed batch was placed
         self.hooks = hooks
         self.placement = placement or DataParallel()
@@ -273,6 +275,7 @@ class Trainer:
     def _save(self, step: int, force: bool = False) -> None:
         if self.checkpointer:  # the consumed position (batches prefetched beyond it are read again on resume)
             state = self._consumed if self._consumed is not None else self.loader.get_state()
+            state = dict(state)  # a prefetched position (`LoaderState`) is serialized here, when it is saved
             self.checkpointer.save(step, self.state, state, placement_state=self._placed, force=force)
 
     # ----------------------------------------------------------------------------------- loop
@@ -341,6 +344,9 @@ class Trainer:
                             "lr": float(self.lr_schedule(step - 1)),
                             "tokens_per_s": tok_s,
                             "samples_per_s": window_samples / max(share, 1e-9) / max(elapsed, 1e-9),
+                            # the logged steps' samples and model TFLOPs (the whole step's, on every process)
+                            "samples": window_samples / max(share, 1e-9),
+                            "model_tflops": window_flops / max(share, 1e-9) / 1e12,
                             "step_time_s": elapsed / max(steps_in_window, 1),
                             "model_tflops_per_s": flops_s / 1e12,
                             "mfu": metrics_lib.mfu(flops_s, 1.0, n_dev, peak),

@@ -125,7 +125,8 @@ class FlopCounter:
 
     def __call__(self, batch: dict) -> float:
         """FLOPs of the batch; of the whole step where it carries the step's geometry (`row_docs`, encoder
-        segment ids as runs) beside this host's own rows."""
+        segment ids as runs) beside this host's own rows, or the step's totals (`row_docs`, and `enc_docs`
+        where a host lays out only its own rows' encoder segments: the data plane on several processes)."""
         if "row_docs" in batch:
             tokens, sq = (int(x) for x in np.asarray(batch["row_docs"])[:, 1:].sum(axis=0))
         else:
@@ -133,9 +134,12 @@ class FlopCounter:
         flops = 6.0 * self.llm_params * tokens + 12.0 * self.llm_layers * self.llm_width * sq
         proj = dict(self.projectors)
         for name, params, layers, width, group in self.encoders:
-            if f"{name}_segment_ids" not in batch:
+            if name in batch.get("enc_docs", {}):  # the step's (segments, rows, squared rows), every host's
+                _, rows, rsq = (int(x) for x in batch["enc_docs"][name])
+            elif f"{name}_segment_ids" in batch:
+                rows, rsq = _segment_sq_sum(batch[f"{name}_segment_ids"])
+            else:
                 continue
-            rows, rsq = _segment_sq_sum(batch[f"{name}_segment_ids"])
             flops += 6.0 * params * rows + 12.0 * layers * width * rsq + 6.0 * proj.get(name, 0) * (rows // group)
         return flops
 

@@ -3,7 +3,9 @@
 A background thread pulls host batches from the loader and hands them to the placement (`put_batch`:
 routing plan + device transfer), up to `depth` steps ahead. Each item carries the loader state as it was
 right after its batch was read, so a checkpoint records the position the trainer has *consumed*, never
-the prefetched one, and resume stays exact.
+the prefetched one, and resume stays exact. A loader with `lazy_state` hands a position captured in O(1)
+and serialized only when a checkpoint reads it (the data plane's state holds every planning group's
+deferred samples: O(step) integers, not worth building for every batch).
 
 With `reserve` (the multiplexer's), the batches of a data-plane window are read together and their
 encoder capacities reserved from metadata before the first of them is placed: the window's steps share
@@ -16,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -27,7 +30,8 @@ from omnijax.errors import ConfigError
 class Prepared:
     host_batch: dict          # what the loader produced (numpy)
     batch: Any                # what the step consumes (device arrays)
-    loader_state: dict        # the loader's state after this batch: the position to checkpoint once it is consumed
+    loader_state: Mapping     # the loader's state after this batch: the position to checkpoint once it is consumed
+                              # (a loader's `lazy_state`: serialized only when a checkpoint reads it)
     metrics: dict             # the placement's figures for this batch (plan imbalance, padding, ...)
     placement_state: dict = field(default_factory=dict)  # the placement's state once this batch was placed
 
@@ -44,6 +48,9 @@ class Prefetcher:
         `cpus`: the cores the prefetch thread (and every thread it starts, e.g. the loader's pools) may
         run on, so that host work does not take the cores the step's own threads run on (Linux)."""
         self.loader, self.put_batch, self.depth = loader, put_batch, int(depth)
+        # the state after every batch: a loader's `lazy_state` (captured in O(1), serialized only if a
+        # checkpoint reads it) where it has one, else its `get_state`
+        self._state: Callable[[], Any] = getattr(loader, "lazy_state", None) or loader.get_state
         self.placement_metrics = placement_metrics or (lambda: {})
         self.placement_state = placement_state or (lambda: {})
         self.reserve, self.window, self._step = reserve, max(int(window), 1), int(start)
@@ -65,7 +72,7 @@ class Prefetcher:
                 if not self._ahead:
                     raise
                 break
-            self._ahead.append((host_batch, self.loader.get_state()))
+            self._ahead.append((host_batch, self._state()))
         if self.reserve and len(self._ahead) > 1:
             self.reserve([b for b, _ in self._ahead])
 
