@@ -54,9 +54,13 @@ def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -
     for i in range(len(order) - 1, -1, -1):
         least[i] = min(order[i].tokens, least[i + 1])
 
+    def full(b: Bin, i: int) -> bool:  # every row of b open and too full for any item from position i on
+        return len(b.free) >= cap.rows and (not b.by_free or b.by_free[-1][0] < least[i])
+
     def closed(r: int, i: int) -> bool:  # no row of rank r can take an item from position i on: drop it
-        return all(len(bins[b].free) >= cap.rows and (not bins[b].by_free or bins[b].by_free[-1][0] < least[i])
-                   for b in range(r * microbatches, (r + 1) * microbatches))
+        if microbatches == 1:
+            return full(bins[r], i)
+        return all(full(bins[b], i) for b in range(r * microbatches, (r + 1) * microbatches))
 
     for i, item in enumerate(order):
         tried = []
@@ -174,6 +178,7 @@ def _assign_steps(items: list[Item], steps: int, ranks: int, cap: Capacity, tok_
     more than the arithmetic (same IEEE operations, so the same choices)."""
     total = [0.0] * steps
     big = [0.0] * steps
+    now = [0.0] * steps  # each step's estimated time max(big, total / ranks), kept as steps change
     tok = [0.0] * steps
     enc = [[0.0] * len(cap.enc) for _ in range(steps)]
     members: list[list[Item]] = [[] for _ in range(steps)]
@@ -184,29 +189,32 @@ def _assign_steps(items: list[Item], steps: int, ranks: int, cap: Capacity, tok_
             unplaced.append(it.key)
             continue
         cost, tokens, ie = float(it.cost), it.tokens, it.enc
-        best = best_any = None  # (growth, total) among the steps within capacity / among all steps
-        g = g_any = -1
+        g = g_any = -1  # the best step within capacity (growth inf outside it) / among all steps
+        bg = bt = ag = at = inf
         any_fit = False
         for s in range(steps):
             t, b = total[s], big[s]
-            grow = max(max(b, cost), (t + cost) / ranks) - max(b, t / ranks)
-            if best_any is None or (grow, t) < best_any:
-                best_any, g_any = (grow, t), s
+            hi = cost if cost > b else b
+            q = (t + cost) / ranks
+            grow = (q if q > hi else hi) - now[s]
+            if s == 0 or grow < ag or (grow == ag and t < at):
+                ag, at, g_any = grow, t, s
             fits = tok[s] + tokens <= tok_cap
             if fits:
                 for e, x, c in zip(enc[s], ie, enc_cap):
                     if not e + x <= c:
                         fits = False
                         break
+            key = grow if fits else inf
             any_fit = any_fit or fits
-            key = (grow, t) if fits else (inf, t)
-            if best is None or key < best:
-                best, g = key, s
+            if s == 0 or key < bg or (key == bg and t < bt):
+                bg, bt, g = key, t, s
         if not any_fit:  # aggregate capacity exhausted: fall back to the emptiest step (every step counts)
             g = g_any
         members[g].append(it)
         total[g] += cost
         big[g] = max(big[g], cost)
+        now[g] = max(big[g], total[g] / ranks)
         tok[g] += tokens
         enc[g] = [e + x for e, x in zip(enc[g], ie)]
     return members, unplaced

@@ -65,8 +65,9 @@ class Bin:
     def row_for(self, item: Item, cap: Capacity) -> int:
         """Best-fit row index for item (the fullest open row it fits, ties: the lowest; a new row if none
         fits), or -1 if the bin cannot take it."""
-        if any(e > c for e, c in zip(item.enc, self.enc)):
-            return -1
+        for e, c in zip(item.enc, self.enc):
+            if e > c:
+                return -1
         k = bisect.bisect_left(self.by_free, (item.tokens, -1))
         if k < len(self.by_free):
             return self.by_free[k][1]

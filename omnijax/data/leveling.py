@@ -178,29 +178,35 @@ def _score(w: Window, a: int, b: int | None, Ei: np.ndarray, Ej: np.ndarray, Ti:
     move are R[a] + Ej - Ei), so a round's pair of 256-item steps costs a few passes over 64k integers;
     the squared-rows tie-break is `_spread_change`, only on the pairs that need it. Exact integers."""
     R = w.rows
+    n = R.shape[1]
     others = [g for g in range(w.steps) if g != a and g != b]
-    rest = R[others].max(0) if others else np.zeros(R.shape[1], np.int64)
-    top = R.max(0)
-    grow = np.zeros((len(Ei), len(Ej)), np.int64)  # sum over encoders of the new maximum minus the old
+    rest = R[others].max(0).tolist() if others else [0] * n
+    top = int(R.max(0).sum())
+    # int32 planes (half the memory traffic) when no value can leave int32's range, else int64: exact either way
+    e = max(int(np.abs(Ei).max(initial=0)), int(np.abs(Ej).max(initial=0)))
+    t = max(int(np.abs(Ti).max(initial=0)), int(np.abs(Tj).max(initial=0)))
+    dt = np.int32 if 2 * (w.steps + 1) * n * (int(np.abs(R).max(initial=0)) + e) + 2 * t < 2**31 - 1 else np.int64
+    grow = np.zeros((len(Ei), len(Ej)), dt)  # sum over encoders of the new maximum (minus the old: `top`)
     ok = None
-    for m in range(R.shape[1]):
-        Ra = (R[a, m] + Ej[:, m])[None, :] - Ei[:, m][:, None]
+    for m in range(n):
+        ei, ej = Ei[:, m].astype(dt), Ej[:, m].astype(dt)
+        Ra = (int(R[a, m]) + ej)[None, :] - ei[:, None]
         if b is None:
             # the mix floor: R.sum(0) + d >= floor, i.e. R[a] + d >= floor - (R.sum(0) - R[a])
             above = Ra >= int(w.floor[m] - R[:, m].sum() + R[a, m])
             ok = above if ok is None else ok & above
-            new = np.maximum(Ra, rest[m])
         else:
-            Rb = (R[b, m] + Ei[:, m])[:, None] - Ej[:, m][None, :]
-            new = np.maximum(np.maximum(Ra, Rb), rest[m])
-        grow += new
-        grow -= top[m]
+            np.maximum(Ra, (int(R[b, m]) + ei)[:, None] - ej[None, :], out=Ra)
+        np.maximum(Ra, rest[m], out=Ra)
+        grow += Ra
+    grow -= top
+    grow *= w.steps
     if ok is None:
         ok = np.ones(grow.shape, bool)
     if b is None:
-        dsum = (Ej.sum(-1) + Tj)[None, :] - (Ei.sum(-1) + Ti)[:, None]
-        return w.steps * grow - dsum, ok
-    return w.steps * grow, ok
+        grow -= (Ej.sum(-1) + Tj).astype(dt)[None, :]
+        grow += (Ei.sum(-1) + Ti).astype(dt)[:, None]
+    return grow, ok
 
 
 def _spread_change(w: Window, a: int, b: int | None, Ei: np.ndarray, Ej: np.ndarray) -> np.ndarray:
