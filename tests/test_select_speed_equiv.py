@@ -192,3 +192,18 @@ def test_windows_of_thousands_of_samples_per_step_equal_the_reference():
     plan = B.plan_window(items, 4, 1, 1, cap)
     assert plan == _reference(B.plan_window, items, 4, 1, 1, cap)
     assert plan != B.plan_window(items, 4, 1, 1, cap, level=False)  # leveling did move items
+
+
+def test_rows_beyond_int32_planes_equal_the_reference():
+    """Encoder rows so large that the score planes leave int32 (they are then int64): still the same plans.
+    (Rows per step stay near 2**28, so the reference's squared rows stay within int64.)"""
+    items, steps, ranks, micro, cap = _window(5)  # 2 encoders, 4 steps: leveling moves items
+    big = 2**18
+    items = [B.Item(it.key, it.cost, it.tokens, tuple(e * big for e in it.enc)) for it in items]
+    cap = B.Capacity(cap.rows, cap.row_len, tuple(c * big for c in cap.enc))
+    base = B.plan_window(items, steps, ranks, micro, cap, level=False)
+    for tries in (2, 256):
+        args = (base, items, steps, ranks, micro, cap)
+        plan = L.level_window(*args, tries=tries)
+        assert plan == _reference(L.level_window, *args, tries=tries)
+        assert plan != base
