@@ -62,6 +62,17 @@ def plan_step(items: list[Item], ranks: int, microbatches: int, cap: Capacity) -
             return full(bins[r], i)
         return all(full(bins[b], i) for b in range(r * microbatches, (r + 1) * microbatches))
 
+    if ranks == 1 and microbatches == 1:  # the layout-free selection's shape: one bin, the same choices without the heap
+        only, open_ = bins[0], True
+        for i, item in enumerate(order):
+            row = only.row_for(item, cap) if open_ else -1
+            if row >= 0:
+                only.add(item, row, cap)
+                loads[0] += item.cost
+            else:
+                unplaced.append(item.key)
+            open_ = open_ and not full(only, i + 1)
+        return Plan((tuple(only.items),), tuple(loads), tuple(sorted(unplaced)))
     for i, item in enumerate(order):
         tried = []
         placed = False

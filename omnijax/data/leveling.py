@@ -6,6 +6,10 @@ rounds of moves between steps (and with the deferred items), each kept only if i
 window's padded rows within every bin's capacity and a small budget on the window's time.
 The state is plain data (`Window`: arrays of the items' rows and tokens, the bins as placed, the
 encoder rows per step); each part of a round is a named function over it.
+Cost (issue 47: a host plans its 128-row groups every step): a round scores each pair of steps on
+[I, J] integer planes, one encoder at a time (int32 where no value can leave its range), keeps only that
+pair's best `tries` moves and computes the squared-rows tie-break only on those; the plans are exactly
+those of scoring every move (tests/test_select_speed_equiv.py keeps that straightforward version).
 """
 from __future__ import annotations
 
@@ -301,17 +305,22 @@ def _token_room(w: Window) -> tuple[np.ndarray, np.ndarray]:
     return room, widest
 
 
-def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: list[int],
-                     room: np.ndarray, widest: np.ndarray, limit: int) -> np.ndarray | None:
+def _side(w: Window, keys: list[int], room: np.ndarray) -> tuple[np.ndarray, ...]:
+    """One side of a round's moves, the entry 'none' first: keys (-1), encoder rows, tokens, free tokens
+    of their rows. Built once a round per step (and the pool), not once per pair of steps."""
+    ix = np.array([w.idx[k] for k in keys], np.int64)
+    none = np.zeros((1, w.rows.shape[1]), np.int64)
+    return (np.concatenate([[-1], np.asarray(keys, np.int64)]), np.concatenate([none, w.enc[ix]]),
+            np.concatenate([[0], w.tokens[ix]]), np.concatenate([[0], room[ix]]))
+
+
+def _pair_candidates(w: Window, a: int, b: int | None, give: tuple[np.ndarray, ...], take: tuple[np.ndarray, ...],
+                     widest: np.ndarray, limit: int) -> np.ndarray | None:
     """Improving moves between step a (gives one of `give` or none) and step b or the pool (gives one of
-    `take` or none), as rows [padded gain, spread gain, a, b (-1: pool), key i (-1: none), key j (-1: none)]."""
-    n_enc = w.rows.shape[1]
-    ia = np.array([w.idx[k] for k in give], np.int64)
-    jb = np.array([w.idx[k] for k in take], np.int64)
-    none = np.zeros((1, n_enc), np.int64)
-    Ei, Ej = np.concatenate([none, w.enc[ia]]), np.concatenate([none, w.enc[jb]])
-    Ti, Tj = np.concatenate([[0], w.tokens[ia]]), np.concatenate([[0], w.tokens[jb]])
-    Fi, Fj = np.concatenate([[0], room[ia]]), np.concatenate([[0], room[jb]])
+    `take` or none; both `_side`s), as rows [padded gain, spread gain, a, b (-1: pool), key i (-1: none),
+    key j (-1: none)]: the pair's best `limit` of them."""
+    ka, Ei, Ti, Fi = give
+    kb, Ej, Tj, Fj = take
     # necessary token fit: j into step a (i's row once i leaves, or a's widest room), i into b
     fit = Tj[None, :] <= np.maximum(widest[a], Fi + Ti)[:, None]
     if b is not None:
@@ -320,8 +329,6 @@ def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: li
     keep &= fit
     keep &= dpad <= 0
     keep[0, 0] = False
-    ka = np.concatenate([[-1], np.asarray(give, np.int64)])
-    kb = np.concatenate([[-1], np.asarray(take, np.int64)])
     if b is None:  # a placed item gives its place only to an older one: none waits for ever
         keep[1:, 1:] &= kb[None, 1:] < ka[1:, None]
         keep[1:, 0] = False
@@ -342,22 +349,23 @@ def _pair_candidates(w: Window, a: int, b: int | None, give: list[int], take: li
 
 
 def _candidates(w: Window, limit: int) -> np.ndarray | None:
-    """Every improving move of this round (`_pair_candidates` rows), or None."""
+    """The improving moves of this round that can be among its best `limit` (each pair of steps' own best
+    `limit`, `_pair_candidates` rows), or None when no move improves."""
     fullest = _fullest_steps(w)
     of_step: list[list[int]] = [[] for _ in range(w.steps)]
     for k, b in w.where.items():  # one pass over the placed items, not one per step
         of_step[b // w.per_step].append(k)
-    members = [_movable(w, sorted(keys)) for keys in of_step]
-    pool_keys = _movable(w, _pool_representatives(w))
     room, widest = _token_room(w)
+    sides = [_side(w, _movable(w, sorted(keys)), room) for keys in of_step]
+    pool, nothing = _side(w, _movable(w, _pool_representatives(w)), room), _side(w, [], room)
     cands = []
     for a in range(w.steps):
         for b in [*range(w.steps), None]:
             if b == a or (b is not None and a not in fullest and b not in fullest):
                 continue
             # a pair of steps is scored once (a < b: swaps and moves both ways); the pool with every step
-            take = pool_keys if b is None else members[b] if b > a else []
-            c = _pair_candidates(w, a, b, members[a], take, room, widest, limit)
+            take = pool if b is None else sides[b] if b > a else nothing
+            c = _pair_candidates(w, a, b, sides[a], take, widest, limit)
             if c is not None:
                 cands.append(c)
     return np.concatenate(cands) if cands else None
