@@ -17,8 +17,9 @@ to N devices, the whole step's plan (every group, as a host without `plan_local`
 step as one group (the loader's plan before planning groups, what every host did), side by side. Then
 the growth from the smallest to the largest size. Nothing is decoded; no device is used.
 
-Rows `trainer_plan_host` (`trainer=1`, the default): the trainer's multi-host data path on host 0 as
-`data_plane.open_plane` builds it with several processes: its own groups planned, every host's part merged
+Rows `trainer_plan_host` (`trainer=1`, the default): the whole-geometry multi-host data path on host 0, what
+`data_plane.open_plane` builds with several processes where the placement does not route per host group
+(interleaved encoders; every multi-process run before issue 47): its own groups planned, every host's part merged
 (`Loader.merge`; the other hosts' parts are host 0's moved to their ranks and groups, `_tiled_parts`, so no
 host but one is planned here), each step's host batch laid out (the whole step's geometry from metadata, its
 own token rows read), CPU s per step of each part, and (`memory=1`) the peak of Python's allocations
@@ -26,8 +27,10 @@ while a window is planned and laid out again. With `route_up_to=N`, up to N devi
 routing plan on that geometry (`routing.build_plan`, what `Multiplexer.plan` runs; a fsdp x ep4 grid with
 esp4 groups): the capacity search a window's sizing runs, and one step inside the found capacities.
 
-Rows `trainer_local_host` (`local=1`, the default; issue 47): the per-host path (`local_row`): host 0's own
-groups, parts that carry no samples and their merge (`Loader(layout_local=True)`, the keeper's merge apart),
+Rows `trainer_local_host` (`local=1`, the default; issue 47): the per-host path (`local_row`), what
+`data_plane.open_plane` builds with several processes by default (the placement routes per host group): host 0's own
+groups, parts that carry no samples and their merge (`Loader(layout_local=True)`, the keeper's merge apart, and the
+keeper's state serialized once against the prefetcher's per-batch `lazy_state`),
 its own rows laid out, its host group's window sizing and routing plans (`Multiplexer(route_local=...)`,
 planning only its own group), with `host_ranks` (the data plane's spread of encoder cost over hosts) unless
 `host_ranks=0`; up to `balance_up_to` devices also the encoder max/mean over every device with every group
@@ -374,15 +377,25 @@ def local_row(devices: int, mix_name: str, opts: dict, mm_cfg, sources: list[Met
     parts = exchange(0, loader.own_part(wp))
     loader.keep_state = True
     k0 = time.process_time()
-    loader.merge(wp, parts)
+    kept = loader.merge(wp, parts)
     keeper_s = time.process_time() - k0
     loader.keep_state = False
+    # its state holds every group's next start: serialized per batch (`state()`, what the prefetcher took
+    # before) against the position the prefetcher now takes per batch (`lazy_state`), read only when saved
+    k0 = time.process_time()
+    [s.to_state() for s in kept.next_start]
+    state_s = time.process_time() - k0
+    k0 = time.process_time()
+    for _ in range(W):
+        loader.lazy_state()
+    lazy_s = (time.process_time() - k0) / W
     row = {"variant": "trainer_local_host", "devices": devices, "mix": mix_name, "host": host,
            "hosts": devices // per, "global_rows": devices * opts["rows_per_device"],
            "own_samples_per_step": round(sum(len(wp.plan.bins[g * base.cfg.dp + r]) for g in range(W) for r in own) / W, 1),
            "group_segments_per_step": round(sum(p.stats["segments"] for p in plans) / W, 1),
            "own_groups_cpu_s_per_step": round(own_s / W, 3), "merge_cpu_s_per_step": round(merge_s / W, 3),
-           "keeper_merge_cpu_s_per_step": round(keeper_s / W, 3), "layout_cpu_s_per_step": round((c2 - c1) / W, 3), "size_window_cpu_s_per_step": round((c3 - c2) / W, 3),
+           "keeper_merge_cpu_s_per_step": round(keeper_s / W, 3), "keeper_state_cpu_s": round(state_s, 4),
+           "lazy_state_cpu_s": round(lazy_s, 6), "layout_cpu_s_per_step": round((c2 - c1) / W, 3), "size_window_cpu_s_per_step": round((c3 - c2) / W, 3),
            "route_cpu_s_per_step": round((c4 - c3) / W, 3), "cpu_s_per_step": round(total / W, 3),
            "host_groups_setup_cpu_s": round(setup_s, 3),
            "parts_mb_per_window": round(sum(len(p) for p in parts) / 2**20, 3),
