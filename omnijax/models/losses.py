@@ -154,23 +154,30 @@ def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, mask: 
     h [B, L, D] final-normed hidden states; w the head weight ([D, V], or the tied [V, D] table). Each
     row's loss positions are moved to its front first, so chunks past the longest row's count are skipped.
     """
-    b, l, _ = h.shape
+    (h, targets, m), _, split = loss_first_chunks(h, targets, mask, chunk)
+    args = _same_manual_axes(split(h), w, split(targets), split(m))
+    return _chunked_ce(*args, tied), jnp.sum(m)
+
+
+def loss_first_chunks(h: jax.Array, targets: jax.Array, mask: jax.Array, chunk: int):
+    """Each row's loss positions moved to its front (stable) and padded to whole chunks, so chunks past the
+    longest row's count can be skipped: ((h, targets, mask) reordered [B, nc*chunk, ...], the order [B, L]
+    (`argsort(order)` puts values back), and `split` [B, nc*chunk, ...] -> [nc, B, chunk, ...])."""
+    b, l = targets.shape
     mask = mask.astype(jnp.float32)
     targets = jnp.where(mask > 0, targets, 0).astype(jnp.int32)
     order = jnp.argsort((mask <= 0).astype(jnp.int32), axis=1, stable=True)  # loss positions first, in order
     h = jnp.take_along_axis(h, order[..., None], axis=1)
-    targets, m = jnp.take_along_axis(targets, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
+    targets, mask = jnp.take_along_axis(targets, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
     nc = -(-l // chunk)
     pad = nc * chunk - l
     if pad:
         h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-        targets, m = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(m, ((0, 0), (0, pad)))
+        targets, mask = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(mask, ((0, 0), (0, pad)))
 
     def split(x):  # [B, nc*C, ...] -> [nc, B, C, ...]
         return jnp.moveaxis(x.reshape(b, nc, chunk, *x.shape[2:]), 1, 0)
-
-    args = _same_manual_axes(split(h), w, split(targets), split(m))
-    return _chunked_ce(*args, tied), jnp.sum(mask)
+    return (h, targets, mask), order, split
 
 
 def _same_manual_axes(*xs: jax.Array) -> list[jax.Array]:

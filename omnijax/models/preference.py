@@ -31,7 +31,7 @@ from flax import nnx
 from omnijax.errors import ConfigError
 from omnijax.layers import lora
 from omnijax.models import adapters
-from omnijax.models.losses import _chunk_logits, _picked, head_weight, loss_chunk_of
+from omnijax.models.losses import _chunk_logits, _picked, head_weight, loss_chunk_of, loss_first_chunks
 from omnijax.models.objective import GLOBAL_COUNTS
 
 # (model, batch) -> log p(target) per position [B, L] (0 off the loss tokens)
@@ -61,17 +61,8 @@ def head_logps(llm: Any, h: jax.Array, targets: jax.Array, mask: jax.Array, chun
     if chunk <= 0 or chunk >= l:
         return token_logps(llm.logits(h), targets, mask)
     w, tied = head_weight(llm, h.dtype)
-    mask = mask.astype(jnp.float32)
-    targets = jnp.where(mask > 0, targets, 0).astype(jnp.int32)
-    order = jnp.argsort((mask <= 0).astype(jnp.int32), axis=1, stable=True)  # loss positions first, in order
-    hs = jnp.take_along_axis(h, order[..., None], axis=1)
-    ts, ms = jnp.take_along_axis(targets, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
-    nc = -(-l // chunk)
-    pad = nc * chunk - l
-    if pad:
-        hs = jnp.pad(hs, ((0, 0), (0, pad), (0, 0)))
-        ts, ms = jnp.pad(ts, ((0, 0), (0, pad))), jnp.pad(ms, ((0, 0), (0, pad)))
-    split = lambda x: jnp.moveaxis(x.reshape(b, nc, chunk, *x.shape[2:]), 1, 0)  # noqa: E731  [nc, B, C, ...]
+    (hs, ts, ms), order, split = loss_first_chunks(h, targets, mask, chunk)
+    nc = ts.shape[1] // chunk
     per_chunk = jnp.sum(split(ms), axis=(1, 2))
     needed = jnp.sum((per_chunk > 0).astype(jnp.int32))  # compacted rows: the chunks with loss are a prefix
 

@@ -165,6 +165,21 @@ def make_loader(cfg, steps: int, batch_size: int, seq_len: int, lookahead: int =
     return Loader(plane, mm_cfg=cfg, sources=sources)
 
 
+def without_encoder_work(host: list[dict], encoders) -> list[dict]:
+    """The batches with every encoder segment removed (no segment ids, no destinations): the same program
+    and buffers, its encoder branches skipped, so what remains is the step's LLM and fixed work."""
+    import numpy as np
+
+    stripped = []
+    for b in host:
+        b = dict(b)
+        for enc in encoders:
+            b[f"{enc}_segment_ids"] = np.zeros_like(b[f"{enc}_segment_ids"])
+            b[f"{enc}_dest"] = np.full_like(b[f"{enc}_dest"], -1)
+        stripped.append(b)
+    return stripped
+
+
 def critical_path(mx, host_batch: dict, plan, hw) -> dict[str, float]:
     """Planned seconds of one step on the busiest device of each phase (GPU mode: the encoder phase, the
     all-to-all and the LLM are separated by barriers): per-device encoder work of the real buffers
@@ -308,13 +323,7 @@ def run(overrides: list[str]) -> Iterator[dict]:
     shares = {}
     share_names = [n for n in names if opts["phases"] in ("1", "true") or n in ("omnijax", "omnijax_interleaved")]
     bare = {n: {"time": 0.0, "cpu": 0.0, "programs": int(runs[n]["step"]._cache_size())} for n in share_names}
-    stripped = []
-    for b in host:
-        b = dict(b)
-        for enc in cfg.encoders:
-            b[f"{enc}_segment_ids"] = np.zeros_like(b[f"{enc}_segment_ids"])
-            b[f"{enc}_dest"] = np.full_like(b[f"{enc}_dest"], -1)
-        stripped.append(b)
+    stripped = without_encoder_work(host, cfg.encoders)
     for i, b in enumerate(stripped):
         for name in share_names:
             r = runs[name]

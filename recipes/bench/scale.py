@@ -187,13 +187,9 @@ def capacity_probe(mx, cfg, host: list[dict], rounds: int) -> dict:
     from omnijax.train.state import init_state
     from omnijax.train.step import make_train_step
 
-    stripped = []
-    for b in host:
-        b = dict(b)
-        for enc in cfg.encoders:
-            b[f"{enc}_segment_ids"] = np.zeros_like(b[f"{enc}_segment_ids"])
-            b[f"{enc}_dest"] = np.full_like(b[f"{enc}_dest"], -1)
-        stripped.append(b)
+    from recipes.bench.omni import without_encoder_work
+
+    stripped = without_encoder_work(host, cfg.encoders)
     base = dict(mx.size_window(host[:max(1, len(host) // 2)]))
     red = lambda k: mx.reductions.get(k.rsplit("_", 1)[0], 1)  # noqa: E731
     doubled = {k: (-(-2 * v // red(k)) * red(k) if v else 0) for k, v in base.items()}
