@@ -109,6 +109,15 @@ def microbatch_views(batch: dict, microbatches: int, encoders: tuple[str, ...]) 
     return views
 
 
+def _maxima(caps) -> dict[str, int]:
+    """The elementwise maximum of capacity dicts (a key missing from one counts as 0)."""
+    out: dict[str, int] = {}
+    for c in caps:
+        for k, v in c.items():
+            out[k] = max(int(v), out.get(k, 0))
+    return out
+
+
 def _stack_plans(plans: list[routing.Plan]) -> routing.Plan:
     """One plan per microbatch -> arrays [devices, microbatches, ...] and whole-step statistics
     (counts add up; the padded fraction is recomputed from the summed counts)."""
@@ -393,11 +402,7 @@ class Multiplexer:
 
     def _agree_max(self, caps: dict) -> dict:
         """The elementwise max of every process's capacities: one SPMD program for every group."""
-        out: dict[str, int] = {}
-        for c in self._agree({k: int(v) for k, v in caps.items()}):
-            for k, v in c.items():
-                out[k] = max(int(v), out.get(k, 0))
-        return out
+        return _maxima(self._agree({k: int(v) for k, v in caps.items()}))
 
     def _group_plans(self, batch: dict, caps: dict | None, fill: bool) -> list[routing.Plan]:
         """Each group's plan (on its sub-grid, inside `caps`), widened to the global device numbering: the
@@ -416,11 +421,7 @@ class Multiplexer:
 
     @staticmethod
     def _caps_of(plans: list[routing.Plan]) -> dict:
-        out: dict[str, int] = {}
-        for p in plans:
-            for k, v in p.capacities:
-                out[k] = max(int(v), out.get(k, 0))
-        return out
+        return _maxima(dict(p.capacities) for p in plans)
 
     def _join(self, plans: list[routing.Plan]) -> routing.Plan:
         """The groups' widened plans as one: arrays by global device, counts summed, maxima kept;
@@ -451,7 +452,7 @@ class Multiplexer:
             need = self._caps_of(plans)
         except ConfigError:  # this batch needs more than the current capacities: grow them
             plans, need = None, self._caps_of(self._group_plans(batch, None, False))
-        grown = {k: max(v, current.get(k, 0)) for k, v in {**current, **need}.items()}
+        grown = _maxima([current, need])
         reserved = id(batch) in self.__dict__.get("_reserved", {}) and self._reserved[id(batch)] is batch
         if not (reserved and grown == current):  # a batch its window's sizing held needs no agreement: it
             grown = self._agree_max(grown)        # fits on every group (`size_window` checked them all)
@@ -476,10 +477,7 @@ class Multiplexer:
             views = [[next(v for h, v in self._views(p) if h is g) for p in ps]
                      for ps in parts]
             fits.append(sub._fit_window(views))
-        merged: dict[str, int] = {}
-        for f in fits:
-            merged = {k: max(int(v), merged.get(k, 0)) for k, v in {**merged, **f}.items()}
-        enc = {k: v for k, v in self._agree_max(merged).items() if k != "route"}
+        enc = {k: v for k, v in self._agree_max(_maxima(fits)).items() if k != "route"}
         need = dict(enc)
         for g in self._own_groups():
             sub = self._group_planner(g)
@@ -490,7 +488,7 @@ class Multiplexer:
                         plan = sub._build(view, enc)
                     except ConfigError:
                         plan = sub._build(view, None)
-                    need = {k: max(int(v), need.get(k, 0)) for k, v in {**need, **dict(plan.capacities)}.items()}
+                    need = _maxima([need, dict(plan.capacities)])
         return self._agree_max(need)
 
     def host_rows(self, global_rows: int) -> np.ndarray:
