@@ -536,7 +536,9 @@ class Loader:
             raise ConfigError(f"window plan parts hold planning groups {sorted(groups)[:8]}... of {self.groups.count}")
         nxt = tuple(WindowStart(tuple(int(x) for x in groups[j][1]), tuple(Entry(*map(int, e)) for e in groups[j][2]))
                     for j in range(self.groups.count))
-        dropped = tuple((self.names[d[0]], int(d[1]), str(d[2])) for j in sorted(groups) for d in groups[j][3])
+        group_drops = tuple((j, tuple((self.names[d[0]], int(d[1]), str(d[2])) for d in groups[j][3]),
+                             int(groups[j][4])) for j in sorted(groups))
+        dropped = tuple(d for _, drops, _ in group_drops for d in drops)
         layouts = []
         for g in range(cfg.window):
             ls = [heads[h]["layouts"][g] for h in order]
@@ -550,11 +552,10 @@ class Loader:
                 got = bodies[h].reshape(cfg.window, len(mine), C)
                 take = owner[mine] == h
                 docs[:, mine[take]] = got[:, take]
-        return replace(local, layouts=tuple(layouts), dropped=dropped, split=sum(int(groups[j][4]) for j in groups),
+        return replace(local, layouts=tuple(layouts), dropped=dropped, split=sum(n for _, _, n in group_drops),
                        deferred=tuple(e for st in nxt for e in st.deferred), next_prefix=nxt[0].prefix,
                        next_start=nxt, groups=tuple(range(self.groups.count)), rank_docs=docs,
-                       group_drops=tuple((j, tuple((self.names[d[0]], int(d[1]), str(d[2])) for d in groups[j][3]),
-                                          int(groups[j][4])) for j in sorted(groups)))
+                       group_drops=group_drops)
 
     def _rank_docs(self, wp: WindowPlan) -> np.ndarray:
         """[window, dp, 3 + 3 x encoders]: documents, LLM tokens and sum of squared document lengths of every
